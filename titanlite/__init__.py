@@ -1,0 +1,1 @@
+"""titanlite: a small, readable LLM pretraining codebase on PyTorch composable parallelism."""

@@ -1,0 +1,177 @@
+"""The job configuration: one dataclass per TOML section.
+
+Each field carries a docstring right below it; the config manager reads those
+docstrings and prints them as ``--help``. Section and key names follow
+torchtitan 0.2's TOML wherever the feature exists there.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class Job:
+    config_file: str | None = None
+    """TOML file to load before command-line overrides are applied."""
+
+    dump_folder: str = "./outputs"
+    """Folder for everything the run writes (checkpoints, logs, traces)."""
+
+    description: str = "titanlite job"
+    """Free-form description of the job, printed at start-up."""
+
+    validate_only: bool = False
+    """Check the config, model, parallel layout, tokenizer and dataset, print the plan and exit without training."""
+
+
+@dataclass
+class Model:
+    name: str = "llama3"
+    """Model family in the registry: llama2 or llama3."""
+
+    flavor: str = "debugmodel"
+    """Size preset of the model family, e.g. debugmodel, 7B, 8B, 70B."""
+
+    hf_assets_path: str | None = None
+    """Folder (or file) holding a Hugging Face tokenizer.json; unset means the built-in byte tokenizer."""
+
+
+@dataclass
+class Training:
+    dataset: Literal["python_stdlib", "text", "huggingface"] = "python_stdlib"
+    """Dataset: python_stdlib (built-in, no download), text (.txt/.jsonl/.jsonl.gz files at dataset_path) or huggingface (datasets.load_dataset(dataset_path))."""
+
+    dataset_path: str | None = None
+    """File or folder for the text dataset, or the name or folder given to datasets.load_dataset."""
+
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all ranks; -1 means local_batch_size x dp degree (no accumulation)."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence."""
+
+    max_norm: float = 1.0
+    """Clip the global gradient 2-norm to this value; 0 disables clipping (the norm is still logged)."""
+
+    steps: int = 10000
+    """Number of optimizer steps to train for."""
+
+    mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of parameters during forward/backward (FSDP all-gathers in it); the sharded master copy stays float32."""
+
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    """Dtype in which FSDP reduce-scatters and all-reduces gradients."""
+
+    enable_cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP CPUOffloadPolicy)."""
+
+    gc_freq: int = 50
+    """Run Python's garbage collector every this many steps (automatic collection is disabled in the loop)."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["AdamW", "Adam"] = "AdamW"
+    """Optimizer class from torch.optim."""
+
+    lr: float = 8e-4
+    """Peak learning rate."""
+
+    beta1: float = 0.9
+    """Adam's first-moment decay."""
+
+    beta2: float = 0.95
+    """Adam's second-moment decay."""
+
+    eps: float = 1e-8
+    """Adam's denominator epsilon."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay (applied to every parameter)."""
+
+    implementation: Literal["for-loop", "foreach", "fused"] = "foreach"
+    """Optimizer kernel: for-loop, foreach (multi-tensor) or fused."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 200
+    """Steps of linear warmup from near zero to the peak learning rate."""
+
+    decay_ratio: float | None = None
+    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset means decay over every step after warmup."""
+
+    decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
+    """Shape of the decay phase."""
+
+    min_lr_factor: float = 0.0
+    """Learning rate at the end of decay, as a fraction of the peak."""
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = 1
+    """Number of model replicas (DDP across them; HSDP when the shard degree is also above 1)."""
+
+    data_parallel_shard_degree: int = -1
+    """Number of ranks each replica is sharded over (FSDP); -1 uses all ranks left after replication."""
+
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the root)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "selective"
+    """Activation checkpointing: none, full (every block) or selective (see selective_ac_option)."""
+
+    selective_ac_option: str = "2"
+    """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in every block."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """Compile each transformer block with torch.compile."""
+
+    components: list[str] = field(default_factory=lambda: ["model"])
+    """What to compile when enabled: model (each block) and/or loss."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 10
+    """Print a metrics line every this many steps (and at step 1)."""
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = 300
+    """Timeout for process-group creation and the collectives before the first step."""
+
+
+@dataclass
+class Debug:
+    seed: int = 0
+    """Seed for weight initialisation and every random number generator."""
+
+    deterministic: bool = False
+    """Use deterministic algorithms only (slower; needed for bitwise-reproducible GPU runs)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    comm: Comm = field(default_factory=Comm)
+    debug: Debug = field(default_factory=Debug)

@@ -1,0 +1,79 @@
+"""Llama hyper-parameters and the published sizes ("flavors")."""
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's long-context RoPE frequency scaling."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: as many key/value heads as query heads (no GQA)
+    vocab_size: int = 32000
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_seq_len: int = 4096  # length of the precomputed RoPE tables
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        # SwiGLU has three matrices instead of two, so the 4*dim hidden size is scaled
+        # by 2/3 to keep the parameter count of a classic MLP, then rounded up.
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def with_seq_len(self, seq_len: int) -> "LlamaArgs":
+        return replace(self, max_seq_len=seq_len)
+
+
+# A model small enough to train on one CPU core in about a second per step.
+# Its vocabulary is the built-in byte tokenizer's (256 bytes + BOS + EOS).
+_DEBUG = LlamaArgs(dim=256, n_layers=6, n_heads=16, vocab_size=258, multiple_of=64)
+
+LLAMA2_FLAVORS = {
+    "debugmodel": _DEBUG,
+    "7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32),
+    "13B": LlamaArgs(dim=5120, n_layers=40, n_heads=40),
+    "70B": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
+    ),
+}
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, multiple_of=1024)
+
+LLAMA3_FLAVORS = {
+    "debugmodel": replace(_DEBUG, n_kv_heads=4, rope_theta=500000.0),
+    "8B": LlamaArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, **_LLAMA3
+    ),
+    "70B": LlamaArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+        **{**_LLAMA3, "multiple_of": 4096},
+    ),
+    "405B": LlamaArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
+        rope_scaling=RopeScaling(), **{**_LLAMA3, "multiple_of": 4096},
+    ),
+}

@@ -1,0 +1,199 @@
+"""The Llama 2 / Llama 3 decoder, top to bottom.
+
+tokens -> embedding -> n_layers x [RMSNorm -> attention (RoPE, GQA) -> residual,
+RMSNorm -> SwiGLU feed-forward -> residual] -> RMSNorm -> output projection -> logits
+
+The model is built on the meta device (no memory), parallelised, moved to its device
+with ``to_empty`` and only then filled by ``init_weights``. Parameter names are the
+checkpoint format (see docs/model.md); do not rename them.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanlite.models.init import fill_normal_, fill_trunc_normal_
+from titanlite.models.llama.args import LlamaArgs
+
+
+class RMSNorm(nn.Module):
+    """Scales each vector to unit root-mean-square, then by a learned gain (no mean, no bias)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 even when activations are bf16: the mean of squares
+        # loses too much precision otherwise.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def init_weights(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+# --- Rotary position embedding --------------------------------------------------------
+# Each head vector is read as head_dim/2 consecutive pairs (x[2i], x[2i+1]); pair i at
+# position p is rotated by the angle p * theta^(-2i/head_dim).
+
+
+def rope_frequencies(args: LlamaArgs) -> torch.Tensor:
+    """Rotation speed of each pair, with Llama 3.1's long-context scaling when enabled."""
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2).float() / args.head_dim))
+    scaling = args.rope_scaling
+    if scaling is None:
+        return freqs
+    # Llama 3.1: wavelengths longer than the original context are slowed down by
+    # `factor`, short ones are kept, and those in between are blended linearly.
+    wavelen = 2 * math.pi / freqs
+    blend = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blend = blend.clamp(0.0, 1.0)
+    return (1 - blend) * freqs / scaling.factor + blend * freqs
+
+
+def rope_tables(args: LlamaArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every (position, pair) angle: two [max_seq_len, head_dim/2] float32 tables."""
+    positions = torch.arange(args.max_seq_len, dtype=torch.float32, device=device)
+    angles = torch.outer(positions, rope_frequencies(args).to(device))
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [batch, seq, heads, head_dim] by the tables cut to its sequence length."""
+    seq_len = x.shape[1]
+    cos = cos[:seq_len].view(1, seq_len, 1, -1)
+    sin = sin[:seq_len].view(1, seq_len, 1, -1)
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# --- Attention ----------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads: n_heads queries share kv_heads keys/values."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.n_heads, self.kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, self.kv_heads, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, self.kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # scaled_dot_product_attention wants [batch, heads, seq, head_dim].
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
+            enable_gqa=self.kv_heads != self.n_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, out_std: float, generator: torch.Generator) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            fill_trunc_normal_(linear.weight, std=0.02, generator=generator)
+        fill_trunc_normal_(self.wo.weight, std=out_std, generator=generator)
+
+
+# --- Feed-forward -------------------------------------------------------------------
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        hidden = args.ffn_hidden_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_std: float, generator: torch.Generator) -> None:
+        fill_trunc_normal_(self.w1.weight, std=0.02, generator=generator)
+        fill_trunc_normal_(self.w2.weight, std=out_std, generator=generator)
+        fill_trunc_normal_(self.w3.weight, std=out_std, generator=generator)
+
+
+# --- Transformer block and the whole model -----------------------------------------
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(.))."""
+
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+        # Deeper blocks start with smaller output projections so that the residual
+        # stream's variance does not grow with depth.
+        self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, generator: torch.Generator) -> None:
+        self.attention_norm.init_weights()
+        self.ffn_norm.init_weights()
+        self.attention.init_weights(self.out_std, generator)
+        self.feed_forward.init_weights(self.out_std, generator)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A dict keyed "0", "1", ... rather than a list keeps parameter names stable
+        # when blocks are wrapped or removed.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        # Derived from the args, never trained: non-persistent, so checkpoints do not
+        # carry them and init_weights recomputes them on the real device.
+        cos, sin = rope_tables(args, device=torch.device("meta"))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and buffer. The values depend only on `seed` and the
+        device type, not on how the parameters are sharded: each tensor is drawn whole,
+        in this fixed order, and every rank keeps its own part of it."""
+        device = buffer_device or self.norm.weight.device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.rope_cos, self.rope_sin = rope_tables(self.args, device=device)
+        fill_normal_(self.tok_embeddings.weight, std=1.0, generator=generator)
+        for block in self.layers.values():
+            block.init_weights(generator)
+        self.norm.init_weights()
+        fill_trunc_normal_(self.output.weight, std=self.args.dim**-0.5, generator=generator, cutoff=3.0)

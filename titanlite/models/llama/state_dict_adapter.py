@@ -1,0 +1,108 @@
+"""Translation between titanlite's Llama state dict and Hugging Face's LlamaForCausalLM.
+
+The one place that knows both naming schemes. Besides renaming, the query and key
+projections are permuted: titanlite rotates consecutive pairs (x[2i], x[2i+1]) of each
+head, Hugging Face rotates the two halves (x[i], x[i + head_dim/2]). The permutation
+moves the output rows of wq/wk so that both conventions compute the same attention.
+"""
+
+import dataclasses
+import re
+
+import torch
+
+from titanlite.models.llama.args import LlamaArgs
+
+# titanlite name pattern -> Hugging Face name pattern; {} is the layer index.
+_TO_HF = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _rename(name: str, table: dict[str, str]) -> str:
+    match = _LAYER_INDEX.search(name)
+    pattern = _LAYER_INDEX.sub(".{}.", name, count=1) if match else name
+    if pattern not in table:
+        raise KeyError(f"no counterpart for state-dict key '{name}'")
+    return table[pattern].format(match.group(1)) if match else table[pattern]
+
+
+def _pairs_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows_per_head = weight.shape[0] // n_heads
+    return weight.view(n_heads, rows_per_head // 2, 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+def _halves_to_pairs(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows_per_head = weight.shape[0] // n_heads
+    return weight.view(n_heads, 2, rows_per_head // 2, -1).transpose(1, 2).reshape(weight.shape)
+
+
+class LlamaStateDictAdapter:
+    def __init__(self, args: LlamaArgs):
+        self.args = args
+
+    def _heads_of(self, name: str) -> int | None:
+        """How many RoPE heads a projection holds, or None if it is not rotated."""
+        if name.endswith(("attention.wq.weight", "self_attn.q_proj.weight")):
+            return self.args.n_heads
+        if name.endswith(("attention.wk.weight", "self_attn.k_proj.weight")):
+            return self.args.kv_heads
+        return None
+
+    def to_hf_name(self, name: str) -> str:
+        return _rename(name, _TO_HF)
+
+    def from_hf_name(self, name: str) -> str:
+        return _rename(name, _FROM_HF)
+
+    def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = self._heads_of(name)
+        return tensor if heads is None else _pairs_to_halves(tensor, heads)
+
+    def from_hf_tensor(self, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
+        heads = self._heads_of(hf_name)
+        return tensor if heads is None else _halves_to_pairs(tensor, heads)
+
+    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.to_hf_name(k): self.to_hf_tensor(k, v) for k, v in state_dict.items()}
+
+    def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {self.from_hf_name(k): self.from_hf_tensor(k, v) for k, v in hf_state_dict.items()}
+
+    def hf_config(self) -> dict:
+        """The LlamaConfig fields that describe this model."""
+        args = self.args
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": args.dim,
+            "intermediate_size": args.ffn_hidden_dim,
+            "num_hidden_layers": args.n_layers,
+            "num_attention_heads": args.n_heads,
+            "num_key_value_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "vocab_size": args.vocab_size,
+            "rms_norm_eps": args.norm_eps,
+            "rope_theta": args.rope_theta,
+            "max_position_embeddings": args.max_seq_len,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "attention_bias": False,
+            "mlp_bias": False,
+        }
+        if args.rope_scaling is not None:
+            config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
+        return config

@@ -1,0 +1,21 @@
+"""Parallelism: the device mesh, FSDP2/AC/compile application and global grad-norm clipping.
+
+Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of the loop.
+"""
+
+from titanlite.parallel.distributed import destroy_distributed, init_distributed, pick_device, world_size_from_env
+from titanlite.parallel.grad_norm import clip_grad_norm_
+from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.parallelize import DTYPES, compute_context, parallelize_decoder
+
+__all__ = [
+    "DTYPES",
+    "ParallelDims",
+    "clip_grad_norm_",
+    "compute_context",
+    "destroy_distributed",
+    "init_distributed",
+    "parallelize_decoder",
+    "pick_device",
+    "world_size_from_env",
+]

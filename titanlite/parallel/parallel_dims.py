@@ -1,0 +1,56 @@
+"""The data-parallel layout: how many replicas, how many shards each, and the mesh."""
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Resolved degrees; ``dp_replicate * dp_shard == world_size`` always holds.
+
+    The four classic strategies are points of this grid (plus the reshard policy):
+    single process (1 x 1), FSDP (1 x N), DDP (N x 1) and HSDP (R x S). Data parallelism
+    is the only dimension, so a rank's data-parallel index is its global rank.
+    """
+
+    dp_replicate: int
+    dp_shard: int
+    world_size: int
+
+    @classmethod
+    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int) -> "ParallelDims":
+        """Fill in a -1 degree with the ranks left over; raise ValueError if the product is wrong."""
+        if dp_replicate == -1:
+            dp_replicate = world_size // dp_shard if world_size % dp_shard == 0 else 0
+        if dp_shard == -1:
+            dp_shard = world_size // dp_replicate if world_size % dp_replicate == 0 else 0
+        if dp_replicate < 1 or dp_shard < 1 or dp_replicate * dp_shard != world_size:
+            raise ValueError(
+                f"parallelism.data_parallel_replicate_degree ({dp_replicate}) x "
+                f"parallelism.data_parallel_shard_degree ({dp_shard}) must equal the world size "
+                f"({world_size}); use -1 for one of them to take the ranks left over"
+            )
+        return cls(dp_replicate, dp_shard, world_size)
+
+    @property
+    def dp_degree(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def strategy(self) -> str:
+        if self.world_size == 1:
+            return "single process"
+        if self.dp_replicate == 1:
+            return "FSDP"
+        return "DDP" if self.dp_shard == 1 else "HSDP"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The mesh FSDP shards over: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
+        if self.world_size == 1:
+            return None
+        if self.dp_replicate == 1:
+            return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
+        )

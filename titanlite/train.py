@@ -1,0 +1,265 @@
+"""titanlite's trainer: builds everything from a JobConfig and runs the training loop.
+
+    python -m titanlite.train --job.config_file train_configs/debug_model.toml
+    torchrun --nproc_per_node 8 -m titanlite.train --job.config_file train_configs/llama7b.toml
+
+The trainer composes the rooms (config, models via the registry, parallel, data, optim)
+and is imported by nobody.
+"""
+
+import gc
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
+from titanlite.data import build_documents, build_tokenizer
+from titanlite.data.loader import PackedLoader
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.parallel import (
+    ParallelDims,
+    clip_grad_norm_,
+    compute_context,
+    destroy_distributed,
+    init_distributed,
+    pick_device,
+    world_size_from_env,
+)
+from titanlite.registry import get_model_args, get_model_spec
+
+logger = logging.getLogger("titanlite")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything decided from the config before any process group or tensor exists."""
+
+    parallel_dims: ParallelDims
+    model_args: object
+    global_batch_size: int
+    grad_accum_steps: int
+
+
+def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
+    """Cross-check the config against the registry, the world size and the tokenizer.
+    Every problem is a one-line ConfigError; nothing is created or written."""
+    training, parallelism = job_config.training, job_config.parallelism
+    model_args = get_model_args(job_config.model.name, job_config.model.flavor).with_seq_len(training.seq_len)
+    try:
+        parallel_dims = ParallelDims.resolve(
+            parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if training.enable_cpu_offload and parallel_dims.world_size == 1:
+        raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one rank")
+
+    per_micro_step = training.local_batch_size * parallel_dims.dp_degree
+    global_batch = per_micro_step if training.global_batch_size == -1 else training.global_batch_size
+    if global_batch % per_micro_step != 0:
+        raise ConfigError(
+            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
+            f"({training.local_batch_size}) x data-parallel degree ({parallel_dims.dp_degree}) = {per_micro_step}"
+        )
+    return RunPlan(parallel_dims, model_args, global_batch, global_batch // per_micro_step)
+
+
+def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):
+    """The tokenizer and the training documents, checked against the model's vocabulary."""
+    training = job_config.training
+    try:
+        tokenizer = build_tokenizer(job_config.model.hf_assets_path)
+        documents = build_documents(training.dataset, training.dataset_path, split="train")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
+            f"{job_config.model.flavor} embeds only {vocab_size}; pick a matching model.flavor or model.hf_assets_path"
+        )
+    return tokenizer, documents
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) next-token loss; the caller divides by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+def setup_logging(rank: int) -> None:
+    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere."""
+    shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
+    logging.basicConfig(format="[titanlite] %(message)s", stream=sys.stdout, force=True)
+    logger.setLevel(logging.INFO if rank in shown else logging.WARNING)
+
+
+@dataclass
+class StepRecord:
+    """What one logged step measured (the same numbers the console line shows)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_second: float
+
+
+class Trainer:
+    def __init__(self, job_config: JobConfig):
+        self.job_config = job_config
+        training = job_config.training
+
+        # 1. Decide and validate everything before creating a process group or tensor.
+        self.plan = plan_run(job_config, world_size_from_env())
+        model_spec = get_model_spec(job_config.model.name)
+        self.tokenizer, documents = load_tokenizer_and_documents(job_config, self.plan.model_args.vocab_size)
+
+        # 2. Devices and processes.
+        self.device = pick_device()
+        init_distributed(self.device, job_config.comm.init_timeout_seconds)
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        setup_logging(self.rank)
+        torch.manual_seed(job_config.debug.seed)
+        if job_config.debug.deterministic:
+            torch.use_deterministic_algorithms(True)
+        parallel_dims = self.plan.parallel_dims
+        mesh = parallel_dims.build_mesh(self.device.type)
+
+        # 3. Data: every rank reads a disjoint part of each global batch. Data parallelism
+        # is the only dimension, so the data-parallel rank is the global rank.
+        self.loader = PackedLoader(
+            documents, self.tokenizer, training.seq_len, training.local_batch_size,
+            dp_rank=self.rank, dp_degree=parallel_dims.dp_degree,
+        )
+
+        # 4. Model: built on meta, parallelised, then materialised shard by shard.
+        with torch.device("meta"):
+            model = model_spec.model_cls(self.plan.model_args)
+        model = model_spec.parallelize_fn(model, parallel_dims, mesh, job_config)
+        model.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
+        model.init_weights(seed=job_config.debug.seed, buffer_device=self.device)
+        model.train()
+        self.model = model
+        self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
+        self.loss_fn = cross_entropy_sum
+        if job_config.compile.enable and "loss" in job_config.compile.components:
+            self.loss_fn = torch.compile(cross_entropy_sum)
+
+        # 5. Optimizer and schedule.
+        self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
+        self.lr_scheduler = build_lr_scheduler(self.optimizer, job_config.lr_scheduler, training.steps)
+        self.step = 0
+        self.tokens_seen = 0
+
+        logger.info(
+            "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
+            "global batch %d = local %d x dp %d x accumulation %d",
+            job_config.job.description, job_config.model.name, job_config.model.flavor,
+            sum(p.numel() for p in model.parameters()) / 1e6, parallel_dims.strategy,
+            parallel_dims.world_size, parallel_dims.dp_replicate, parallel_dims.dp_shard, self.device.type,
+            self.plan.global_batch_size, training.local_batch_size, parallel_dims.dp_degree,
+            self.plan.grad_accum_steps,
+        )
+
+    # --- one optimizer step ------------------------------------------------------------
+
+    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def _set_gradient_all_reduce(self, enabled: bool) -> None:
+        """With replicas (DDP/HSDP), only the last micro-batch all-reduces across them;
+        earlier ones only reduce-scatter within the shard group."""
+        if self.plan.parallel_dims.dp_replicate > 1:
+            self.model.set_requires_all_reduce(enabled)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the global batch; returns (global mean loss, grad norm).
+        The loss is reduced across ranks, so call it on every rank."""
+        micro_batches = [self.loader.next_batch() for _ in range(self.plan.grad_accum_steps)]
+        # Divide every rank's summed loss by the token count of the whole global batch:
+        # then the summed gradients equal one big batch's, whatever the layout.
+        local_tokens = sum(labels.numel() for _, labels in micro_batches)
+        global_tokens = self._all_reduce_sum(torch.tensor(float(local_tokens), device=self.device))
+
+        loss_total = torch.zeros((), device=self.device)
+        for index, (inputs, labels) in enumerate(micro_batches):
+            self._set_gradient_all_reduce(index == len(micro_batches) - 1)
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self.compute_context:
+                logits = self.model(inputs)
+                loss = self.loss_fn(logits, labels) / global_tokens
+            del logits  # the [batch, seq, vocab] logits are the largest activation
+            loss.backward()
+            loss_total += loss.detach()
+
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+        self.step += 1
+        self.tokens_seen += int(global_tokens.item())
+        return self._all_reduce_sum(loss_total), grad_norm
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def train(self) -> list[StepRecord]:
+        training, log_freq = self.job_config.training, self.job_config.metrics.log_freq
+        records: list[StepRecord] = []
+        # Python's collector pauses at random moments, differently on every rank, which
+        # stalls collectives; collect at fixed steps instead.
+        gc.disable()
+        window_start, window_tokens = time.perf_counter(), 0
+        try:
+            while self.step < training.steps:
+                lr = self.lr_scheduler.get_last_lr()[0]
+                loss, grad_norm = self.train_step()
+                window_tokens += training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
+                if self.step % training.gc_freq == 0:
+                    gc.collect(1)
+                if self.step == 1 or self.step % log_freq == 0 or self.step == training.steps:
+                    elapsed = time.perf_counter() - window_start
+                    record = StepRecord(self.step, loss.item(), grad_norm.item(), lr, window_tokens / elapsed)
+                    records.append(record)
+                    logger.info(
+                        "step: %d  loss: %.4f  grad_norm: %.4f  lr: %.2e  tps: %d",
+                        record.step, record.loss, record.grad_norm, record.lr, round(record.tokens_per_second),
+                    )
+                    window_start, window_tokens = time.perf_counter(), 0
+        finally:
+            gc.enable()
+        logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
+        return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    job_config = parse_args_or_exit(argv)
+    try:
+        if job_config.job.validate_only:
+            plan = plan_run(job_config, world_size_from_env())
+            load_tokenizer_and_documents(job_config, plan.model_args.vocab_size)
+            print(f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
+                  f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)")
+            return 0
+        trainer = Trainer(job_config)
+    except ConfigError as error:
+        # Every rank finds the same mistake; one line is enough.
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"titanlite: config error: {error}", file=sys.stderr)
+        return 2
+    try:
+        logger.info("resolved config:\n%s", to_toml(job_config))
+        trainer.train()
+    finally:
+        destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

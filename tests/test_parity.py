@@ -1,0 +1,179 @@
+"""Every parallel layout trains exactly like one process.
+
+Each run trains the same tiny model from the same seed on the same global batches
+(8 sequences per step) for 8 steps in float32; the per-step loss and global grad norm
+of FSDP, HSDP, DDP, SHARD_GRAD_OP, gradient accumulation, activation checkpointing and
+compile must equal a single process without any FSDP.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from tests.multiprocess import TINY, run_on_ranks
+from titanlite.config import parse_args
+from titanlite.parallel import clip_grad_norm_
+from titanlite.train import Trainer
+
+STEPS = 8
+GLOBAL_BATCH = 8
+BASE_ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    f"--training.global_batch_size={GLOBAL_BATCH}",
+    f"--training.steps={STEPS}",
+    "--training.mixed_precision_param", "float32",
+    # Clip hard so that clipping (with the global norm) changes every step.
+    "--training.max_norm", "0.5",
+    "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "2",
+    "--activation_checkpoint.mode", "none",
+    "--metrics.log_freq", "1",
+]
+
+
+def train_and_report(extra_args: list[str]) -> dict:
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args))
+    records = trainer.train()
+    # state_dict(), not named_parameters(): its keys are the checkpoint format and must
+    # not change with activation checkpointing or compile wrappers.
+    full_params = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in trainer.model.state_dict().items()
+    }
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "params": full_params,
+    }
+
+
+@functools.cache
+def reference() -> dict:
+    """A single process, no FSDP, the whole global batch in one micro-batch."""
+    return run_on_ranks(1, train_and_report, [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
+
+
+def assert_same_training(run: dict, rtol: float) -> None:
+    ref = reference()
+    assert len(run["loss"]) == len(ref["loss"]) == STEPS
+    torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(ref["loss"]), rtol=rtol, atol=0)
+    torch.testing.assert_close(torch.tensor(run["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=rtol, atol=0)
+    assert run["params"].keys() == ref["params"].keys()
+    # Parameters after 8 steps: a wrong gradient on any shard would show here. Adam
+    # turns last-bit gradient differences into weight differences of up to ~5e-7, while
+    # one step moves a weight by up to lr = 3e-3, so `rtol` as an absolute bound is
+    # still 300x tighter than a single wrong update.
+    for name, value in ref["params"].items():
+        torch.testing.assert_close(run["params"][name], value, rtol=0, atol=rtol, msg=name)
+
+
+def test_reference_learns():
+    # Guards the comparisons below: a run whose loss does not move would match trivially.
+    ref = reference()
+    assert ref["loss"][-1] < ref["loss"][0] - 0.1
+    assert all(norm > 0.5 for norm in ref["grad_norm"])  # clipping at 0.5 really acts
+
+
+LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size=4"]),
+    "fsdp4": (4, ["--training.local_batch_size=2"]),
+    "hsdp2x2": (4, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    # DDP with 2 micro-batches: only the last one all-reduces across replicas.
+    "ddp2_accum": (2, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "shard_grad_op2_accum": (2, ["--training.local_batch_size=2", "--parallelism.fsdp_reshard_after_forward=never"]),
+    "single_accum4": (1, ["--training.local_batch_size=2"]),
+    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
+    "fsdp2_selective_ac_every_2nd": (
+        2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
+    ),
+    "fsdp2_selective_ac_op": (
+        2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layout_matches_single_process(layout):
+    world_size, extra = LAYOUTS[layout]
+    runs = run_on_ranks(world_size, train_and_report, extra)
+    for rank_run in runs:  # every rank must agree, not only rank 0
+        assert_same_training(rank_run, rtol=1e-5)
+
+
+def test_compile_matches_single_process():
+    runs = run_on_ranks(2, train_and_report, ["--training.local_batch_size=4", "--compile.enable", "--compile.components=model,loss"])
+    assert_same_training(runs[0], rtol=1e-4)
+
+
+# --- the global grad norm -------------------------------------------------------------
+
+
+def grad_norms_after_one_backward(extra_args: list[str]) -> dict:
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args))
+    inputs, labels = trainer.loader.next_batch()
+    logits = trainer.model(inputs)
+    # The mean over the global batch: every rank holds 1/world of it.
+    loss = trainer.loss_fn(logits, labels) / (GLOBAL_BATCH * 32)
+    loss.backward()
+    params = list(trainer.model.parameters())
+    norms = {
+        "inf": clip_grad_norm_(params, max_norm=0, norm_type=float("inf")).item(),
+        "2": clip_grad_norm_(params, max_norm=0, norm_type=2.0).item(),
+    }
+    # The norm of this rank's shard alone: what a naive implementation would report.
+    local = [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad) for p in params]
+    norms["local_2"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in local])).item()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return norms
+
+
+def test_global_grad_norm_equals_single_process():
+    single = run_on_ranks(1, grad_norms_after_one_backward, [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
+    sharded = run_on_ranks(4, grad_norms_after_one_backward, ["--training.local_batch_size=2"])
+    for rank_norms in sharded:
+        assert rank_norms["2"] == pytest.approx(single["2"], rel=1e-5)
+        assert rank_norms["inf"] == pytest.approx(single["inf"], rel=1e-5)
+        # A shard's own norm is visibly smaller: the test would catch a local-only norm.
+        assert rank_norms["local_2"] < 0.9 * single["2"]
+
+
+# --- the model really is sharded ------------------------------------------------------
+
+
+def sharding_report(extra_args: list[str]) -> dict:
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args))
+    local_bytes = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in trainer.model.parameters()
+    )
+    total_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    report = {
+        "local_bytes": local_bytes,
+        "total_bytes": total_bytes,
+        "fsdp_units": sum(isinstance(m, FSDPModule) for m in trainer.model.modules()),
+        "largest_dim0_row_bytes": max(p.numel() // p.shape[0] * p.element_size() for p in trainer.model.parameters()),
+        "n_params": len(list(trainer.model.parameters())),
+    }
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_parameters_are_sharded(world_size):
+    reports = run_on_ranks(world_size, sharding_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])
+    total = reports[0]["total_bytes"]
+    # torch.chunk gives each rank ceil(rows / world) rows or fewer: at most one row of
+    # each parameter separates a rank's share from the exact 1/world.
+    slack = reports[0]["n_params"] * reports[0]["largest_dim0_row_bytes"]
+    for report in reports:
+        assert report["fsdp_units"] == TINY.n_layers + 1
+        assert abs(report["local_bytes"] - total / world_size) <= slack
+    assert sum(r["local_bytes"] for r in reports) == total

@@ -89,6 +89,7 @@ LAYOUTS = {
     "ddp2_accum": (2, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
     "shard_grad_op2_accum": (2, ["--training.local_batch_size=2", "--parallelism.fsdp_reshard_after_forward=never"]),
     "single_accum4": (1, ["--training.local_batch_size=2"]),
+    "fsdp2_cpu_offload": (2, ["--training.local_batch_size=4", "--training.enable_cpu_offload"]),
     "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
     "fsdp2_selective_ac_every_2nd": (
         2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
@@ -177,3 +178,41 @@ def test_parameters_are_sharded(world_size):
         assert report["fsdp_units"] == TINY.n_layers + 1
         assert abs(report["local_bytes"] - total / world_size) <= slack
     assert sum(r["local_bytes"] for r in reports) == total
+
+
+# --- mixed precision reaches the matmuls ----------------------------------------------
+
+
+def precision_report(extra_args: list[str]) -> dict:
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--training.mixed_precision_param=bfloat16"]))
+    seen = {}
+
+    def record_dtypes(module, inputs, output):
+        seen["weight"], seen["output"] = module.weight.dtype, output.dtype
+
+    trainer.model.layers["0"].attention.wq.register_forward_hook(record_dtypes)
+    loss_share, grad_norm = trainer.train_step()
+    report = {
+        "matmul_weight": str(seen["weight"]),
+        "matmul_output": str(seen["output"]),
+        "master_params": sorted({str(p.dtype) for p in trainer.model.parameters()}),
+        "optimizer_state": sorted({str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"}),
+        "loss": trainer.global_loss(loss_share),
+        "grad_norm": grad_norm.item(),
+    }
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return report
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_bf16_compute_with_fp32_master_weights(world_size):
+    report = run_on_ranks(world_size, precision_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])[0]
+    assert report["matmul_output"] == "torch.bfloat16"
+    if world_size > 1:  # FSDP gathers the parameters in bf16; a single process autocasts
+        assert report["matmul_weight"] == "torch.bfloat16"
+    assert report["master_params"] == ["torch.float32"]
+    assert report["optimizer_state"] == ["torch.float32"]
+    assert torch.isfinite(torch.tensor([report["loss"], report["grad_norm"]])).all()
+    # bf16 compute stays close to the float32 reference's first step.
+    assert report["loss"] == pytest.approx(reference()["loss"][0], rel=2e-2)

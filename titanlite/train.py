@@ -78,6 +78,11 @@ def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):
         documents = build_documents(training.dataset, training.dataset_path, split="train")
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if tokenizer.eos_id is None:
+        raise ConfigError(
+            f"model.hf_assets_path: the tokenizer at {job_config.model.hf_assets_path} has no EOS token, "
+            "which packing needs between documents"
+        )
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
@@ -168,11 +173,6 @@ class Trainer:
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized():
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value
-
     def _set_gradient_all_reduce(self, enabled: bool) -> None:
         """With replicas (DDP/HSDP), only the last micro-batch all-reduces across them;
         earlier ones only reduce-scatter within the shard group."""
@@ -180,32 +180,40 @@ class Trainer:
             self.model.set_requires_all_reduce(enabled)
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the global batch; returns (global mean loss, grad norm).
-        The loss is reduced across ranks, so call it on every rank."""
-        micro_batches = [self.loader.next_batch() for _ in range(self.plan.grad_accum_steps)]
-        # Divide every rank's summed loss by the token count of the whole global batch:
-        # then the summed gradients equal one big batch's, whatever the layout.
-        local_tokens = sum(labels.numel() for _, labels in micro_batches)
-        global_tokens = self._all_reduce_sum(torch.tensor(float(local_tokens), device=self.device))
+        """One optimizer step over the global batch.
 
-        loss_total = torch.zeros((), device=self.device)
-        for index, (inputs, labels) in enumerate(micro_batches):
-            self._set_gradient_all_reduce(index == len(micro_batches) - 1)
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
+        Returns this rank's share of the global mean loss (sum it over ranks for the
+        loss itself) and the global gradient norm, both as tensors, so that nothing
+        waits for the device unless the caller asks for the numbers.
+        """
+        training = self.job_config.training
+        # Packed windows have no padding and no ignored labels, so the global batch
+        # always holds exactly this many target tokens. Dividing every rank's summed
+        # loss by it makes the summed gradients equal one big batch's, whatever the layout.
+        global_tokens = self.plan.global_batch_size * training.seq_len
+        loss_share = torch.zeros((), device=self.device)
+        for micro_step in range(self.plan.grad_accum_steps):
+            self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
+            inputs, labels = (t.to(self.device) for t in self.loader.next_batch())
             with self.compute_context:
                 logits = self.model(inputs)
                 loss = self.loss_fn(logits, labels) / global_tokens
             del logits  # the [batch, seq, vocab] logits are the largest activation
             loss.backward()
-            loss_total += loss.detach()
+            loss_share += loss.detach()
 
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.job_config.training.max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         self.step += 1
-        self.tokens_seen += int(global_tokens.item())
-        return self._all_reduce_sum(loss_total), grad_norm
+        self.tokens_seen += global_tokens
+        return loss_share, grad_norm
+
+    def global_loss(self, loss_share: torch.Tensor) -> float:
+        if dist.is_initialized():
+            dist.all_reduce(loss_share, op=dist.ReduceOp.SUM)
+        return loss_share.item()
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -219,13 +227,15 @@ class Trainer:
         try:
             while self.step < training.steps:
                 lr = self.lr_scheduler.get_last_lr()[0]
-                loss, grad_norm = self.train_step()
+                loss_share, grad_norm = self.train_step()
                 window_tokens += training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
                 if self.step % training.gc_freq == 0:
                     gc.collect(1)
                 if self.step == 1 or self.step % log_freq == 0 or self.step == training.steps:
+                    # Reading the numbers waits for the device, so time after it.
+                    loss, norm = self.global_loss(loss_share), grad_norm.item()
                     elapsed = time.perf_counter() - window_start
-                    record = StepRecord(self.step, loss.item(), grad_norm.item(), lr, window_tokens / elapsed)
+                    record = StepRecord(self.step, loss, norm, lr, window_tokens / elapsed)
                     records.append(record)
                     logger.info(
                         "step: %d  loss: %.4f  grad_norm: %.4f  lr: %.2e  tps: %d",

@@ -81,7 +81,8 @@ def apply_fsdp(
     """One FSDP unit per block plus the root (embeddings, final norm, output)."""
     options = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if cpu_offload:
-        options["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory makes the copies to the GPU asynchronous; it needs CUDA.
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     blocks = list(layers.values())
     for index, block in enumerate(blocks):
         if reshard_after_forward == "never":  # SHARD_GRAD_OP / ZeRO-2

@@ -1,0 +1,198 @@
+"""The trainer's own cross-checks (registry, world size, batch, tokenizer, dataset), end to end.
+
+Each case runs ``python -m titanlite.train`` in a fresh folder and must stop with exit
+status 2 and a single ``titanlite: config error: ...`` line on stderr that names the
+offending key, path or value, before it writes anything. The parser's own checks are
+covered in test_config.py. Starting Python with torch costs seconds, so one
+module-scoped fixture runs every case (two at a time, one per core) and the tests
+check the outcomes afterwards.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ERROR_PREFIX = "titanlite: config error:"
+# Keeps any run that wrongly gets past its check short instead of training for 10000 steps.
+SMALL_RUN = ["--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "1"]
+DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
+
+
+def _write_word_tokenizer(folder: Path, n_words: int, specials: tuple[str, ...] = ()) -> int:
+    """A word-level tokenizer.json with n_words words plus `specials`; returns its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"word{i}": i for i in range(n_words)}
+    vocab["[UNK]"] = n_words
+    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+@dataclass
+class Case:
+    """One trainer run. `setup(folder)` prepares files in the run's folder and returns the
+    extra command-line arguments and the strings (or regexes) its error line must contain."""
+
+    name: str
+    setup: object
+    env: dict = field(default_factory=dict)
+    small_run: bool = True
+
+
+def _fixed(args: list[str], must_name: list[str]):
+    return lambda folder: (args, must_name)
+
+
+def _missing_hf_assets(folder: Path):
+    path = str(folder / "no_such_tokenizer_folder")
+    return ["--model.hf_assets_path", path], [re.escape(path)]
+
+
+def _big_tokenizer(folder: Path):
+    vocab_size = _write_word_tokenizer(folder / "big_tokenizer", n_words=400, specials=("<|end_of_text|>",))
+    assert vocab_size > 258
+    return ["--model.hf_assets_path", str(folder / "big_tokenizer")], [rf"\b{vocab_size}\b", r"\b258\b", "debugmodel"]
+
+
+def _tokenizer_without_eos(folder: Path):
+    # Fits the debugmodel's 258 embeddings but has no end-of-document token to pack with.
+    _write_word_tokenizer(folder / "no_eos_tokenizer", n_words=100)
+    return ["--model.hf_assets_path", str(folder / "no_eos_tokenizer")], [re.escape("no_eos_tokenizer"), "(?i)eos"]
+
+
+def _missing_text_path(folder: Path):
+    path = str(folder / "no_such_corpus")
+    return ["--training.dataset", "text", "--training.dataset_path", path], [re.escape(path)]
+
+
+def _text_folder_without_text_files(folder: Path):
+    corpus = folder / "corpus"
+    (corpus / "sub").mkdir(parents=True)
+    (corpus / "README.md").write_text("not a training file\n")
+    (corpus / "sub" / "data.csv").write_text("a,b\n1,2\n")
+    (corpus / "notes.json").write_text('{"text": "wrong suffix"}\n')
+    return ["--training.dataset", "text", "--training.dataset_path", str(corpus)], [re.escape(str(corpus))]
+
+
+ERROR_CASES = [
+    Case(
+        "unknown_model_name",
+        _fixed(["--model.name", "llama4"], ["model.name", "'llama4'", "did you mean 'llama3'"]),
+    ),
+    Case("unknown_model_flavor", _fixed(["--model.name", "llama2", "--model.flavor", "9B"], ["model.flavor", r"\b9B\b"])),
+    Case(
+        "degrees_do_not_match_world_size",
+        _fixed(["--parallelism.data_parallel_shard_degree", "3"], ["data_parallel_shard_degree", r"\b3\b", r"\b4\b"]),
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "explicit_replicate_times_shard_is_not_world_size",
+        _fixed(
+            ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "3"],
+            ["data_parallel_replicate_degree", "data_parallel_shard_degree", r"\b2\b", r"\b3\b", r"\b4\b"],
+        ),
+        env={"WORLD_SIZE": "4"},
+    ),
+    Case(
+        "global_batch_not_a_multiple_of_local_times_dp",
+        _fixed(
+            ["--training.local_batch_size", "4", "--training.global_batch_size", "12"],
+            ["training.global_batch_size", r"\b12\b", "local_batch_size", r"\b4\b"],
+        ),
+        env={"WORLD_SIZE": "2"},
+    ),
+    Case("cpu_offload_on_one_process", _fixed(["--training.enable_cpu_offload"], ["enable_cpu_offload"])),
+    Case("missing_hf_assets_path", _missing_hf_assets),
+    Case("tokenizer_larger_than_model_vocab", _big_tokenizer),
+    Case("tokenizer_without_eos", _tokenizer_without_eos),
+    Case("text_dataset_missing_path", _missing_text_path),
+    Case("text_dataset_folder_without_text_files", _text_folder_without_text_files),
+]
+
+VALIDATE_ONLY_CASE = Case(
+    "validate_only_hsdp",
+    _fixed(["--job.validate_only", "--parallelism.data_parallel_replicate_degree", "2"], []),
+    env={"WORLD_SIZE": "4"},
+    small_run=False,
+)
+
+
+@dataclass
+class Outcome:
+    result: subprocess.CompletedProcess
+    must_name: list[str]
+    dump_folder: Path
+    files_before: set
+    files_after: set
+
+
+def _listing(folder: Path) -> set:
+    return {str(path.relative_to(folder)) for path in folder.rglob("*")}
+
+
+def _run(case: Case, folder: Path) -> Outcome:
+    folder.mkdir(parents=True)
+    args, must_name = case.setup(folder)
+    dump_folder = folder / "dump"
+    env = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
+    env.update(case.env)
+    command = [sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump_folder)]
+    command += (SMALL_RUN if case.small_run else []) + args
+    before = _listing(folder)
+    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+    return Outcome(result, must_name, dump_folder, before, _listing(folder))
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_errors")
+    cases = ERROR_CASES + [VALIDATE_ONLY_CASE]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {case.name: pool.submit(_run, case, root / case.name) for case in cases}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def _describe(result: subprocess.CompletedProcess) -> str:
+    return f"exit {result.returncode}\n--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+
+
+@pytest.mark.parametrize("name", [case.name for case in ERROR_CASES])
+def test_trainer_reports_one_config_error_line(outcomes, name):
+    outcome = outcomes[name]
+    result = outcome.result
+    assert "Traceback" not in result.stderr + result.stdout, _describe(result)
+    assert result.returncode == 2, _describe(result)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, _describe(result)
+    line = lines[0]
+    assert line.startswith(ERROR_PREFIX), _describe(result)
+    assert line[len(ERROR_PREFIX):].strip(), _describe(result)
+    for pattern in outcome.must_name:
+        assert re.search(pattern, line), f"{pattern!r} not in: {line}"
+    assert not outcome.dump_folder.exists()
+    assert outcome.files_after == outcome.files_before  # nothing written anywhere in the run's folder
+
+
+def test_validate_only_accepts_hsdp_and_writes_nothing(outcomes):
+    outcome = outcomes[VALIDATE_ONLY_CASE.name]
+    result = outcome.result
+    assert "Traceback" not in result.stderr + result.stdout, _describe(result)
+    assert result.returncode == 0, _describe(result)
+    assert ERROR_PREFIX not in result.stderr
+    hsdp_lines = [line for line in result.stdout.splitlines() if "HSDP" in line]
+    assert len(hsdp_lines) == 1, _describe(result)
+    assert re.search(r"\b4\b", hsdp_lines[0]), hsdp_lines[0]  # over the 4 ranks of WORLD_SIZE
+    assert not outcome.dump_folder.exists()
+    assert outcome.files_after == outcome.files_before

@@ -1,0 +1,83 @@
+"""The warmup-stable-decay schedule and the optimizer options."""
+
+import math
+
+import pytest
+import torch
+
+from titanlite.config import LRScheduler, Optimizer
+from titanlite.optim import build_lr_scheduler, build_optimizer, wsd_factor
+
+
+def factors(total: int, **config) -> list[float]:
+    return [wsd_factor(step, total, LRScheduler(**config)) for step in range(total)]
+
+
+def test_warmup_rises_linearly_from_above_zero_to_the_peak():
+    f = factors(20, warmup_steps=4, decay_ratio=0.5)
+    assert f[:5] == pytest.approx([1 / 5, 2 / 5, 3 / 5, 4 / 5, 1.0])
+
+
+def test_stable_phase_then_decay_over_the_last_fraction():
+    f = factors(20, warmup_steps=4, decay_ratio=0.5, decay_type="linear")
+    assert f[4:10] == [1.0] * 6  # warmup 4, stable until step 10
+    assert f[10] < 1.0
+    assert all(a > b for a, b in zip(f[10:], f[11:]))
+    assert f[-1] == pytest.approx(0.0)
+
+
+def test_decay_without_ratio_covers_every_step_after_warmup():
+    f = factors(10, warmup_steps=2, decay_type="linear")
+    assert f[2] == pytest.approx(1 - 1 / 8)
+    assert f[-1] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "decay_type, shape",
+    [
+        ("linear", lambda p: 1 - p),
+        ("sqrt", lambda p: 1 - math.sqrt(p)),
+        ("cosine", lambda p: 0.5 * (1 + math.cos(math.pi * p))),
+    ],
+)
+def test_decay_shapes_end_at_min_lr_factor(decay_type, shape):
+    total, min_lr = 12, 0.1
+    f = factors(total, warmup_steps=2, decay_type=decay_type, min_lr_factor=min_lr)
+    for step in range(2, total):
+        progress = (step - 2 + 1) / (total - 2)
+        assert f[step] == pytest.approx(min_lr + (1 - min_lr) * shape(progress))
+    assert f[-1] == pytest.approx(min_lr)
+
+
+def test_warmup_longer_than_the_run_never_decays_below_warmup():
+    f = factors(5, warmup_steps=10)
+    assert f == pytest.approx([(s + 1) / 11 for s in range(5)])
+
+
+def test_scheduler_drives_the_optimizer_learning_rate():
+    param = torch.nn.Parameter(torch.zeros(3))
+    optimizer = build_optimizer([param], Optimizer(lr=1e-2))
+    scheduler = build_lr_scheduler(optimizer, LRScheduler(warmup_steps=3, decay_ratio=0.5), total_steps=10)
+    seen = []
+    for _ in range(10):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    expected = [1e-2 * f for f in factors(10, warmup_steps=3, decay_ratio=0.5)]
+    assert seen == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("implementation", ["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_optimizer_options_reach_torch(name, implementation):
+    param = torch.nn.Parameter(torch.ones(4))
+    config = Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2, implementation=implementation)
+    optimizer = build_optimizer([param], config)
+    assert type(optimizer).__name__ == name
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["eps"], group["weight_decay"]) == (0.5, (0.8, 0.9), 1e-6, 0.2)
+    assert group["foreach"] is (implementation == "foreach")
+    assert bool(group["fused"]) is (implementation == "fused")
+    param.grad = torch.ones(4)
+    optimizer.step()
+    assert not torch.equal(param.detach(), torch.ones(4))

@@ -23,13 +23,13 @@ def test_stable_phase_then_decay_over_the_last_fraction():
     assert f[4:10] == [1.0] * 6  # warmup 4, stable until step 10
     assert f[10] < 1.0
     assert all(a > b for a, b in zip(f[10:], f[11:]))
-    assert f[-1] == pytest.approx(0.0)
+    assert f[-1] == pytest.approx(1 / 11)  # the last step still learns; zero comes after it
 
 
 def test_decay_without_ratio_covers_every_step_after_warmup():
     f = factors(10, warmup_steps=2, decay_type="linear")
-    assert f[2] == pytest.approx(1 - 1 / 8)
-    assert f[-1] == pytest.approx(0.0)
+    assert f[2] == pytest.approx(1 - 1 / 9)
+    assert f[-1] == pytest.approx(1 / 9)
 
 
 @pytest.mark.parametrize(
@@ -44,9 +44,9 @@ def test_decay_shapes_end_at_min_lr_factor(decay_type, shape):
     total, min_lr = 12, 0.1
     f = factors(total, warmup_steps=2, decay_type=decay_type, min_lr_factor=min_lr)
     for step in range(2, total):
-        progress = (step - 2 + 1) / (total - 2)
+        progress = (step - 2 + 1) / (total - 2 + 1)
         assert f[step] == pytest.approx(min_lr + (1 - min_lr) * shape(progress))
-    assert f[-1] == pytest.approx(min_lr)
+    assert min_lr < f[-1] < f[-2]
 
 
 def test_warmup_longer_than_the_run_never_decays_below_warmup():

@@ -150,7 +150,7 @@ class Metrics:
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    """Timeout for process-group creation and the collectives before the first step."""
+    """Seconds before process-group creation or any collective gives up (a dead rank then fails the others instead of hanging them)."""
 
 
 @dataclass

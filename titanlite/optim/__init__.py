@@ -32,7 +32,8 @@ def wsd_factor(step: int, total_steps: int, config: LRScheduler) -> float:
 
     Warmup rises linearly and never starts at zero; the stable phase holds the peak;
     the decay phase covers the last `decay_ratio` of all steps (every step after warmup
-    when unset) and ends exactly at `min_lr_factor` on the final step.
+    when unset) and would reach `min_lr_factor` one step after the last, so that the
+    final step still learns when the minimum is zero.
     """
     warmup = config.warmup_steps
     if step < warmup:
@@ -41,7 +42,7 @@ def wsd_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     decay_start = max(warmup, total_steps - decay_steps)
     if step < decay_start or total_steps <= decay_start:
         return 1.0
-    progress = min(1.0, (step - decay_start + 1) / (total_steps - decay_start))
+    progress = min(1.0, (step - decay_start + 1) / (total_steps - decay_start + 1))
     shape = {
         "linear": 1.0 - progress,
         "sqrt": 1.0 - math.sqrt(progress),

@@ -21,14 +21,15 @@ class ParallelDims:
     @classmethod
     def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int) -> "ParallelDims":
         """Fill in a -1 degree with the ranks left over; raise ValueError if the product is wrong."""
-        if dp_replicate == -1:
-            dp_replicate = world_size // dp_shard if world_size % dp_shard == 0 else 0
-        if dp_shard == -1:
-            dp_shard = world_size // dp_replicate if world_size % dp_replicate == 0 else 0
-        if dp_replicate < 1 or dp_shard < 1 or dp_replicate * dp_shard != world_size:
+        names = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree")
+        if -1 in (dp_replicate, dp_shard):
+            known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)
+            if world_size % known != 0:
+                raise ValueError(f"{known_name} ({known}) must divide the world size ({world_size}) when the other degree is -1")
+            dp_replicate, dp_shard = (world_size // known, known) if dp_replicate == -1 else (known, world_size // known)
+        if dp_replicate * dp_shard != world_size:
             raise ValueError(
-                f"parallelism.data_parallel_replicate_degree ({dp_replicate}) x "
-                f"parallelism.data_parallel_shard_degree ({dp_shard}) must equal the world size "
+                f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal the world size "
                 f"({world_size}); use -1 for one of them to take the ranks left over"
             )
         return cls(dp_replicate, dp_shard, world_size)

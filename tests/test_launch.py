@@ -1,0 +1,55 @@
+"""End-to-end tests of ./run_train.sh: a short real run of the default debug config, and a
+config mistake that must stop in the single-process preflight, before torchrun starts."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN_TRAIN = REPO_ROOT / "run_train.sh"
+STEP_LINE = re.compile(r"step: (\d+)\s+loss: ([0-9.]+)")
+
+
+def _launcher_env() -> dict[str, str]:
+    """The caller's environment without the launcher's own settings, so the defaults are tested."""
+    env = dict(os.environ)
+    for name in ("NGPU", "LOG_RANK", "CONFIG_FILE"):
+        env.pop(name, None)
+    return env
+
+
+def _run_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(RUN_TRAIN), *args],
+        cwd=REPO_ROOT,
+        env=_launcher_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_debug_run_trains_and_the_loss_falls():
+    result = _run_train("--training.steps", "20", timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+
+    losses = {int(step): float(loss) for step, loss in STEP_LINE.findall(result.stdout)}
+    assert 1 in losses and 20 in losses, f"steps 1 and 20 not both logged:\n{result.stdout[-4000:]}"
+    assert losses[20] < losses[1], f"loss did not fall: step 1 {losses[1]}, step 20 {losses[20]}"
+
+
+def test_config_mistake_stops_before_torchrun():
+    result = _run_train("--training.stepz", "3", timeout=120)
+    output = result.stdout + result.stderr
+
+    assert result.returncode != 0
+    error_lines = [line for line in output.splitlines() if "titanlite: config error" in line]
+    assert len(error_lines) == 1, output
+    assert "training.stepz" in error_lines[0]
+    for torchrun_marker in ("ChildFailedError", "Traceback", "torch/distributed", "torch.distributed"):
+        assert torchrun_marker not in output, output
+    # The error is the whole output: no rank ever started.
+    assert [line for line in output.splitlines() if line.strip()] == error_lines, output

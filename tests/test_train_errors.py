@@ -21,6 +21,7 @@ import pytest
 ERROR_PREFIX = "titanlite: config error:"
 # Keeps any run that wrongly gets past its check short instead of training for 10000 steps.
 SMALL_RUN = ["--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "1"]
+REPO_ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
 
 
@@ -148,6 +149,8 @@ def _run(case: Case, folder: Path) -> Outcome:
     dump_folder = folder / "dump"
     env = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
     env.update(case.env)
+    # The checkout under test, not whichever titanlite happens to be installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump_folder)]
     command += (SMALL_RUN if case.small_run else []) + args
     before = _listing(folder)

@@ -10,6 +10,7 @@ and is imported by nobody.
 import gc
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -17,11 +18,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.stateful import Stateful
 
+from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
 from titanlite.data import build_documents, build_tokenizer
 from titanlite.data.loader import PackedLoader
 from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim.ema import EMA
 from titanlite.parallel import (
     ParallelDims,
     clip_grad_norm_,
@@ -114,7 +118,10 @@ class StepRecord:
     tokens_per_second: float
 
 
-class Trainer:
+class Trainer(Stateful):
+    """Builds the run from the config and trains. It is also the checkpoint's
+    "train_state": the step, the tokens seen and the layout that wrote it."""
+
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
         training = job_config.training
@@ -155,11 +162,29 @@ class Trainer:
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
 
-        # 5. Optimizer and schedule.
+        # 5. Optimizer, schedule and the weight average.
         self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job_config.lr_scheduler, training.steps)
+        self.ema = EMA(model, job_config.ema.decay) if job_config.ema.enable else None
         self.step = 0
         self.tokens_seen = 0
+
+        # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
+        states = {
+            "model": ModelState(model),
+            "optimizer": OptimizerState(model, self.optimizer),
+            "lr_scheduler": self.lr_scheduler,
+            "dataloader": self.loader,
+            "train_state": self,
+            "rng": RNGState(),
+        }
+        if self.ema is not None:
+            states["ema"] = self.ema
+        self.checkpointer = CheckpointManager(states, job_config.checkpoint, job_config.job.dump_folder)
+        self.checkpointer.load()
+        self._stop_signal = None
+        if job_config.checkpoint.enable:
+            self._save_on_signals()
 
         logger.info(
             "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
@@ -203,12 +228,59 @@ class Trainer:
             loss_share += loss.detach()
 
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
+        # An async save may still be copying the weights; they must not change under it.
+        self.checkpointer.wait_for_staging()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
+        if self.ema is not None:
+            self.ema.update()
         self.step += 1
         self.tokens_seen += global_tokens
         return loss_share, grad_norm
+
+    # --- train_state, signals -----------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        dims = self.plan.parallel_dims
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            # Not loaded back; kept to tell which layout wrote a checkpoint.
+            "world_size": dims.world_size,
+            "dp_replicate": dims.dp_replicate,
+            "dp_shard": dims.dp_shard,
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step, self.tokens_seen = state_dict["step"], state_dict["tokens_seen"]
+        dims = self.plan.parallel_dims
+        saved = (state_dict["world_size"], state_dict["dp_replicate"], state_dict["dp_shard"])
+        if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard):
+            logger.info(
+                "resuming at step %d on %d rank(s) (replicate %d x shard %d) from a checkpoint written by "
+                "%d rank(s) (replicate %d x shard %d): model, optimizer and data position are resharded",
+                self.step, dims.world_size, dims.dp_replicate, dims.dp_shard, *saved,
+            )
+
+    def _save_on_signals(self) -> None:
+        """A scheduler preempting the job sends SIGTERM (SIGINT from a terminal): finish the
+        step, save, and exit cleanly instead of dying mid-step."""
+
+        def remember(signum, frame):
+            self._stop_signal = signum
+
+        signal.signal(signal.SIGTERM, remember)
+        signal.signal(signal.SIGINT, remember)
+
+    def _stop_requested(self) -> bool:
+        """Whether any rank got a stop signal; all ranks must agree to save together."""
+        if not self.job_config.checkpoint.enable:
+            return False
+        flag = torch.tensor([0 if self._stop_signal is None else 1])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
+        return bool(flag.item())
 
     def global_loss(self, loss_share: torch.Tensor) -> float:
         if dist.is_initialized():
@@ -242,8 +314,19 @@ class Trainer:
                         record.step, record.loss, record.grad_norm, record.lr, round(record.tokens_per_second),
                     )
                     window_start, window_tokens = time.perf_counter(), 0
+                last = self.step == training.steps
+                saved = self.checkpointer.should_save(self.step, training.steps)
+                if saved:
+                    model_only = last and self.job_config.checkpoint.last_save_model_only
+                    self.checkpointer.save(self.step, model_only=model_only, sync=last)
+                if not last and self._stop_requested():
+                    logger.warning("stop signal received: saving step %d and exiting", self.step)
+                    if not saved:
+                        self.checkpointer.save(self.step, sync=True)
+                    break
         finally:
             gc.enable()
+            self.checkpointer.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
         return records
 
@@ -258,10 +341,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)")
             return 0
         trainer = Trainer(job_config)
-    except ConfigError as error:
+    except (ConfigError, CheckpointError) as error:
         # Every rank finds the same mistake; one line is enough.
+        kind = "config" if isinstance(error, ConfigError) else "checkpoint"
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"titanlite: config error: {error}", file=sys.stderr)
+            print(f"titanlite: {kind} error: {error}", file=sys.stderr)
+        destroy_distributed()
         return 2
     try:
         logger.info("resolved config:\n%s", to_toml(job_config))

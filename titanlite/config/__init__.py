@@ -2,9 +2,11 @@
 
 from titanlite.config.job_config import (
     ActivationCheckpoint,
+    Checkpoint,
     Comm,
     Compile,
     Debug,
+    EMA,
     Job,
     JobConfig,
     LRScheduler,
@@ -26,10 +28,12 @@ from titanlite.config.manager import (
 
 __all__ = [
     "ActivationCheckpoint",
+    "Checkpoint",
     "Comm",
     "Compile",
     "ConfigError",
     "Debug",
+    "EMA",
     "Job",
     "JobConfig",
     "LRScheduler",

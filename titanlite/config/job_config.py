@@ -142,6 +142,54 @@ class Compile:
 
 
 @dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints and resume from the newest complete one at start-up."""
+
+    folder: str = "checkpoint"
+    """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder."""
+
+    interval: int = 500
+    """Save every this many steps (and after the last step)."""
+
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
+    """disabled (training waits for the write), async (a background thread writes a CPU copy) or async_with_pinned_mem (reused pinned/shared buffers, written by a background process)."""
+
+    keep_latest_k: int = 10
+    """Keep the newest k complete checkpoints and delete older ones; 0 keeps all."""
+
+    keep_every: int = 0
+    """Never delete checkpoints whose step is a multiple of this (0: no such exception)."""
+
+    load_step: int = -1
+    """Resume from this step's checkpoint instead of the newest; -1 means the newest."""
+
+    last_save_model_only: bool = False
+    """Make the save after the last step hold the model weights only, cast to export_dtype."""
+
+    export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the weights in a model-only last save."""
+
+    exclude_from_loading: list[str] = field(default_factory=list)
+    """Parts of a checkpoint not to load on resume, e.g. optimizer,lr_scheduler,dataloader."""
+
+    initial_load_path: str | None = None
+    """A step-N folder to start from when the run's own checkpoint folder has none."""
+
+    initial_load_model_only: bool = True
+    """Load only the model weights from initial_load_path (a fresh optimizer, schedule and data position)."""
+
+
+@dataclass
+class EMA:
+    enable: bool = False
+    """Keep an exponential moving average of the weights, sharded like them and saved in checkpoints."""
+
+    decay: float = 0.9999
+    """Weight of the old average at each step: ema = decay * ema + (1 - decay) * weights."""
+
+
+@dataclass
 class Metrics:
     log_freq: int = 10
     """Print a metrics line every this many steps (and at step 1)."""
@@ -172,6 +220,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    ema: EMA = field(default_factory=EMA)
     metrics: Metrics = field(default_factory=Metrics)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

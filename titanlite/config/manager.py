@@ -39,6 +39,8 @@ HELP_INTRO = (
 CLI_NONE_WORDS = ("none", "null")
 CLI_BOOL_WORDS = ("true", "false")
 COMPILE_COMPONENTS = ("model", "loss")
+# What a training checkpoint holds besides the model, by name (checkpoint.exclude_from_loading).
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
 
 
 class ConfigError(ValueError):
@@ -337,6 +339,12 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("parallelism.data_parallel_shard_degree",      "-1 or >= 1",              _minus_one_or_positive),
     ("activation_checkpoint.selective_ac_option",   "'op' or a positive integer", _is_selective_ac_option),
     ("compile.components",                          "a subset of model, loss", lambda v: set(v) <= set(COMPILE_COMPONENTS)),
+    ("checkpoint.interval",                         ">= 1",                    lambda v: v >= 1),
+    ("checkpoint.keep_latest_k",                    ">= 0",                    lambda v: v >= 0),
+    ("checkpoint.keep_every",                       ">= 0",                    lambda v: v >= 0),
+    ("checkpoint.load_step",                        "-1 or >= 0",              lambda v: v >= -1),
+    ("checkpoint.exclude_from_loading",             f"a subset of {', '.join(CHECKPOINT_PARTS)}", lambda v: set(v) <= set(CHECKPOINT_PARTS)),
+    ("ema.decay",                                   "in [0, 1)",               lambda v: 0 <= v < 1),
     ("metrics.log_freq",                            ">= 1",                    lambda v: v >= 1),
     ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
 )  # fmt: skip

@@ -1,0 +1,54 @@
+"""Stateful views of the model, the optimizer and the random generators.
+
+Model and optimizer state go through torch.distributed.checkpoint.state_dict, which gives
+parameter-name keys and sharded (DTensor) values, so DCP can reshard them on load to any
+other layout.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class ModelState(Stateful):
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_model_state_dict(self.model, state_dict)
+
+
+class OptimizerState(Stateful):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+
+
+class RNGState(Stateful):
+    """The CPU (and CUDA) generator states. Every rank seeds alike and draws alike, so one
+    copy serves all ranks and any world size."""
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        torch.set_rng_state(state_dict["cpu"])
+        if "cuda" in state_dict and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state_dict["cuda"])

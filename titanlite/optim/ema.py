@@ -1,0 +1,34 @@
+"""Exponential moving average of the weights, kept shard by shard."""
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+
+
+class EMA(Stateful):
+    """ema = decay * ema + (1 - decay) * weights after every optimizer step.
+
+    Each rank averages only its own shards (the state dict's values are the sharded
+    parameters), so the average costs no communication and no full copy of the model.
+    Its state dict uses the model's own names, so it saves, reshards and loads like
+    the model does.
+    """
+
+    def __init__(self, model: nn.Module, decay: float):
+        self.decay = decay
+        # Detached views that share storage with the parameters: they see every update.
+        self.weights = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
+        self.averages = {name: tensor.detach().clone() for name, tensor in self.weights.items()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, average in self.averages.items():
+            average.lerp_(self.weights[name], 1.0 - self.decay)
+
+    def state_dict(self) -> dict:
+        return self.averages
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        with torch.no_grad():
+            for name, average in self.averages.items():
+                average.copy_(state_dict[name])

@@ -240,12 +240,24 @@ class CheckpointManager:
             parts.add(MODEL)
         return parts
 
-    def load(self) -> Path | None:
-        """Load the checkpoint to resume from, if any, into the (already sharded) states.
-        Returns the folder loaded, or None for a fresh start."""
-        if not self.config.enable and not self.config.initial_load_path:
-            return None
-        self.wait()
+    def _agree(self, decide):
+        """Run `decide` on rank 0 only and give every rank its result (or its error): ranks
+        listing a shared filesystem themselves could see different folders."""
+        outcome = [None]
+        if self.rank == 0:
+            try:
+                outcome[0] = ("ok", decide())
+            except CheckpointError as error:
+                outcome[0] = ("error", str(error))
+        if self.process_group is not None:
+            dist.broadcast_object_list(outcome, src=0, group=self.process_group)
+        status, value = outcome[0]
+        if status == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _plan_load(self) -> tuple[Path, list[str]] | None:
+        """The checkpoint to start from and the parts to load from it, or None."""
         source = self._resume_source()
         if source is None:
             return None
@@ -257,7 +269,18 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: the checkpoint holds no model weights")
         for name in missing:
             logger.warning("%s holds no '%s'; it starts fresh", path, name)
-        parts = [name for name in wanted if name in available]
+        return path, [name for name in wanted if name in available]
+
+    def load(self) -> Path | None:
+        """Load the checkpoint to resume from, if any, into the (already sharded) states.
+        Returns the folder loaded, or None for a fresh start."""
+        if not self.config.enable and not self.config.initial_load_path:
+            return None
+        self.wait()
+        plan = self._agree(self._plan_load)
+        if plan is None:
+            return None
+        path, parts = plan
         state = self._collect(parts)
         try:
             dcp.load(state, storage_reader=FileSystemReader(str(path)), process_group=self.process_group)

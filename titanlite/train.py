@@ -181,7 +181,9 @@ class Trainer(Stateful):
         if self.ema is not None:
             states["ema"] = self.ema
         self.checkpointer = CheckpointManager(states, job_config.checkpoint, job_config.job.dump_folder)
-        self.checkpointer.load()
+        loaded = self.checkpointer.load()
+        if self.ema is not None and loaded and "ema" not in loaded:
+            self.ema.restart()  # average the loaded weights, not the random ones
         self._stop_signal = None
         if job_config.checkpoint.enable:
             self._save_on_signals()
@@ -351,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         logger.info("resolved config:\n%s", to_toml(job_config))
         trainer.train()
+    except CheckpointError as error:
+        print(f"titanlite: checkpoint error at step {trainer.step}: {error}", file=sys.stderr)
+        return 1
     finally:
         destroy_distributed()
     return 0

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,9 +76,10 @@ class CheckpointManager:
         self.config = config
         self.folder = Path(dump_folder) / config.folder
         self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.in_use = config.enable or config.initial_load_path is not None
         # A process group of its own, created once: saves in flight talk over it from a
         # background thread without interleaving with the training collectives.
-        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.in_use else None
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlite-checkpoint")
         self._in_flight: Future | None = None
         self._staging: Future | None = None
@@ -88,7 +90,7 @@ class CheckpointManager:
             self._stager = DefaultStager(
                 StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=cuda, use_non_blocking_copy=cuda)
             )
-        if self.rank == 0:
+        if self.rank == 0 and config.enable:
             self._remove_leftovers()
 
     # --- saving ------------------------------------------------------------------------
@@ -185,8 +187,11 @@ class CheckpointManager:
         if keep_latest == 0 or len(steps) <= keep_latest:
             return
         every = self.config.keep_every
+        # A model-only save (the last one, say) cannot resume a run: the newest checkpoint
+        # that can is kept whatever its age.
+        resumable = next((s for s in reversed(steps) if self._is_resumable(self.folder / f"step-{s}")), None)
         for step in steps[:-keep_latest]:
-            if every and step % every == 0:
+            if (every and step % every == 0) or step == resumable:
                 continue
             self._delete(self.folder / f"step-{step}")
             logger.info("checkpoint deleted (keep_latest_k=%d): step-%d", keep_latest, step)
@@ -197,6 +202,10 @@ class CheckpointManager:
         doomed = step_folder.with_name(f".{step_folder.name}.deleting")
         os.replace(step_folder, doomed)
         shutil.rmtree(doomed, ignore_errors=True)
+
+    @staticmethod
+    def _is_resumable(path: Path) -> bool:
+        return "train_state" in top_level_names(path)
 
     def _remove_leftovers(self) -> None:
         """Remove what interrupted saves and purges left behind (only names we create)."""
@@ -211,18 +220,25 @@ class CheckpointManager:
 
     def _resume_source(self) -> tuple[Path, bool] | None:
         """The checkpoint to start from and whether to load the model only."""
-        steps = complete_steps(self.folder)
-        if self.config.load_step >= 0:
-            if self.config.load_step not in steps:
+        steps = complete_steps(self.folder) if self.config.enable else {}
+        load_step = self.config.load_step
+        if load_step >= 0:
+            if load_step not in steps:
                 available = ", ".join(map(str, steps)) or "none"
                 raise CheckpointError(
-                    f"checkpoint.load_step {self.config.load_step}: no complete step-{self.config.load_step} "
-                    f"in {self.folder} (complete steps: {available})"
+                    f"checkpoint.load_step {load_step}: no complete step-{load_step} in {self.folder} "
+                    f"(complete steps: {available})"
                 )
-            return steps[self.config.load_step], False
+            if not self._is_resumable(steps[load_step]):
+                raise CheckpointError(
+                    f"checkpoint.load_step {load_step}: {steps[load_step]} holds model weights only and cannot "
+                    "resume a run; start from its weights with checkpoint.initial_load_path instead"
+                )
+            self._set_aside_newer_than(load_step, steps)
+            return steps[load_step], False
         # Newest first; a model-only save (e.g. the last one) cannot resume training.
         for step, path in reversed(steps.items()):
-            if "train_state" in top_level_names(path):
+            if self._is_resumable(path):
                 return path, False
             logger.info("skipping %s for resume: it holds model weights only", path)
         if self.config.initial_load_path:
@@ -231,6 +247,20 @@ class CheckpointManager:
                 raise CheckpointError(f"checkpoint.initial_load_path {path}: not a checkpoint folder (no .metadata)")
             return path, self.config.initial_load_model_only
         return None
+
+    def _set_aside_newer_than(self, load_step: int, steps: dict[int, Path]) -> None:
+        """Resuming from an older step abandons the checkpoints after it. Left in place they
+        would be resumed from next time and purged in the new run's place, so they are
+        moved (never deleted) into a folder that is not a step folder."""
+        newer = [path for step, path in steps.items() if step > load_step]
+        if not newer:
+            return
+        aside = self.folder / f"abandoned-after-step-{load_step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        aside.mkdir()
+        for path in newer:
+            os.replace(path, aside / path.name)
+        _fsync_folder(self.folder)
+        logger.warning("resuming from step %d: moved the %d newer checkpoint(s) to %s", load_step, len(newer), aside)
 
     def _parts_in(self, path: Path) -> set[str]:
         """The parts a checkpoint holds; top-level names that are no part are model weights."""
@@ -249,6 +279,8 @@ class CheckpointManager:
                 outcome[0] = ("ok", decide())
             except CheckpointError as error:
                 outcome[0] = ("error", str(error))
+            except Exception as error:  # e.g. a permission error: the others must not wait for it
+                outcome[0] = ("error", f"{self.folder}: {type(error).__name__}: {error}")
         if self.process_group is not None:
             dist.broadcast_object_list(outcome, src=0, group=self.process_group)
         status, value = outcome[0]
@@ -271,15 +303,15 @@ class CheckpointManager:
             logger.warning("%s holds no '%s'; it starts fresh", path, name)
         return path, [name for name in wanted if name in available]
 
-    def load(self) -> Path | None:
+    def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.
-        Returns the folder loaded, or None for a fresh start."""
-        if not self.config.enable and not self.config.initial_load_path:
-            return None
+        Returns the names of the parts loaded (none for a fresh start)."""
+        if not self.in_use:
+            return []
         self.wait()
         plan = self._agree(self._plan_load)
         if plan is None:
-            return None
+            return []
         path, parts = plan
         state = self._collect(parts)
         try:
@@ -287,9 +319,10 @@ class CheckpointManager:
         except Exception as error:
             raise CheckpointError(f"{path}: loading failed: {' '.join(str(error).split())[:500]}") from error
         for name in parts:
-            if name == MODEL:
-                self.states[name].load_state_dict({k: v for k, v in state.items() if k not in self.states})
-            else:
-                self.states[name].load_state_dict(state[name])
+            part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]
+            try:
+                self.states[name].load_state_dict(part)
+            except (ValueError, KeyError, RuntimeError) as error:
+                raise CheckpointError(f"{path}: cannot load '{name}': {' '.join(str(error).split())[:300]}") from error
         logger.info("loaded checkpoint %s (%s)", path, ", ".join(parts))
-        return path
+        return parts

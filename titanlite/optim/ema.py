@@ -21,6 +21,12 @@ class EMA(Stateful):
         self.averages = {name: tensor.detach().clone() for name, tensor in self.weights.items()}
 
     @torch.no_grad()
+    def restart(self) -> None:
+        """Start the average at the current weights (e.g. after loading weights without one)."""
+        for name, average in self.averages.items():
+            average.copy_(self.weights[name])
+
+    @torch.no_grad()
     def update(self) -> None:
         for name, average in self.averages.items():
             average.lerp_(self.weights[name], 1.0 - self.decay)

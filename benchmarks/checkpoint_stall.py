@@ -1,0 +1,236 @@
+"""How long one checkpoint save stalls the training loop, for each checkpoint.async_mode.
+
+    python benchmarks/checkpoint_stall.py                 # 2 gloo ranks on this machine
+    python benchmarks/checkpoint_stall.py --repeats 6 --folder /some/disk
+
+The script starts its own ranks with torch.multiprocessing (no torchrun needed). Each rank
+builds a titanlite Trainer for a Llama 3 of about 134 M parameters (dim 768, 12 blocks,
+12 heads, vocabulary 32000), sharded with FSDP over the ranks in float32, and trains a
+couple of real steps so that AdamW's moments exist. Then, for each mode, it makes a
+CheckpointManager over the trainer's own states (model, optimizer, lr_scheduler,
+dataloader, train_state, rng) and saves `--repeats` times, one training step before each
+save. Per save it records, as the maximum over ranks:
+
+  save() returns   the time CheckpointManager.save() blocks the caller
+  stall            save() plus wait_for_staging(): what the training loop waits for before
+                   its next optimizer step (for `disabled` this is the whole save)
+  on disk          until wait() returns: every rank's data, the DCP metadata and the
+                   rename to step-N are done
+
+A last row times only the state_dict() calls every save makes on the training thread
+(median of 3), the part of the stall that no async mode removes.
+
+The first save of a mode is reported apart from the later ones: for async_with_pinned_mem
+it also starts the background writer processes and allocates the reused staging buffers.
+The last lines compare the steady-state median stalls of this run:
+`stall ratio async/sync = X.XX (target <= 0.05)`.
+
+Each mode keeps only its newest checkpoint (keep_latest_k = 1), so deleting the previous
+one is part of the measured time as it is in a run; the whole folder is removed at the
+end. The background writer processes of async_with_pinned_mem (started by
+torch.distributed.checkpoint) print a few INFO lines of their own.
+
+Measured on CPU ranks only (gloo); on a machine with CUDA the trainer would put rank r on
+GPU r, which has not been tried with this script.
+"""
+
+import argparse
+import datetime
+import gc
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+
+from titanlite.checkpoint import CheckpointManager, complete_steps
+from titanlite.config import Checkpoint, parse_args
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs
+from titanlite.train import Trainer
+
+FLAVOR = "bench134m"
+MODEL_ARGS = LlamaArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256, rope_theta=500000.0)
+MODES = ("disabled", "async", "async_with_pinned_mem")
+WARMUP_STEPS = 2
+TARGET = 0.05
+
+
+def trainer_args(dump_folder: str) -> list[str]:
+    return [
+        "--model.flavor", FLAVOR,
+        "--job.dump_folder", dump_folder,
+        "--training.seq_len", "32",
+        "--training.local_batch_size", "1",
+        "--training.steps", "1000",
+        "--training.mixed_precision_param", "float32",
+        "--activation_checkpoint.mode", "none",
+        "--lr_scheduler.warmup_steps", "2",
+    ]
+
+
+def _max_over_ranks(values: list[float]) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
+
+
+def measure(folder: str, repeats: int) -> dict:
+    """Runs on every rank; returns the timings (max over ranks) and a few facts."""
+    trainer = Trainer(parse_args(trainer_args(folder)))
+    for _ in range(WARMUP_STEPS):
+        trainer.train_step()
+    states = trainer.checkpointer.states
+    # The floor under every mode's stall: the state_dict() calls a save makes on the
+    # training thread before anything is copied or written.
+    collect_seconds = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        collected = {name: state.state_dict() for name, state in states.items()}
+        collect_seconds.append(time.perf_counter() - start)
+    local_bytes = sum(
+        (t.to_local() if isinstance(t, DTensor) else t).nbytes
+        for part in collected.values() for t in _tensors(part)
+    )
+    del collected
+    report = {
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "timings": {},
+        "checkpoint_bytes": 0,
+        "state_dict_seconds": _max_over_ranks([statistics.median(collect_seconds)])[0],
+        "state_bytes_per_rank": _max_over_ranks([float(local_bytes)])[0],
+    }
+    for mode in MODES:
+        config = Checkpoint(enable=True, folder=f"checkpoint-{mode}", async_mode=mode, keep_latest_k=1)
+        manager = CheckpointManager(states, config, folder)
+        rows = []
+        for _ in range(repeats):
+            trainer.train_step()
+            gc.collect()
+            dist.barrier()
+            start = time.perf_counter()
+            manager.save(trainer.step)
+            returned = time.perf_counter()
+            manager.wait_for_staging()
+            staged = time.perf_counter()
+            manager.wait()
+            written = time.perf_counter()
+            rows.append(_max_over_ranks([returned - start, staged - start, written - start]))
+        manager.close()
+        report["timings"][mode] = rows
+        if trainer.rank == 0:
+            newest = list(complete_steps(manager.folder).values())[-1]
+            report["checkpoint_bytes"] = _folder_bytes(newest)
+    dist.barrier()
+    return report
+
+
+def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, result_file: str) -> None:
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        LOG_RANK="",  # the trainer's and the manager's INFO lines would interleave with the table
+    )
+    # The ranks share the machine's cores; more threads than cores per rank only thrash.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    LLAMA3_FLAVORS.setdefault(FLAVOR, MODEL_ARGS)
+    report = measure(folder, repeats)
+    if rank == 0:
+        torch.save(report, result_file)
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _summary(rows: list[list[float]]) -> tuple[list[float], list[float] | None]:
+    first = rows[0]
+    later = rows[1:]
+    if not later:
+        return first, None
+    return first, [statistics.median(row[i] for row in later) for i in range(3)]
+
+
+def print_report(report: dict, world_size: int, repeats: int, load_before: tuple, load_after: tuple) -> None:
+    print(
+        f"checkpoint stall: llama3 {report['params'] / 1e6:.1f} M params + AdamW, FSDP over {world_size} gloo "
+        f"ranks, float32; {report['state_bytes_per_rank'] / 1e9:.2f} GB of tensors per rank, "
+        f"{report['checkpoint_bytes'] / 1e9:.2f} GB per checkpoint on disk"
+    )
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores, {world_size} ranks x {torch.get_num_threads()} "
+        f"thread(s); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"{datetime.date.today().isoformat()}"
+    )
+    if repeats > 1:
+        print(f"seconds, max over ranks; 'later' is the median of saves 2..{repeats}\n")
+    else:
+        print("seconds, max over ranks; one save per mode, so the ratios compare first saves\n")
+    print("| async_mode | save | save() returns | stall (training may continue) | on disk |")
+    print("|---|---|---|---|---|")
+    steady = {}
+    for mode in MODES:
+        first, later = _summary(report["timings"][mode])
+        print(f"| {mode} | first | {first[0]:.3f} | {first[1]:.3f} | {first[2]:.3f} |")
+        if later is not None:
+            print(f"| {mode} | later | {later[0]:.3f} | {later[1]:.3f} | {later[2]:.3f} |")
+        steady[mode] = later if later is not None else first
+    print(f"| (every mode) | state_dict() calls only | | {report['state_dict_seconds']:.3f} | |")
+    print()
+    sync_stall = steady["disabled"][1]
+    for mode in MODES[1:]:
+        print(f"stall ratio {mode}/sync = {steady[mode][1] / sync_stall:.2f} (target <= {TARGET})")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=4, help="saves per mode (the first is reported apart)")
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks to start")
+    parser.add_argument("--folder", default=None, help="where to write checkpoints (default: a temporary folder)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    if args.world_size < 2:
+        parser.error("--world-size must be at least 2 (one rank has no process group)")
+
+    load_before = os.getloadavg()
+    parent = args.folder or tempfile.gettempdir()
+    with tempfile.TemporaryDirectory(prefix="titanlite-ckpt-bench-", dir=parent) as folder:
+        result_file = str(Path(folder) / "report.pt")
+        mp.start_processes(
+            _worker, args=(args.world_size, _free_port(), folder, args.repeats, result_file),
+            nprocs=args.world_size, start_method="spawn", join=True,
+        )
+        report = torch.load(result_file, weights_only=True)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    print_report(report, args.world_size, args.repeats, load_before, os.getloadavg())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,16 +6,18 @@
 The script starts its own ranks with torch.multiprocessing (no torchrun needed). Each rank
 builds a titanlite Trainer for a Llama 3 of about 134 M parameters (dim 768, 12 blocks,
 12 heads, vocabulary 32000), sharded with FSDP over the ranks in float32, and trains a
-couple of real steps so that AdamW's moments exist. Then, for each mode, it makes a
-CheckpointManager over the trainer's own states (model, optimizer, lr_scheduler,
-dataloader, train_state, rng) and saves `--repeats` times, one training step before each
-save. Per save it records, as the maximum over ranks:
+couple of real steps so that AdamW's moments exist, then times a few plain training steps.
+Then, for each mode, it makes a CheckpointManager over the trainer's own states (model,
+optimizer, lr_scheduler, dataloader, train_state, rng), makes it the trainer's checkpointer,
+and `--repeats` times saves and runs the next training step, as the training loop does.
+Per save it records, as the maximum over ranks:
 
   save() returns   the time CheckpointManager.save() blocks the caller
-  stall            save() plus wait_for_staging(): what the training loop waits for before
-                   its next optimizer step (for `disabled` this is the whole save)
-  on disk          until wait() returns: every rank's data, the DCP metadata and the
-                   rename to step-N are done
+  stall            what the save costs the loop: save() plus the next training step (whose
+                   optimizer step waits for any staging still running), minus the median
+                   plain step; for `disabled` this is the whole save
+  on disk          from save() until wait() returns: every rank's data, the DCP metadata
+                   and the rename to step-N are done
 
 A last row times only the state_dict() calls every save makes on the training thread
 (median of 3), the part of the stall that no async mode removes.
@@ -115,7 +117,15 @@ def measure(folder: str, repeats: int) -> dict:
         for part in collected.values() for t in _tensors(part)
     )
     del collected
+    plain_steps = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        trainer.train_step()
+        plain_steps.append(time.perf_counter() - start)
+    plain_step = statistics.median(plain_steps)
     report = {
+        "plain_step_seconds": _max_over_ranks([plain_step])[0],
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "timings": {},
         "checkpoint_bytes": 0,
@@ -125,19 +135,20 @@ def measure(folder: str, repeats: int) -> dict:
     for mode in MODES:
         config = Checkpoint(enable=True, folder=f"checkpoint-{mode}", async_mode=mode, keep_latest_k=1)
         manager = CheckpointManager(states, config, folder)
+        trainer.checkpointer = manager  # train_step() waits for this manager's staging
         rows = []
         for _ in range(repeats):
-            trainer.train_step()
             gc.collect()
             dist.barrier()
             start = time.perf_counter()
             manager.save(trainer.step)
             returned = time.perf_counter()
-            manager.wait_for_staging()
-            staged = time.perf_counter()
+            trainer.train_step()
+            stepped = time.perf_counter()
             manager.wait()
             written = time.perf_counter()
-            rows.append(_max_over_ranks([returned - start, staged - start, written - start]))
+            stall = max(0.0, stepped - start - plain_step)
+            rows.append(_max_over_ranks([returned - start, stall, written - start]))
         manager.close()
         report["timings"][mode] = rows
         if trainer.rank == 0:
@@ -201,6 +212,7 @@ def print_report(report: dict, world_size: int, repeats: int, load_before: tuple
             print(f"| {mode} | later | {later[0]:.3f} | {later[1]:.3f} | {later[2]:.3f} |")
         steady[mode] = later if later is not None else first
     print(f"| (every mode) | state_dict() calls only | | {report['state_dict_seconds']:.3f} | |")
+    print(f"| (no save) | one plain training step | | {report['plain_step_seconds']:.3f} | |")
     print()
     sync_stall = steady["disabled"][1]
     for mode in MODES[1:]:

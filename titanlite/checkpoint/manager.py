@@ -86,9 +86,11 @@ class CheckpointManager:
         self._stager = None
         if config.async_mode == "async_with_pinned_mem":
             cuda = torch.cuda.is_available()
-            # Kept across saves so its CPU buffers are allocated once and reused.
+            # Kept across saves so its CPU buffers are allocated once and reused. Staging
+            # runs in a background thread (on any device) while the next forward and
+            # backward run; the trainer waits for it only before changing the weights.
             self._stager = DefaultStager(
-                StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=cuda, use_non_blocking_copy=cuda)
+                StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda)
             )
         if self.rank == 0 and config.enable:
             self._remove_leftovers()

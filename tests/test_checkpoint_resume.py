@@ -214,20 +214,23 @@ def resume(session: Session, *args) -> dict:
     return train_to_end(trainer) | {"loaded": loaded}
 
 
+def interrupt_after_save(trainer: Trainer) -> None:
+    for _ in range(SAVE_AT):
+        trainer.train_step()
+    trainer.checkpointer.save(trainer.step)
+    # Train on while an async save may still be writing: the checkpoint must hold step 4.
+    trainer.train_step()
+    trainer.train_step()
+    trainer.checkpointer.close()
+
+
 def two_rank_worker(dump: str, ports: list[int]) -> dict:
     session, fsdp2, out = Session(ports), layout(2), {}
     out["straight"] = uninterrupted(session, fsdp2, "--checkpoint.interval=2", f"--job.dump_folder={dump}/straight")
 
     for mode in ASYNC_MODES:
         args = (fsdp2, f"--checkpoint.async_mode={mode}", f"--job.dump_folder={dump}/{mode}")
-        trainer = session.trainer(*args)
-        for _ in range(SAVE_AT):
-            trainer.train_step()
-        trainer.checkpointer.save(trainer.step)
-        # Train on while an async save may still be writing: the checkpoint must hold step 4.
-        trainer.train_step()
-        trainer.train_step()
-        trainer.checkpointer.close()
+        interrupt_after_save(session.trainer(*args))
         out[mode] = resume(session, *args)
 
     saved = f"{dump}/straight/checkpoint/step-{SAVE_AT}"
@@ -292,11 +295,17 @@ def four_rank_worker(dump: str, ports: list[int], fsdp2_step_folder: str) -> dic
 
 
 def single_worker(dump: str, fsdp2_step_folder: str) -> dict:
-    session = Session([0, 0])  # no process group on one rank: the ports go unused
-    return {
+    session = Session([0] * 8)  # no process group on one rank: the ports go unused
+    out = {
         "straight": uninterrupted(session, layout(1), f"--job.dump_folder={dump}/straight"),
         "resumed": resume(session, layout(1), f"--job.dump_folder={copy_checkpoint(fsdp2_step_folder, f'{dump}/from_fsdp2')}"),
     }
+    # One process has no process group: every async mode must still save and resume.
+    for mode in ASYNC_MODES:
+        args = (layout(1), f"--checkpoint.async_mode={mode}", f"--job.dump_folder={dump}/{mode}")
+        interrupt_after_save(session.trainer(*args))
+        out[mode] = resume(session, *args)
+    return out
 
 
 def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> dict:
@@ -392,20 +401,28 @@ def test_uninterrupted_runs_change_every_step(two_rank, single):
 @pytest.mark.parametrize("mode", ASYNC_MODES)
 def test_resume_same_world_size_is_bit_identical(two_rank, mode):
     for rank in two_rank[1]:
-        straight, resumed = rank["straight"], rank[mode]
-        at_save = straight["after"][SAVE_AT - 1]
-        assert positions(resumed["loaded"]) == positions(at_save)
-        assert resumed["loaded"]["windows_consumed"] == SAVE_AT * GLOBAL_BATCH
-        assert resumed["loaded"]["tokens_seen"] == SAVE_AT * GLOBAL_BATCH * 32
-        # The checkpoint holds step 4 although the run trained on while it was written.
-        assert_bit_identical(resumed["loaded"]["weights"], at_save["weights"])
-        assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
-        assert resumed["loss"] == straight["loss"][SAVE_AT:]
-        assert resumed["grad_norm"] == straight["grad_norm"][SAVE_AT:]
-        assert resumed["lr"] == straight["lr"][SAVE_AT:]
-        assert resumed["batches"] == {step: straight["batches"][step] for step in range(SAVE_AT + 1, STEPS + 1)}
-        assert_bit_identical(resumed["weights"], straight["weights"])
-        assert resumed["end"] == straight["end"]
+        assert_resumed_like_straight(rank["straight"], rank[mode])
+
+
+@pytest.mark.parametrize("mode", ASYNC_MODES)
+def test_resume_single_process_is_bit_identical(single, mode):
+    assert_resumed_like_straight(single[1][0]["straight"], single[1][0][mode])
+
+
+def assert_resumed_like_straight(straight: dict, resumed: dict) -> None:
+    at_save = straight["after"][SAVE_AT - 1]
+    assert positions(resumed["loaded"]) == positions(at_save)
+    assert resumed["loaded"]["windows_consumed"] == SAVE_AT * GLOBAL_BATCH
+    assert resumed["loaded"]["tokens_seen"] == SAVE_AT * GLOBAL_BATCH * 32
+    # The checkpoint holds step 4 although the run trained on while it was written.
+    assert_bit_identical(resumed["loaded"]["weights"], at_save["weights"])
+    assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert resumed["loss"] == straight["loss"][SAVE_AT:]
+    assert resumed["grad_norm"] == straight["grad_norm"][SAVE_AT:]
+    assert resumed["lr"] == straight["lr"][SAVE_AT:]
+    assert resumed["batches"] == {step: straight["batches"][step] for step in range(SAVE_AT + 1, STEPS + 1)}
+    assert_bit_identical(resumed["weights"], straight["weights"])
+    assert resumed["end"] == straight["end"]
 
 
 # 2. Resume at another world size ------------------------------------------------------------

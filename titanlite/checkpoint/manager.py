@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,6 +93,9 @@ class CheckpointManager:
             self._stager = DefaultStager(
                 StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda)
             )
+        if self.process_group is None:
+            # One process saves alone on purpose; DCP warns about that at every save and load.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         if self.rank == 0 and config.enable:
             self._remove_leftovers()
 
@@ -127,9 +131,10 @@ class CheckpointManager:
             dcp.save(state, storage_writer=writer, process_group=self.process_group)
             self._publish(partial, final)
             return
-        checkpointer = (
-            AsyncCheckpointerType.PROCESS if self.config.async_mode == "async_with_pinned_mem" else AsyncCheckpointerType.THREAD
-        )
+        # DCP's writer processes join a process group of their own, built from the default
+        # one; a single process without a group writes from a thread instead.
+        in_process = self.config.async_mode == "async_with_pinned_mem" and self.process_group is not None
+        checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
         response = dcp.async_save(
             state, storage_writer=writer, process_group=self.process_group,
             async_checkpointer_type=checkpointer, async_stager=self._stager,

@@ -135,7 +135,8 @@ def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear,
     """A manager over a small Linear "model" and a step counter, as a trainer would build it."""
     model, train_state = torch.nn.Linear(4, 3), _TrainState()
     manager = CheckpointManager(
-        {"model": ModelState(model), "train_state": train_state}, Checkpoint(enable=True, **options), str(dump)
+        {"model": ModelState(model, {"name": "linear", "flavor": "4x3", "args": {}}), "train_state": train_state},
+        Checkpoint(enable=True, **options), str(dump),
     )
     return manager, model, train_state
 
@@ -178,7 +179,8 @@ def test_two_rank_run_writes_complete_step_folders(two_rank_run):
         assert all((path / name).stat().st_size > 0 for name in files)
         names = top_level_names(path)
         # Model weights at the top level (not under "model."), next to the training parts.
-        assert names == weight_names | TRAINING_PARTS, names
+        # The model's weights sit at the top level, beside its description and the parts.
+        assert names == weight_names | {"model_args"} | TRAINING_PARTS, names
         assert "model" not in names
 
 
@@ -354,7 +356,7 @@ def test_keep_latest_1_keeps_the_newest_resumable_checkpoint_next_to_a_model_onl
     _train_with_manager(manager, model, train_state, steps=5, after_each_save=remember, model_only_last=True)
     folder = tmp_path / "checkpoint"
     assert sorted(entry.name for entry in folder.iterdir()) == ["step-4", "step-5"]
-    assert top_level_names(folder / "step-5") == {"weight", "bias"}
+    assert top_level_names(folder / "step-5") == {"weight", "bias", "model_args"}
     resumed, resumed_model, resumed_state = _manager(tmp_path, keep_latest_k=1)
     assert resumed.load() == ["model", "train_state"]
     assert resumed_state.step == 4
@@ -400,11 +402,13 @@ def test_model_only_last_save_holds_bf16_weights_only(model_only_run):
     assert before_resume == ["step-2", "step-4"]
     path = dump / "checkpoint" / "step-4"
     weights = trained["weights"]
-    assert top_level_names(path) == {name.split(".", 1)[0] for name in weights}
+    # The weights and the model's description, which export tools read, and nothing else.
+    assert top_level_names(path) == {name.split(".", 1)[0] for name in weights} | {"model_args"}
     assert not top_level_names(path) & (TRAINING_PARTS | {"model"})
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    assert set(metadata) == set(weights)
-    for name, item in metadata.items():
+    tensors = {name: item for name, item in metadata.items() if not name.startswith("model_args.")}
+    assert set(tensors) == set(weights)
+    for name, item in tensors.items():
         assert item.properties.dtype == torch.bfloat16, (name, item.properties.dtype)
         assert tuple(item.size) == tuple(weights[name].shape), name
 

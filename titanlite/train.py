@@ -7,6 +7,7 @@ The trainer composes the rooms (config, models via the registry, parallel, data,
 and is imported by nobody.
 """
 
+import dataclasses
 import gc
 import logging
 import os
@@ -171,7 +172,7 @@ class Trainer(Stateful):
 
         # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
         states = {
-            "model": ModelState(model),
+            "model": ModelState(model, self.model_description()),
             "optimizer": OptimizerState(model, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "dataloader": self.loader,
@@ -242,6 +243,10 @@ class Trainer(Stateful):
         return loss_share, grad_norm
 
     # --- train_state, signals -----------------------------------------------------------
+
+    def model_description(self) -> dict:
+        model = self.job_config.model
+        return {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(self.plan.model_args)}
 
     def state_dict(self) -> dict:
         dims = self.plan.parallel_dims

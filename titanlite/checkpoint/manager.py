@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -34,11 +35,25 @@ logger = logging.getLogger("titanlite")
 
 MODEL = "model"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+# DCP reports a failure on any rank as a CheckpointException, which is a BaseException.
+_FAILURES = (Exception, CheckpointException)
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be found, read or written; the message names the path."""
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, failure = sorted(error.failures.items())[0]
+        if isinstance(failure, tuple):  # (exception, its stack frames)
+            failure = failure[0]
+        error_text = f"on rank {rank}: {type(failure).__name__}: {failure}"
+    else:
+        error_text = f"{type(error).__name__}: {error}"
+    return " ".join(error_text.split())[:500]
 
 
 def _fsync_folder(path: Path) -> None:
@@ -65,7 +80,7 @@ def top_level_names(path: Path) -> set[str]:
     """The first component of every key in a checkpoint: part names and model weight names."""
     try:
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
-    except Exception as error:  # unreadable or corrupt metadata
+    except _FAILURES as error:  # unreadable or corrupt metadata
         raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({error})") from None
     return {key.split(".", 1)[0] for key in keys}
 
@@ -110,7 +125,7 @@ class CheckpointManager:
             state = self.states[name].state_dict()
             if name == MODEL:
                 if model_dtype is not None:
-                    state = {key: value.to(model_dtype) for key, value in state.items()}
+                    state = {k: v.to(model_dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
                 collected.update(state)
             else:
                 collected[name] = state
@@ -177,8 +192,8 @@ class CheckpointManager:
             in_flight, self._in_flight = self._in_flight, None
             try:
                 in_flight.result()
-            except Exception as error:
-                raise CheckpointError(f"saving a checkpoint in {self.folder} failed: {error}") from error
+            except _FAILURES as error:
+                raise CheckpointError(f"saving a checkpoint in {self.folder} failed {_describe(error)}") from error
 
     def close(self) -> None:
         self.wait()
@@ -286,8 +301,8 @@ class CheckpointManager:
                 outcome[0] = ("ok", decide())
             except CheckpointError as error:
                 outcome[0] = ("error", str(error))
-            except Exception as error:  # e.g. a permission error: the others must not wait for it
-                outcome[0] = ("error", f"{self.folder}: {type(error).__name__}: {error}")
+            except _FAILURES as error:  # e.g. a permission error: the others must not wait for it
+                outcome[0] = ("error", f"{self.folder}: {_describe(error)}")
         if self.process_group is not None:
             dist.broadcast_object_list(outcome, src=0, group=self.process_group)
         status, value = outcome[0]
@@ -323,8 +338,8 @@ class CheckpointManager:
         state = self._collect(parts)
         try:
             dcp.load(state, storage_reader=FileSystemReader(str(path)), process_group=self.process_group)
-        except Exception as error:
-            raise CheckpointError(f"{path}: loading failed: {' '.join(str(error).split())[:500]}") from error
+        except _FAILURES as error:
+            raise CheckpointError(f"{path}: loading failed {_describe(error)}") from error
         for name in parts:
             part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]
             try:

@@ -16,14 +16,32 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 
+MODEL_ARGS = "model_args"
+
+
 class ModelState(Stateful):
-    def __init__(self, model: nn.Module):
-        self.model = model
+    """The weights, plus a description of the model (registry name, flavor and every
+    hyper-parameter) under "model_args", so that tools reading a checkpoint know what
+    model it holds and a resume into another model shape fails with a clear message."""
+
+    def __init__(self, model: nn.Module, description: dict):
+        self.model, self.description = model, description
 
     def state_dict(self) -> dict:
-        return get_model_state_dict(self.model)
+        return {**get_model_state_dict(self.model), MODEL_ARGS: self.description}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.pop(MODEL_ARGS, None)
+        # max_seq_len only sizes the RoPE tables: weights carry over to any sequence length.
+        different = [] if saved is None else sorted(
+            key for key, value in self.description["args"].items()
+            if key != "max_seq_len" and saved["args"].get(key) != value
+        )
+        if different:
+            raise ValueError(
+                f"the checkpoint holds model {saved['name']} {saved['flavor']}, this run builds "
+                f"{self.description['name']} {self.description['flavor']} (they differ in {', '.join(different)})"
+            )
         set_model_state_dict(self.model, state_dict)
 
 

@@ -1,0 +1,64 @@
+"""A checkpoint says which model it holds, and refuses to load into another one."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from titanlite.checkpoint import ModelState
+from titanlite.models.llama import LLAMA2_FLAVORS, Transformer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.enable", "--metrics.log_freq", "1"]
+
+
+def train(dump: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump), *SMALL, *args]
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HOME": str(dump.parent)}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.fixture(scope="module")
+def llama3_checkpoint(tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("model_args") / "run"
+    result = train(dump, "--training.steps", "2")
+    assert result.returncode == 0, result.stderr
+    return dump
+
+
+def test_checkpoint_records_the_model_description(llama3_checkpoint):
+    keys = FileSystemReader(str(llama3_checkpoint / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    assert {"model_args.name", "model_args.flavor", "model_args.args.dim", "model_args.args.n_kv_heads"} <= keys.keys()
+
+
+def test_resuming_into_another_model_shape_is_one_line(llama3_checkpoint):
+    result = train(llama3_checkpoint, "--training.steps", "4", "--model.name", "llama2")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert lines[0].startswith("titanlite: checkpoint error:")
+    assert "step-2" in lines[0] and "layers.0.attention.wk.weight" in lines[0]
+
+
+def description(**changes) -> dict:
+    args = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": None, "norm_eps": 1e-5, "rope_theta": 10000.0, "max_seq_len": 32}
+    return {"name": "llama2", "flavor": "debugmodel", "args": {**args, **changes}}
+
+
+def test_same_shapes_but_other_hyperparameters_are_refused():
+    with torch.device("meta"):
+        model = Transformer(LLAMA2_FLAVORS["debugmodel"])
+    state = ModelState(model, description())
+    saved = {"model_args": description(rope_theta=500000.0, norm_eps=1e-6)}
+    with pytest.raises(ValueError, match=r"differ in norm_eps, rope_theta"):
+        state.load_state_dict(saved)
+
+
+def test_another_sequence_length_is_not_a_different_model():
+    model = Transformer(LLAMA2_FLAVORS["debugmodel"].with_seq_len(16))
+    model.init_weights(seed=0)
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    ModelState(model, description(max_seq_len=16)).load_state_dict({**weights, "model_args": description(max_seq_len=4096)})

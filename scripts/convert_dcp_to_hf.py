@@ -1,0 +1,58 @@
+"""Export a titanlite checkpoint (a step-N folder) as a Hugging Face LlamaForCausalLM folder.
+
+    python scripts/convert_dcp_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16]
+        [--max-shard-size 5GB] [--ema] [--push-to-hub REPO_ID]
+
+--push-to-hub uploads OUTPUT_DIR with huggingface_hub; the token comes from the
+environment (HF_TOKEN) or huggingface_hub's login, never from the command line.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROG = "convert_dcp_to_hf"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint_dir", help="a step-N checkpoint folder")
+    parser.add_argument("output_dir", help="the Hugging Face folder to create (must not exist or be empty)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--max-shard-size", default=None, help="e.g. 5GB: write sharded files and an index")
+    parser.add_argument("--ema", action="store_true", help="export the EMA weights (ema.*) instead of the model's")
+    parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this model repo")
+    return parser
+
+
+def push_to_hub(folder: Path, repo_id: str) -> None:
+    from huggingface_hub import HfApi
+
+    HfApi().upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from titanlite.checkpoint.hf import export_to_hf
+
+    try:
+        out = export_to_hf(args.checkpoint_dir, args.output_dir, dtype=args.dtype,
+                           max_shard_size=args.max_shard_size, use_ema=args.ema)
+    except ValueError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: wrote {out}")
+    if args.push_to_hub:
+        try:
+            push_to_hub(out, args.push_to_hub)
+        except Exception as error:  # network, permissions, a missing token
+            print(f"{PROG}: error: uploading {out} to {args.push_to_hub} failed ({type(error).__name__})", file=sys.stderr)
+            return 1
+        print(f"{PROG}: uploaded {out} to {args.push_to_hub}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

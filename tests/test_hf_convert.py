@@ -1,0 +1,267 @@
+"""Conversion between titanlite checkpoints and Hugging Face Llama folders.
+
+A Hugging Face model survives HF -> DCP -> HF bit for bit; a model trained by titanlite
+and exported gives, in transformers, the logits titanlite's own model gives; bad input
+is one line on stderr, exit 2, and no output folder.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+
+from tests.multiprocess import register_tiny_flavor
+from titanlite.checkpoint import hf as hf_convert
+from titanlite.config import parse_args
+from titanlite.train import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
+IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
+STEPS = 3
+TRAIN_ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    f"--training.steps={STEPS}",
+    "--training.mixed_precision_param", "float32",
+    "--activation_checkpoint.mode", "none",
+    "--optimizer.lr", "3e-3",
+    "--checkpoint.enable",
+    "--ema.enable", "--ema.decay", "0.5",
+    "--metrics.log_freq", "1",
+]
+
+
+def run_script(script: Path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def leftovers(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".partial" in p.name]
+
+
+# --- HF -> DCP -> HF ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
+        rope_theta=500000.0, tie_word_embeddings=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    folder = tmp_path_factory.mktemp("hf") / "original"
+    model.save_pretrained(folder, max_shard_size="50KB")
+    assert (folder / "model.safetensors.index.json").is_file()  # really sharded
+    return folder, model
+
+
+def test_hf_to_dcp_to_hf_is_bit_identical(hf_model, tmp_path):
+    original_dir, original = hf_model
+    result = run_script(IMPORT, original_dir, tmp_path / "dcp")
+    assert result.returncode == 0, result.stderr
+    description = hf_convert.read_model_description(tmp_path / "dcp" / "step-0")
+    assert description["name"] == "llama3" and description["flavor"] == "hf"
+    assert description["args"].ffn_hidden_dim == 128 and description["args"].kv_heads == 2
+    assert description["args"].rope_theta == 500000.0 and description["args"].norm_eps == 1e-6
+
+    result = run_script(EXPORT, tmp_path / "dcp" / "step-0", tmp_path / "back", "--max-shard-size", "50KB")
+    assert result.returncode == 0, result.stderr
+    before, after = hf_tensors(original_dir), hf_tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].dtype == after[name].dtype and torch.equal(before[name], after[name]), name
+
+    loaded, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    for name, value in original.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_tied_embeddings_become_two_copies(tmp_path):
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96,
+        vocab_size=50, tie_word_embeddings=True,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
+    step = hf_convert.import_from_hf(tmp_path / "tied", tmp_path / "dcp")
+    hf_convert.export_to_hf(step, tmp_path / "untied")
+    tensors = hf_tensors(tmp_path / "untied")
+    assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+
+
+def test_ffn_sizing_matches_or_refuses():
+    for dim, intermediate in [(64, 128), (64, 192), (4096, 14336), (4096, 11008), (8192, 28672), (48, 100)]:
+        multiple_of, multiplier = hf_convert._ffn_sizing(dim, intermediate)
+        args = hf_convert.LlamaArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        assert args.ffn_hidden_dim == intermediate
+
+
+# --- titanlite training -> HF ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    register_tiny_flavor()
+    dump = tmp_path_factory.mktemp("trained")
+    trainer = Trainer(parse_args(TRAIN_ARGS + ["--job.dump_folder", str(dump)]))
+    trainer.train()
+    model = trainer.model.eval()
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(tokens)
+    ema = {name: value.detach().clone() for name, value in trainer.ema.averages.items()}
+    return dump / "checkpoint" / f"step-{STEPS}", tokens, logits, ema
+
+
+def test_exported_model_gives_titanlite_logits(trained, tmp_path):
+    step_dir, tokens, logits, _ = trained
+    result = run_script(EXPORT, step_dir, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    with torch.no_grad():
+        theirs = model.eval()(tokens).logits
+    assert theirs.dtype == torch.float32
+    assert (theirs - logits).abs().max().item() <= 1e-5
+    assert logits.abs().max().item() > 1e-2  # not trivially zero
+
+
+def test_ema_export_holds_the_averages(trained, tmp_path):
+    step_dir, _, _, ema = trained
+    hf_convert.export_to_hf(step_dir, tmp_path / "ema", use_ema=True)
+    hf_convert.export_to_hf(step_dir, tmp_path / "plain")
+    averaged, plain = hf_tensors(tmp_path / "ema"), hf_tensors(tmp_path / "plain")
+    assert torch.equal(averaged["model.norm.weight"], ema["norm.weight"])
+    assert torch.equal(averaged["model.layers.0.mlp.down_proj.weight"], ema["layers.0.feed_forward.w2.weight"])
+    assert not torch.equal(averaged["lm_head.weight"], plain["lm_head.weight"])
+
+
+def test_bf16_sharded_export(trained, tmp_path):
+    step_dir = trained[0]
+    out = tmp_path / "bf16"
+    result = run_script(EXPORT, step_dir, out, "--dtype", "bfloat16", "--max-shard-size", "20KB")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["num_key_value_heads"] == 2
+    tensors = hf_tensors(out)
+    assert tensors and all(t.dtype == torch.bfloat16 for t in tensors.values())
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shard_files = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shard_files) > 1 and sorted(set(index["weight_map"].values())) == shard_files
+    assert index["weight_map"].keys() == tensors.keys()
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in tensors.values())
+    for name, file in index["weight_map"].items():
+        with safe_open(str(out / file), framework="pt") as handle:
+            assert name in handle.keys()
+    # Every shard stays under the limit unless it holds a single larger tensor.
+    for file in shard_files:
+        sizes = [tensors[n].numel() * 2 for n, f in index["weight_map"].items() if f == file]
+        assert len(sizes) == 1 or sum(sizes) <= 20_000
+
+
+def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("convert_dcp_to_hf", EXPORT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    calls = []
+
+    class FakeApi:
+        def upload_folder(self, **kwargs):
+            calls.append(kwargs)
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    out = tmp_path / "pushed"
+    assert script.main([str(trained[0]), str(out), "--push-to-hub", "me/tiny"]) == 0
+    assert calls == [{"folder_path": str(out), "repo_id": "me/tiny", "repo_type": "model"}]
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def one_error_line(result: subprocess.CompletedProcess, prog: str, path: Path) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"{prog}: error: ") and str(path) in lines[0]
+    return lines[0]
+
+
+def test_not_a_checkpoint_folder(tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello")
+    result = run_script(EXPORT, folder, tmp_path / "out")
+    assert "no .metadata" in one_error_line(result, "convert_dcp_to_hf", folder)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_missing_folder(tmp_path):
+    result = run_script(EXPORT, tmp_path / "nowhere", tmp_path / "out")
+    one_error_line(result, "convert_dcp_to_hf", tmp_path / "nowhere")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+    result = run_script(IMPORT, tmp_path / "nowhere", tmp_path / "out")
+    one_error_line(result, "convert_hf_to_dcp", tmp_path / "nowhere")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_output_folder_is_refused(trained, hf_model, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_script(EXPORT, trained[0], out)
+    assert "not empty" in one_error_line(result, "convert_dcp_to_hf", out)
+    result = run_script(IMPORT, hf_model[0], out)
+    assert "not empty" in one_error_line(result, "convert_hf_to_dcp", out)
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
+
+
+def test_ema_missing_and_model_args_missing(trained, tmp_path):
+    plain_step = tmp_path / "dcp"
+    torch.distributed.checkpoint.save(
+        {"tok_embeddings.weight": torch.zeros(2, 2)},
+        storage_writer=torch.distributed.checkpoint.FileSystemWriter(str(plain_step)), no_dist=True,
+    )
+    with pytest.raises(ValueError, match="no model_args"):
+        hf_convert.export_to_hf(plain_step, tmp_path / "out")
+    hf_step = hf_convert.import_from_hf(*_tiny_hf(tmp_path))
+    with pytest.raises(ValueError, match="no 'ema.' entries"):
+        hf_convert.export_to_hf(hf_step, tmp_path / "out", use_ema=True)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
+    return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
+
+
+def test_a_failure_while_writing_leaves_nothing(trained, tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(hf_convert, "save_file", broken)
+    with pytest.raises(OSError):
+        hf_convert.export_to_hf(trained[0], tmp_path / "out", max_shard_size="20KB")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)

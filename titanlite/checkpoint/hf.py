@@ -216,11 +216,15 @@ def export_to_hf(
     shards = plan_shards(sizes, limit)
     reader_path = str(step_dir)
 
-    def load_one(key: str, entry: TensorStorageMetadata) -> torch.Tensor:
-        tensor = torch.empty(entry.size, dtype=entry.properties.dtype)
-        state = {key: tensor}
+    def load_shard(names: list[str]) -> dict[str, torch.Tensor]:
+        # One DCP load per output shard: planning a load and opening the data files per
+        # tensor cost as much as the reading itself.
+        state = {}
+        for hf_name in names:
+            key, _, entry = ordered[hf_name]
+            state[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
         _single_process(dcp.load, state, storage_reader=FileSystemReader(reader_path), no_dist=True)
-        return state[key]
+        return state
 
     def write(folder: Path) -> None:
         files = ["model.safetensors"] if len(shards) == 1 and limit is None else [
@@ -228,11 +232,11 @@ def export_to_hf(
         ]
         weight_map = {}
         for file, names in zip(files, shards):
-            shard = {}
+            loaded, shard = load_shard(names), {}
             for hf_name in names:
-                key, name, entry = ordered[hf_name]
-                tensor = adapter.to_hf_tensor(name, load_one(key, entry))
-                shard[hf_name] = tensor.to(dtype).contiguous()
+                key, name, _ = ordered[hf_name]
+                # pop: each saved tensor is released as soon as its converted copy exists.
+                shard[hf_name] = adapter.to_hf_tensor(name, loaded.pop(key)).to(dtype).contiguous()
                 weight_map[hf_name] = file
             save_file(shard, str(folder / file), metadata={"format": "pt"})
             del shard

@@ -1,0 +1,254 @@
+"""Loading a trained model for evaluation and sampling from it.
+
+load_model gives the trainer's own logits from a full or a model-only step folder and
+from an exported Hugging Face folder, and the EMA weights when asked; greedy generation
+matches transformers'; seeded sampling repeats; the script prints text or fails in one line.
+"""
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+
+from tests.multiprocess import register_tiny_flavor
+from titanlite.checkpoint import hf as hf_convert
+from titanlite.checkpoint.load import load_model
+from titanlite.checkpoint.manager import top_level_names
+from titanlite.config import parse_args
+from titanlite.models.generate import generate
+from titanlite.models.llama.model import Transformer, rope_tables
+from titanlite.train import Trainer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "scripts" / "generate.py"
+STEPS = 3
+TRAIN_ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    "--training.local_batch_size", "2",
+    f"--training.steps={STEPS}",
+    "--training.mixed_precision_param", "float32",
+    "--activation_checkpoint.mode", "none",
+    "--optimizer.lr", "3e-3",
+    "--checkpoint.enable",
+    "--metrics.log_freq", "1",
+]
+PROMPT = [256, 72, 101, 108, 108, 111]  # BOS "Hello"
+
+
+def _train(dump: Path, extra: list[str]):
+    register_tiny_flavor()
+    trainer = Trainer(parse_args(TRAIN_ARGS + extra + ["--job.dump_folder", str(dump)]))
+    trainer.train()
+    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(3))
+    model = trainer.model.eval()
+    with torch.no_grad():
+        logits = model(tokens)
+    ema = None
+    if trainer.ema is not None:
+        ema = {name: value.detach().clone() for name, value in trainer.ema.averages.items()}
+    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    return dump / "checkpoint" / f"step-{STEPS}", tokens, logits, weights, ema
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A full checkpoint with EMA."""
+    return _train(tmp_path_factory.mktemp("full"), ["--ema.enable", "--ema.decay", "0.5"])
+
+
+@pytest.fixture(scope="module")
+def hf_folder(trained, tmp_path_factory):
+    return hf_convert.export_to_hf(trained[0], tmp_path_factory.mktemp("hf") / "exported")
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item()
+
+
+# --- load_model ----------------------------------------------------------------------------
+
+
+def test_full_checkpoint_gives_the_trainers_logits(trained):
+    step_dir, tokens, logits, _, _ = trained
+    assert "optimizer" in top_level_names(step_dir)  # really a full save
+    model, description = load_model(step_dir)
+    assert description["name"] == "llama3" and description["flavor"] == "tiny"
+    assert not model.training
+    with torch.no_grad():
+        assert _max_diff(model(tokens), logits) <= 1e-6
+    assert logits.abs().max().item() > 1e-2
+    # The weights came from the checkpoint, not from a fresh initialisation.
+    fresh = Transformer(description["args"])
+    fresh.init_weights(seed=0)
+    with torch.no_grad():
+        assert _max_diff(fresh.eval()(tokens), logits) > 1e-3
+
+
+def test_model_only_checkpoint_gives_the_trainers_logits(tmp_path):
+    step_dir, tokens, logits, _, _ = _train(tmp_path, ["--checkpoint.last_save_model_only"])
+    assert "optimizer" not in top_level_names(step_dir)  # really model-only
+    model, _ = load_model(step_dir)
+    with torch.no_grad():
+        assert _max_diff(model(tokens), logits) <= 1e-6
+
+
+def test_use_ema_gives_the_averages(trained):
+    step_dir, _, _, weights, ema = trained
+    averaged, _ = load_model(step_dir, use_ema=True)
+    plain, _ = load_model(step_dir)
+    for name, value in averaged.state_dict().items():
+        assert torch.equal(value, ema[name]), name
+        assert torch.equal(plain.state_dict()[name], weights[name]), name
+    assert not torch.equal(averaged.output.weight, plain.output.weight)
+
+
+def test_rope_tables_and_dtype(trained):
+    model, description = load_model(trained[0], dtype=torch.bfloat16)
+    assert model.output.weight.dtype == torch.bfloat16
+    cos, sin = rope_tables(description["args"])
+    assert model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+
+
+def test_hf_folder_gives_the_same_logits(trained, hf_folder):
+    _, tokens, logits, _, _ = trained
+    model, description = load_model(hf_folder)
+    assert description["flavor"] == "hf"
+    with torch.no_grad():
+        assert _max_diff(model(tokens), logits) <= 1e-5
+
+
+def test_bad_paths_raise_one_line(trained, tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "notes.txt").write_text("hi")
+    weights_only = tmp_path / "weights_only"
+    dcp.save({"tok_embeddings.weight": torch.zeros(2, 2)},
+             storage_writer=dcp.FileSystemWriter(str(weights_only)), no_dist=True)
+    cases = [(tmp_path / "nowhere", "no such"), (plain, "not a checkpoint"), (plain / "notes.txt", "not a checkpoint"),
+             (weights_only, "no model_args")]
+    for path, problem in cases:
+        with pytest.raises(ValueError) as raised:
+            load_model(path)
+        message = str(raised.value)
+        assert str(path) in message and problem in message and "\n" not in message
+    hf_step = hf_convert.import_from_hf(*_tiny_hf(tmp_path))
+    with pytest.raises(ValueError, match="no 'ema.' entries"):
+        load_model(hf_step, use_ema=True)
+
+
+def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
+    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      intermediate_size=96, vocab_size=40)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
+    return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
+
+
+# --- generate ------------------------------------------------------------------------------
+
+
+def test_greedy_matches_transformers(trained, hf_folder):
+    model, _ = load_model(hf_folder)
+    ours = generate(model, PROMPT, max_new_tokens=16)
+    theirs_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()
+    theirs_model.generation_config.eos_token_id = None
+    theirs_model.generation_config.pad_token_id = 0
+    out = theirs_model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=0, do_sample=False,
+                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
+    theirs = out[0, len(PROMPT):].tolist()
+    assert len(ours) == 16 and ours == theirs
+    # Greedy is the argmax of a full forward pass at each step.
+    with torch.no_grad():
+        first = model(torch.tensor([PROMPT]))[0, -1].argmax().item()
+    assert ours[0] == first
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy(trained):
+    model, _ = load_model(trained[0])
+    greedy = generate(model, PROMPT, max_new_tokens=12)
+    first = generate(model, PROMPT, max_new_tokens=20, temperature=5.0, seed=7)
+    again = generate(model, PROMPT, max_new_tokens=20, temperature=5.0, seed=7)
+    other = generate(model, PROMPT, max_new_tokens=20, temperature=5.0, seed=8)
+    assert first == again and first != other
+    assert generate(model, PROMPT, max_new_tokens=12, temperature=1.0, top_k=1, seed=3) == greedy
+    # top_k keeps only the k most likely tokens at each step.
+    tokens = list(PROMPT)
+    for token in generate(model, PROMPT, max_new_tokens=6, temperature=5.0, top_k=3, seed=1):
+        with torch.no_grad():
+            best = model(torch.tensor([tokens]))[0, -1].topk(3).indices.tolist()
+        assert token in best
+        tokens.append(token)
+
+
+def test_stops_at_eos(trained):
+    model, _ = load_model(trained[0])
+    greedy = generate(model, PROMPT, max_new_tokens=10)
+    stop = greedy[2]
+    out = generate(model, PROMPT, max_new_tokens=10, eos_id=stop)
+    assert out == greedy[: greedy.index(stop) + 1]
+
+
+def test_prefix_is_cut_to_max_seq_len(trained):
+    loaded, description = load_model(trained[0])
+    args = dataclasses.replace(description["args"], max_seq_len=8)
+    short = Transformer(args)
+    short.load_state_dict(loaded.state_dict())
+    short.rope_cos, short.rope_sin = rope_tables(args)
+    short.eval()
+    out = generate(short, PROMPT, max_new_tokens=10)  # 16 tokens in all, the tables hold 8
+    tokens = PROMPT + out
+    for i, token in enumerate(out):
+        window = tokens[: len(PROMPT) + i][-8:]
+        with torch.no_grad():
+            assert short(torch.tensor([window]))[0, -1].argmax().item() == token
+
+
+def test_bad_arguments_are_refused(trained):
+    model, _ = load_model(trained[0])
+    for kwargs in ({"temperature": -1.0}, {"top_k": 0}, {"max_new_tokens": -1}):
+        with pytest.raises(ValueError):
+            generate(model, PROMPT, **{"max_new_tokens": 2, **kwargs})
+    with pytest.raises(ValueError, match="empty"):
+        generate(model, [], 2)
+
+
+# --- scripts/generate.py ---------------------------------------------------------------------
+
+
+def run_script(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def test_script_prints_the_continuation(trained):
+    model, _ = load_model(trained[0])
+    expected = generate(model, [256, *b"ab"], max_new_tokens=8, eos_id=257)
+    result = run_script("--checkpoint", trained[0], "--prompt", "ab", "--max_new_tokens", 8)
+    assert result.returncode == 0, result.stderr
+    continuation = bytes(t for t in expected if t < 256).decode("utf-8", errors="replace")
+    assert result.stdout == "ab" + continuation + "\n"
+
+
+def test_script_sampling_on_hf_folder(hf_folder):
+    args = ["--checkpoint", hf_folder, "--prompt", "x", "--max_new_tokens", 5, "--temperature", 0.8, "--seed", 1]
+    first, second = run_script(*args), run_script(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("x") and first.stdout == second.stdout
+
+
+def test_script_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for args in (["--checkpoint", folder, "--prompt", "a", "--max_new_tokens", 3],
+                 ["--checkpoint", tmp_path / "nowhere", "--prompt", "a", "--max_new_tokens", 3]):
+        result = run_script(*args)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2, result.stderr
+        assert len(lines) == 1 and lines[0].startswith("generate: error: ") and str(args[1]) in lines[0], result.stderr
+    result = run_script("--checkpoint", folder, "--prompt", "a")  # no --max_new_tokens
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("generate: error: ")

@@ -1,0 +1,89 @@
+"""Load a trained model for evaluation: one call, one process, no process group.
+
+    model, description = load_model("outputs/checkpoint/step-1000")
+    model, description = load_model("outputs/checkpoint/step-1000", use_ema=True)
+    model, description = load_model("my-hf-llama")  # config.json + safetensors
+
+A DCP ``step-N`` folder (full or model-only) is recognised by its ``.metadata`` file; a
+Hugging Face folder by its ``config.json``. The model is built on the meta device, moved
+to ``device`` with ``to_empty``, filled from the checkpoint (never randomly initialised),
+given its RoPE tables and put in eval mode.
+
+A Hugging Face folder is read through ``hf.import_from_hf``, the same code the
+``convert_hf_to_dcp.py`` script uses: it is converted into a temporary DCP checkpoint
+that is loaded and then deleted, so loading needs free temporary disk space about the
+size of the model.
+"""
+
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from titanlite.checkpoint import hf
+from titanlite.models.llama.model import rope_tables
+from titanlite.registry import get_model_spec
+
+
+def _build(description: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    model_cls = get_model_spec(description["name"]).model_cls
+    with torch.device("meta"):
+        model = model_cls(description["args"])
+    model.to_empty(device=device)
+    model.to(dtype)
+    return model
+
+
+def _set_rope_tables(model: nn.Module, device: torch.device) -> None:
+    # The only non-persistent state: derived from the args, never saved. Kept in float32
+    # whatever the weights' dtype, as init_weights does.
+    model.rope_cos, model.rope_sin = rope_tables(model.args, device=device)
+
+
+def _load_dcp(step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema: bool) -> tuple[nn.Module, dict]:
+    description = hf.read_model_description(step_dir)
+    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    model = _build(description, device, dtype)
+    prefix = hf.EMA_PREFIX if use_ema else ""
+    weights = model.state_dict()  # views of the parameters: dcp.load fills them in place
+    state = {prefix + name: tensor for name, tensor in weights.items()}
+    missing = sorted(key for key in state if key not in metadata.state_dict_metadata)
+    if use_ema and len(missing) == len(state):
+        raise ValueError(f"{step_dir}: use_ema asks for EMA weights but the checkpoint has no 'ema.' entries")
+    if missing:
+        raise ValueError(f"{step_dir}: the checkpoint lacks {len(missing)} model weight(s), e.g. {missing[0]}")
+    hf._single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    for name, tensor in weights.items():
+        if tensor.data_ptr() != state[prefix + name].data_ptr():  # loaded into a new tensor, not in place
+            tensor.copy_(state[prefix + name])
+    _set_rope_tables(model, device)
+    return model.eval(), description
+
+
+def load_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    use_ema: bool = False,
+) -> tuple[nn.Module, dict]:
+    """(model in eval mode, {"name", "flavor", "args"}) from a step-N folder or a Hugging
+    Face folder. Raises ValueError, one line naming the path, when PATH is not one."""
+    path, device = Path(path), torch.device(device)
+    if not path.exists():
+        raise ValueError(f"{path}: no such checkpoint folder")
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a checkpoint folder (a file, expected a step-N or Hugging Face folder)")
+    if (path / ".metadata").exists():
+        with torch.no_grad():
+            return _load_dcp(path, device, dtype, use_ema)
+    if (path / "config.json").is_file():
+        if use_ema:
+            raise ValueError(f"{path}: use_ema asks for EMA weights but a Hugging Face folder has none")
+        with tempfile.TemporaryDirectory(prefix="titanlite-load-") as temporary:
+            step_dir = hf.import_from_hf(path, Path(temporary) / "dcp")
+            with torch.no_grad():
+                return _load_dcp(step_dir, device, dtype, use_ema=False)
+    raise ValueError(f"{path}: not a checkpoint (no .metadata) nor a Hugging Face folder (no config.json)")

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.top_k is not None and args.top_k < 1:
         print(f"{PROG}: error: --top_k {args.top_k} must be >= 1", file=sys.stderr)
         return 2
-    from titanlite.checkpoint.hf import DTYPES
+    from titanlite.checkpoint.manager import EXPORT_DTYPES
     from titanlite.checkpoint.load import load_model
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models.generate import generate
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         assets = str(checkpoint)
     try:
         tokenizer = build_tokenizer(assets)
-        model, description = load_model(checkpoint, device=args.device, dtype=DTYPES[args.dtype], use_ema=args.ema)
+        model, description = load_model(checkpoint, device=args.device, dtype=EXPORT_DTYPES[args.dtype], use_ema=args.ema)
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

@@ -15,51 +15,22 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
-from tests.multiprocess import register_tiny_flavor
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.manager import top_level_names
-from titanlite.config import parse_args
 from titanlite.models.generate import generate
 from titanlite.models.llama.model import Transformer, rope_tables
-from titanlite.train import Trainer
+from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "scripts" / "generate.py"
-STEPS = 3
-TRAIN_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--optimizer.lr", "3e-3",
-    "--checkpoint.enable",
-    "--metrics.log_freq", "1",
-]
 PROMPT = [256, 72, 101, 108, 108, 111]  # BOS "Hello"
-
-
-def _train(dump: Path, extra: list[str]):
-    register_tiny_flavor()
-    trainer = Trainer(parse_args(TRAIN_ARGS + extra + ["--job.dump_folder", str(dump)]))
-    trainer.train()
-    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(3))
-    model = trainer.model.eval()
-    with torch.no_grad():
-        logits = model(tokens)
-    ema = None
-    if trainer.ema is not None:
-        ema = {name: value.detach().clone() for name, value in trainer.ema.averages.items()}
-    weights = {name: value.detach().clone() for name, value in model.state_dict().items()}
-    return dump / "checkpoint" / f"step-{STEPS}", tokens, logits, weights, ema
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A full checkpoint with EMA."""
-    return _train(tmp_path_factory.mktemp("full"), ["--ema.enable", "--ema.decay", "0.5"])
+    return train_tiny(tmp_path_factory.mktemp("full"), ["--ema.enable", "--ema.decay", "0.5"])
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +62,7 @@ def test_full_checkpoint_gives_the_trainers_logits(trained):
 
 
 def test_model_only_checkpoint_gives_the_trainers_logits(tmp_path):
-    step_dir, tokens, logits, _, _ = _train(tmp_path, ["--checkpoint.last_save_model_only"])
+    step_dir, tokens, logits, _, _ = train_tiny(tmp_path, ["--checkpoint.last_save_model_only"])
     assert "optimizer" not in top_level_names(step_dir)  # really model-only
     model, _ = load_model(step_dir)
     with torch.no_grad():

@@ -16,29 +16,12 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.multiprocess import register_tiny_flavor
 from titanlite.checkpoint import hf as hf_convert
-from titanlite.config import parse_args
-from titanlite.train import Trainer
+from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
 IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
-STEPS = 3
-TRAIN_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--optimizer.lr", "3e-3",
-    "--checkpoint.enable",
-    "--ema.enable", "--ema.decay", "0.5",
-    "--metrics.log_freq", "1",
-]
-
-
 def run_script(script: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
 
@@ -120,20 +103,11 @@ def test_ffn_sizing_matches_or_refuses():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    register_tiny_flavor()
-    dump = tmp_path_factory.mktemp("trained")
-    trainer = Trainer(parse_args(TRAIN_ARGS + ["--job.dump_folder", str(dump)]))
-    trainer.train()
-    model = trainer.model.eval()
-    tokens = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        logits = model(tokens)
-    ema = {name: value.detach().clone() for name, value in trainer.ema.averages.items()}
-    return dump / "checkpoint" / f"step-{STEPS}", tokens, logits, ema
+    return train_tiny(tmp_path_factory.mktemp("trained"), ["--ema.enable", "--ema.decay", "0.5"])
 
 
 def test_exported_model_gives_titanlite_logits(trained, tmp_path):
-    step_dir, tokens, logits, _ = trained
+    step_dir, tokens, logits, _, _ = trained
     result = run_script(EXPORT, step_dir, tmp_path / "hf")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -147,7 +121,7 @@ def test_exported_model_gives_titanlite_logits(trained, tmp_path):
 
 
 def test_ema_export_holds_the_averages(trained, tmp_path):
-    step_dir, _, _, ema = trained
+    step_dir, _, _, _, ema = trained
     hf_convert.export_to_hf(step_dir, tmp_path / "ema", use_ema=True)
     hf_convert.export_to_hf(step_dir, tmp_path / "plain")
     averaged, plain = hf_tensors(tmp_path / "ema"), hf_tensors(tmp_path / "plain")

@@ -25,11 +25,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanlite.checkpoint.manager import EXPORT_DTYPES
 from titanlite.checkpoint.states import MODEL_ARGS
 from titanlite.models.llama.args import LlamaArgs, RopeScaling
 from titanlite.registry import get_model_spec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EMA_PREFIX = "ema."
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -180,11 +180,11 @@ def export_to_hf(
     """Write a Hugging Face LlamaForCausalLM folder from a titanlite step-N checkpoint."""
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype '{dtype}': choose from {', '.join(DTYPES)}")
-        dtype = DTYPES[dtype]
-    if dtype not in DTYPES.values():
-        raise ValueError(f"dtype {dtype}: choose from {', '.join(DTYPES)}")
+        if dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype '{dtype}': choose from {', '.join(EXPORT_DTYPES)}")
+        dtype = EXPORT_DTYPES[dtype]
+    if dtype not in EXPORT_DTYPES.values():
+        raise ValueError(f"dtype {dtype}: choose from {', '.join(EXPORT_DTYPES)}")
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     _check_output(out_dir)
     metadata = _checkpoint_metadata(step_dir)

@@ -37,7 +37,8 @@ MODEL = "model"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # DCP reports a failure on any rank as a CheckpointException, which is a BaseException.
 _FAILURES = (Exception, CheckpointException)
-_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Dtypes a model-only save or an export may cast the weights to, by config name.
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointError(RuntimeError):
@@ -136,7 +137,7 @@ class CheckpointManager:
         At most one save is in flight: an earlier one is waited for first."""
         self.wait()
         if model_only:
-            state = self._collect([MODEL], _EXPORT_DTYPES[self.config.export_dtype])
+            state = self._collect([MODEL], EXPORT_DTYPES[self.config.export_dtype])
         else:
             state = self._collect(list(self.states))
         partial = self.folder / f".step-{step}.partial"

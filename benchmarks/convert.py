@@ -14,7 +14,7 @@ untimed copy makes sure they are read once more), it times one after the other:
   copy      shutil.copyfile of every file of step-0 (the .distcp files and .metadata) to
             a temporary folder, with an fsync of each copy: the bytes a conversion must
             at least read and write, moved with no work at all
-  convert   titanlite.checkpoint.hf.export_to_hf(step-0, out, float32, --max-shard-size)
+  convert   titanlite.checkpoint.hf_export.export_to_hf(step-0, out, float32, --max-shard-size)
             in a fresh Python process, followed by an fsync of each output file, so that
             both rows end with their data handed to the disk
 
@@ -93,7 +93,7 @@ def convert_child(step_dir: str, out_dir: str, max_shard_size: str) -> None:
     """Runs as `python benchmarks/convert.py --child ...`; prints one JSON line."""
     import torch  # noqa: F401  (counted in the baseline, as the scripts import it too)
 
-    from titanlite.checkpoint.hf import export_to_hf
+    from titanlite.checkpoint.hf_export import export_to_hf
 
     baseline = _rss_bytes()
     baseline_peak = _peak_rss_bytes()

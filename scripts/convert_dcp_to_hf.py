@@ -35,7 +35,7 @@ def push_to_hub(folder: Path, repo_id: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from titanlite.checkpoint.hf import export_to_hf
+    from titanlite.checkpoint.hf_export import export_to_hf
 
     try:
         out = export_to_hf(args.checkpoint_dir, args.output_dir, dtype=args.dtype,

@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 
 from titanlite.checkpoint import hf as hf_convert
+from titanlite.checkpoint import hf_export
 from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.manager import top_level_names
 from titanlite.models.generate import generate
@@ -35,7 +36,7 @@ def trained(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_folder(trained, tmp_path_factory):
-    return hf_convert.export_to_hf(trained[0], tmp_path_factory.mktemp("hf") / "exported")
+    return hf_export.export_to_hf(trained[0], tmp_path_factory.mktemp("hf") / "exported")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:

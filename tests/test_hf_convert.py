@@ -17,6 +17,7 @@ import transformers
 from safetensors import safe_open
 
 from titanlite.checkpoint import hf as hf_convert
+from titanlite.checkpoint import hf_export
 from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,7 @@ def test_tied_embeddings_become_two_copies(tmp_path):
     )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
     step = hf_convert.import_from_hf(tmp_path / "tied", tmp_path / "dcp")
-    hf_convert.export_to_hf(step, tmp_path / "untied")
+    hf_export.export_to_hf(step, tmp_path / "untied")
     tensors = hf_tensors(tmp_path / "untied")
     assert torch.equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
 
@@ -122,8 +123,8 @@ def test_exported_model_gives_titanlite_logits(trained, tmp_path):
 
 def test_ema_export_holds_the_averages(trained, tmp_path):
     step_dir, _, _, _, ema = trained
-    hf_convert.export_to_hf(step_dir, tmp_path / "ema", use_ema=True)
-    hf_convert.export_to_hf(step_dir, tmp_path / "plain")
+    hf_export.export_to_hf(step_dir, tmp_path / "ema", use_ema=True)
+    hf_export.export_to_hf(step_dir, tmp_path / "plain")
     averaged, plain = hf_tensors(tmp_path / "ema"), hf_tensors(tmp_path / "plain")
     assert torch.equal(averaged["model.norm.weight"], ema["norm.weight"])
     assert torch.equal(averaged["model.layers.0.mlp.down_proj.weight"], ema["layers.0.feed_forward.w2.weight"])
@@ -218,10 +219,10 @@ def test_ema_missing_and_model_args_missing(trained, tmp_path):
         storage_writer=torch.distributed.checkpoint.FileSystemWriter(str(plain_step)), no_dist=True,
     )
     with pytest.raises(ValueError, match="no model_args"):
-        hf_convert.export_to_hf(plain_step, tmp_path / "out")
+        hf_export.export_to_hf(plain_step, tmp_path / "out")
     hf_step = hf_convert.import_from_hf(*_tiny_hf(tmp_path))
     with pytest.raises(ValueError, match="no 'ema.' entries"):
-        hf_convert.export_to_hf(hf_step, tmp_path / "out", use_ema=True)
+        hf_export.export_to_hf(hf_step, tmp_path / "out", use_ema=True)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
@@ -235,7 +236,7 @@ def test_a_failure_while_writing_leaves_nothing(trained, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(hf_convert, "save_file", broken)
+    monkeypatch.setattr(hf_export, "save_file", broken)
     with pytest.raises(OSError):
-        hf_convert.export_to_hf(trained[0], tmp_path / "out", max_shard_size="20KB")
+        hf_export.export_to_hf(trained[0], tmp_path / "out", max_shard_size="20KB")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
-from titanlite.data import build_documents, build_tokenizer
+from titanlite.data import build_documents, build_tokenizer, tokenizer_file
 from titanlite.data.loader import PackedLoader
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.optim.ema import EMA
@@ -246,7 +246,12 @@ class Trainer(Stateful):
 
     def model_description(self) -> dict:
         model = self.job_config.model
-        return {"name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(self.plan.model_args)}
+        return {
+            "name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(self.plan.model_args),
+            # Where the run's tokenizer.json is (None: the byte tokenizer), so that an
+            # export can ship the tokenizer beside the weights.
+            "tokenizer_path": tokenizer_file(model.hf_assets_path),
+        }
 
     def state_dict(self) -> dict:
         dims = self.plan.parallel_dims

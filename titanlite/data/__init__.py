@@ -5,6 +5,6 @@ It takes plain arguments and imports nothing else from titanlite.
 
 from .loader import PackedLoader, build_loader
 from .sources import build_documents
-from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_file
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "build_tokenizer", "build_documents", "PackedLoader", "build_loader"]
+__all__ = ["ByteTokenizer", "HFTokenizer", "build_tokenizer", "tokenizer_file", "build_documents", "PackedLoader", "build_loader"]

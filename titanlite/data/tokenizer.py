@@ -112,6 +112,15 @@ def _token_content(entry: Any) -> str | None:
     return None
 
 
+def tokenizer_file(hf_assets_path: str | None) -> str | None:
+    """The absolute path of the tokenizer.json that hf_assets_path names, or None."""
+    if hf_assets_path is None:
+        return None
+    if os.path.isdir(hf_assets_path):
+        return os.path.abspath(os.path.join(hf_assets_path, "tokenizer.json"))
+    return os.path.abspath(hf_assets_path)
+
+
 def build_tokenizer(hf_assets_path: str | None) -> ByteTokenizer | HFTokenizer:
     """None gives the byte tokenizer; a folder or a tokenizer.json path gives an HFTokenizer."""
     if hf_assets_path is None:

@@ -5,8 +5,9 @@
         [--device cpu] [--dtype float32]
 
 PATH is a step-N checkpoint folder (full or model-only) or a Hugging Face folder. The
-tokenizer is --hf_assets_path's tokenizer.json; without it, a Hugging Face folder's own
-tokenizer.json when it has one, else the byte tokenizer. The prompt is preceded by the
+tokenizer is --hf_assets_path's tokenizer.json; without it, the one the checkpoint names
+(the training run's, or a Hugging Face folder's own tokenizer.json), else the byte
+tokenizer. The prompt is preceded by the
 tokenizer's BOS token when it has one, as in training. Temperature 0 (the default) is
 greedy decoding.
 """
@@ -58,12 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     from titanlite.models.generate import generate
 
     checkpoint = Path(args.checkpoint)
-    assets = args.hf_assets_path
-    if assets is None and (checkpoint / "tokenizer.json").is_file() and not (checkpoint / ".metadata").exists():
-        assets = str(checkpoint)
     try:
-        tokenizer = build_tokenizer(assets)
         model, description = load_model(checkpoint, device=args.device, dtype=EXPORT_DTYPES[args.dtype], use_ema=args.ema)
+        tokenizer = build_tokenizer(args.hf_assets_path or description["tokenizer_path"])
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
+from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
 from titanlite.data import build_documents, build_tokenizer, tokenizer_file
 from titanlite.data.loader import PackedLoader
@@ -183,6 +184,9 @@ class Trainer(Stateful):
             states["ema"] = self.ema
         self.checkpointer = CheckpointManager(states, job_config.checkpoint, job_config.job.dump_folder)
         loaded = self.checkpointer.load()
+        if not loaded and job_config.checkpoint.initial_load_in_hf:
+            self._seed_from_hf(model_spec)
+            loaded = ["model"]
         if self.ema is not None and loaded and "ema" not in loaded:
             self.ema.restart()  # average the loaded weights, not the random ones
         self._stop_signal = None
@@ -198,6 +202,18 @@ class Trainer(Stateful):
             self.plan.global_batch_size, training.local_batch_size, parallel_dims.dp_degree,
             self.plan.grad_accum_steps,
         )
+
+    def _seed_from_hf(self, model_spec) -> None:
+        """Start from a Hugging Face folder's weights; the RoPE tables (not in the folder)
+        were set by init_weights."""
+        path = self.job_config.checkpoint.initial_load_path
+        try:
+            fingerprint = seed_from_hf(
+                path, self.model, self.plan.model_args, model_spec.state_dict_adapter, self.checkpointer.process_group
+            )
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint.initial_load_path {error}") from error
+        logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
 
     # --- one optimizer step ------------------------------------------------------------
 

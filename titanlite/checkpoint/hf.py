@@ -10,6 +10,7 @@ All renaming and the q/k RoPE permutation come from the model's state-dict adapt
 """
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -17,9 +18,12 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from titanlite.checkpoint.states import MODEL_ARGS
 from titanlite.models.llama.args import LlamaArgs, RopeScaling
@@ -28,6 +32,8 @@ from titanlite.registry import get_model_spec
 EMA_PREFIX = "ema."
 # Buffers some Hugging Face checkpoints carry; they are recomputed, never trained.
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
+# Bytes read from the start, middle and end of each weight file to fingerprint a folder.
+_SAMPLE = 64 * 1024
 
 
 def _single_process(call, *args, **kwargs):
@@ -133,7 +139,7 @@ def _titanlite_names(args: LlamaArgs) -> list[str]:
     return names
 
 
-# --- import ----------------------------------------------------------------------------
+# --- Hugging Face config.json <-> LlamaArgs ----------------------------------------
 
 
 def _ffn_sizing(dim: int, intermediate: int) -> tuple[int, float | None]:
@@ -190,26 +196,11 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
     )
 
 
-def _hf_weight_files(hf_dir: Path) -> list[Path]:
-    single, index = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError):
-            raise ValueError(f"{index}: not a safetensors index (no weight_map)") from None
-        files = sorted(set(weight_map.values()))
-        absent = [f for f in files if not (hf_dir / f).is_file()]
-        if absent:
-            raise ValueError(f"{hf_dir}: the index names {absent[0]}, which is missing")
-        return [hf_dir / f for f in files]
-    if single.is_file():
-        return [single]
-    raise ValueError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+# --- reading a Hugging Face folder -----------------------------------------------------
 
 
-def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write out_dir/step-0, a DCP checkpoint of a Hugging Face Llama folder. Returns step-0."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+def read_hf_config(hf_dir: Path) -> tuple[dict, LlamaArgs]:
+    """The folder's config.json and the LlamaArgs it describes."""
     if not hf_dir.is_dir():
         raise ValueError(f"{hf_dir}: no such folder")
     config_path = hf_dir / "config.json"
@@ -219,30 +210,222 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
         config = json.loads(config_path.read_text())
     except ValueError:
         raise ValueError(f"{config_path}: not valid JSON") from None
-    _check_output(out_dir)
-    args = hf_config_to_args(config, str(config_path))
-    files = _hf_weight_files(hf_dir)
-    name = "llama2" if args.vocab_size == 32000 and args.rope_theta == 10000.0 else "llama3"
-    adapter = get_model_spec(name).state_dict_adapter(args)
+    return config, hf_config_to_args(config, str(config_path))
 
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            for hf_name in handle.keys():
-                if hf_name.endswith(_IGNORED_HF_SUFFIXES):
-                    continue
-                try:
-                    ours = adapter.from_hf_name(hf_name)
-                except KeyError:
-                    raise ValueError(f"{file}: tensor '{hf_name}' has no titanlite counterpart") from None
-                weights[ours] = adapter.from_hf_tensor(hf_name, handle.get_tensor(hf_name))
-    if "output.weight" not in weights and config.get("tie_word_embeddings") and "tok_embeddings.weight" in weights:
-        # titanlite keeps the output projection separate: tied embeddings become two copies.
-        weights["output.weight"] = weights["tok_embeddings.weight"].clone()
-    missing = sorted(set(_titanlite_names(args)) - weights.keys())
-    if missing:
-        raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensor(s), e.g. {adapter.to_hf_name(missing[0])}")
-    state = {**weights, MODEL_ARGS: {"name": name, "flavor": "hf", "args": dataclasses.asdict(args)}}
+
+def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
+    """Hugging Face tensor name -> the safetensors file holding it."""
+    single, index = hf_dir / "model.safetensors", hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{index}: not a safetensors index (no weight_map)") from None
+        absent = sorted(f for f in set(weight_map.values()) if not (hf_dir / f).is_file())
+        if absent:
+            raise ValueError(f"{hf_dir}: the index names {absent[0]}, which is missing")
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    if single.is_file():
+        try:
+            with safe_open(str(single), framework="pt") as handle:
+                return {name: single for name in handle.keys()}
+        except Exception as error:  # safetensors raises its own error types for bad files
+            raise ValueError(f"{single}: not a readable safetensors file ({_first_line(error)})") from None
+    raise ValueError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, stop) along each dimension of the part of `tensor` this rank holds: all of a
+    plain tensor, or the local shard of a DTensor. Shards follow torch.chunk: every
+    part but the last has ceil(size / parts) rows, and trailing ranks may hold none."""
+    box = [(0, size) for size in tensor.shape]
+    if not isinstance(tensor, DTensor):
+        return box
+    coordinate = tensor.device_mesh.get_coordinate()
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if isinstance(placement, Shard):
+            start, stop = box[placement.dim]
+            chunk = -(-(stop - start) // tensor.device_mesh.size(mesh_dim))
+            first = min(start + coordinate[mesh_dim] * chunk, stop)
+            box[placement.dim] = (first, min(first + chunk, stop))
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"a parameter is laid out as {placement}, which reading slices does not support")
+    if tuple(stop - start for start, stop in box) != tuple(tensor.to_local().shape):
+        raise ValueError(f"a parameter's local shard {tuple(tensor.to_local().shape)} does not match {box}")
+    return box
+
+
+class HFWeights:
+    """The safetensors weights of a Hugging Face folder, read under titanlite's names,
+    whole or one rank's part at a time. Each read opens the file afresh, so the pages
+    it maps are released at once and memory holds only the tensors asked for."""
+
+    def __init__(self, hf_dir: Path, adapter, config: dict, expected_names: list[str]):
+        self.hf_dir, self.adapter = hf_dir, adapter
+        self.files = _hf_weight_map(hf_dir)
+        for hf_name, file in self.files.items():
+            if hf_name.endswith(_IGNORED_HF_SUFFIXES):
+                continue
+            try:
+                adapter.from_hf_name(hf_name)
+            except KeyError:
+                raise ValueError(f"{file}: tensor '{hf_name}' has no titanlite counterpart") from None
+        # titanlite keeps the output projection separate: tied embeddings are read twice.
+        self.tied = bool(config.get("tie_word_embeddings")) and adapter.to_hf_name("output.weight") not in self.files
+        missing = [name for name in expected_names if self.hf_name(name) not in self.files]
+        if missing:
+            raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensor(s), e.g. {self.hf_name(missing[0])}")
+
+    def hf_name(self, name: str) -> str:
+        if self.tied and name == "output.weight":
+            name = "tok_embeddings.weight"
+        return self.adapter.to_hf_name(name)
+
+    def fingerprint(self) -> str:
+        """A digest of config.json and, for every safetensors file, its size, its header
+        (names, shapes, dtypes and offsets of all tensors) and three 64 KiB samples of its
+        data. Reading the samples is cheap, and trained weights differ in every byte, so
+        ranks that read different copies of different weights get different digests,
+        while identical copies on different disks agree."""
+        digest = hashlib.sha256((self.hf_dir / "config.json").read_bytes())
+        for file in sorted(set(self.files.values())):
+            size = file.stat().st_size
+            digest.update(file.name.encode() + size.to_bytes(8, "little"))
+            with open(file, "rb") as handle:
+                header_size = int.from_bytes(handle.read(8), "little")
+                digest.update(handle.read(min(header_size, size)))
+                data_start = 8 + header_size
+                for offset in (data_start, (data_start + size) // 2, size - _SAMPLE):
+                    handle.seek(max(offset, data_start))
+                    digest.update(handle.read(_SAMPLE))
+        return digest.hexdigest()[:16]
+
+    def read(self, name: str, shape: tuple[int, ...], box: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The part `box` (default: all) of titanlite's tensor `name`, whose full shape must
+        be `shape`, in the file's dtype."""
+        hf_name = self.hf_name(name)
+        file = self.files[hf_name]
+        box = box or [(0, size) for size in shape]
+        columns = tuple(slice(start, stop) for start, stop in box[1:])
+
+        def read_hf_rows(start: int, stop: int) -> torch.Tensor:
+            with safe_open(str(file), framework="pt") as handle:
+                part = handle.get_slice(hf_name)
+                if tuple(part.get_shape()) != tuple(shape):
+                    raise ValueError(
+                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {tuple(shape)}"
+                    )
+                return part[(slice(start, stop), *columns)]
+
+        try:
+            return self.adapter.rows_from_hf(name, box[0][0], box[0][1], read_hf_rows)
+        except ValueError:
+            raise
+        except Exception as error:  # a damaged file: safetensors raises its own error types
+            raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({_first_line(error)})") from None
+
+    def copy_into(self, name: str, target: torch.Tensor) -> None:
+        """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
+        box = _local_box(target)
+        local = target.to_local() if isinstance(target, DTensor) else target
+        local.copy_(self.read(name, tuple(target.shape), box))
+
+
+def open_hf_folder(hf_dir: str | Path, adapter_cls=None) -> tuple[LlamaArgs, HFWeights]:
+    """The model a Hugging Face folder holds and a reader of its weights; raises
+    ValueError, one line naming the path, for anything that is not a Llama folder."""
+    hf_dir = Path(hf_dir)
+    config, args = read_hf_config(hf_dir)
+    adapter = (adapter_cls or get_model_spec(hf_model_name(args)).state_dict_adapter)(args)
+    return args, HFWeights(hf_dir, adapter, config, _titanlite_names(args))
+
+
+def hf_model_name(args: LlamaArgs) -> str:
+    """The registry name for a model read from Hugging Face (both build the same class)."""
+    return "llama2" if args.vocab_size == 32000 and args.rope_theta == 10000.0 else "llama3"
+
+
+# --- seeding a training run from a Hugging Face folder ---------------------------------
+
+
+def _on_every_rank(work, process_group):
+    """Run work() on every rank; if it fails on any rank, raise ValueError on all of them
+    (so no rank waits forever in a later collective for one that gave up)."""
+    result, failure = None, None
+    try:
+        result = work()
+    except (ValueError, OSError) as error:
+        failure = _first_line(error)
+    if process_group is None:
+        if failure:
+            raise ValueError(failure)
+        return result
+    failures = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(failures, failure, group=process_group)
+    for rank, message in enumerate(failures):
+        if message:
+            raise ValueError(message if rank == dist.get_rank(process_group) else f"{message} (on rank {rank})")
+    return result
+
+
+def _check_same_model(hf_args: LlamaArgs, run_args: LlamaArgs, adapter_cls, hf_dir: Path) -> None:
+    """The folder must hold the model this run builds; the sequence length may differ."""
+    theirs, ours = adapter_cls(hf_args).hf_config(), adapter_cls(run_args).hf_config()
+    different = sorted(k for k in ours if k != "max_position_embeddings" and theirs.get(k) != ours.get(k))
+    if different:
+        details = ", ".join(f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in different)
+        raise ValueError(f"{hf_dir}: the folder holds a different model than this run builds ({details})")
+
+
+def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args: LlamaArgs, adapter_cls, process_group=None) -> str:
+    """Fill the parameters of an already sharded `model` from a Hugging Face folder. Every
+    rank reads only the slices its own shards hold, so host memory per rank grows by its
+    shards plus one tensor's part, not by the model. All ranks check that they read the
+    same files. Returns the folder's fingerprint. The model's non-persistent buffers (the
+    RoPE tables) are not in the folder: the caller initialises them."""
+    hf_dir = Path(hf_dir)
+
+    def open_and_check():
+        hf_args, weights = open_hf_folder(hf_dir, adapter_cls)
+        # Same shapes and heads, so the folder's own adapter reads it for this run.
+        _check_same_model(hf_args, run_args, adapter_cls, hf_dir)
+        return weights, weights.fingerprint()
+
+    weights, fingerprint = _on_every_rank(open_and_check, process_group)
+    if process_group is not None:
+        fingerprints = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(fingerprints, fingerprint, group=process_group)
+        if len(set(fingerprints)) > 1:
+            seen = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(fingerprints))
+            raise ValueError(f"{hf_dir}: the ranks read different files ({seen})")
+
+    def read_every_part():
+        with torch.no_grad():
+            for name, target in model.state_dict().items():
+                weights.copy_into(name, target)
+
+    _on_every_rank(read_every_part, process_group)
+    return fingerprint
+
+
+# --- import ----------------------------------------------------------------------------
+
+
+def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write out_dir/step-0, a DCP checkpoint of a Hugging Face Llama folder, keeping the
+    folder's dtype. Returns step-0."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    args, weights = open_hf_folder(hf_dir)
+    _check_output(out_dir)
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in get_model_spec(hf_model_name(args)).model_cls(args).state_dict().items()}
+    state = {name: weights.read(name, shape) for name, shape in shapes.items()}
+    state[MODEL_ARGS] = {"name": hf_model_name(args), "flavor": "hf", "args": dataclasses.asdict(args)}
 
     def write(folder: Path) -> None:
         _single_process(dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True)

@@ -9,13 +9,10 @@ Hugging Face folder by its ``config.json``. The model is built on the meta devic
 to ``device`` with ``to_empty``, filled from the checkpoint (never randomly initialised),
 given its RoPE tables and put in eval mode.
 
-A Hugging Face folder is read through ``hf.import_from_hf``, the same code the
-``convert_hf_to_dcp.py`` script uses: it is converted into a temporary DCP checkpoint
-that is loaded and then deleted, so loading needs free temporary disk space about the
-size of the model.
+A Hugging Face folder is read tensor by tensor straight into the model, by the same
+reader (``hf.HFWeights``) that convert_hf_to_dcp.py and seeding a training run use.
 """
 
-import tempfile
 from pathlib import Path
 
 import torch
@@ -63,6 +60,18 @@ def _load_dcp(step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema:
     return model.eval(), description
 
 
+def _load_hf(hf_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    args, weights = hf.open_hf_folder(hf_dir)
+    description = {"name": hf.hf_model_name(args), "flavor": "hf", "args": args, "tokenizer_path": None}
+    if (hf_dir / "tokenizer.json").is_file():
+        description["tokenizer_path"] = str((hf_dir / "tokenizer.json").resolve())
+    model = _build(description, device, dtype)
+    for name, tensor in model.state_dict().items():
+        weights.copy_into(name, tensor)
+    _set_rope_tables(model, device)
+    return model.eval(), description
+
+
 def load_model(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -82,8 +91,6 @@ def load_model(
     if (path / "config.json").is_file():
         if use_ema:
             raise ValueError(f"{path}: use_ema asks for EMA weights but a Hugging Face folder has none")
-        with tempfile.TemporaryDirectory(prefix="titanlite-load-") as temporary:
-            step_dir = hf.import_from_hf(path, Path(temporary) / "dcp")
-            with torch.no_grad():
-                return _load_dcp(step_dir, device, dtype, use_ema=False)
+        with torch.no_grad():
+            return _load_hf(path, device, dtype)
     raise ValueError(f"{path}: not a checkpoint (no .metadata) nor a Hugging Face folder (no config.json)")

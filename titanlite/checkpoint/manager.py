@@ -264,7 +264,7 @@ class CheckpointManager:
             if self._is_resumable(path):
                 return path, False
             logger.info("skipping %s for resume: it holds model weights only", path)
-        if self.config.initial_load_path:
+        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF: the trainer seeds
             path = Path(self.config.initial_load_path)
             if not (path / ".metadata").is_file():
                 raise CheckpointError(f"checkpoint.initial_load_path {path}: not a checkpoint folder (no .metadata)")

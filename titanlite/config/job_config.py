@@ -174,7 +174,10 @@ class Checkpoint:
     """Parts of a checkpoint not to load on resume, e.g. optimizer,lr_scheduler,dataloader."""
 
     initial_load_path: str | None = None
-    """A step-N folder to start from when the run's own checkpoint folder has none."""
+    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint folder has none."""
+
+    initial_load_in_hf: bool = False
+    """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank reads only its own slices."""
 
     initial_load_model_only: bool = True
     """Load only the model weights from initial_load_path (a fresh optimizer, schedule and data position)."""

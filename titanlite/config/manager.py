@@ -367,9 +367,23 @@ def _check_dataset_has_path(config: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path must be set when training.dataset is '{dataset}'")
 
 
+def _check_hf_seed(config: JobConfig) -> None:
+    checkpoint = config.checkpoint
+    if not checkpoint.initial_load_in_hf:
+        return
+    if checkpoint.initial_load_path is None:
+        raise ConfigError("checkpoint.initial_load_in_hf needs checkpoint.initial_load_path (the Hugging Face folder)")
+    if not checkpoint.initial_load_model_only:
+        raise ConfigError(
+            "checkpoint.initial_load_model_only must be true with checkpoint.initial_load_in_hf "
+            "(a Hugging Face folder holds weights only)"
+        )
+
+
 CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_dataset_has_path,
+    _check_hf_seed,
 )
 
 

@@ -76,6 +76,19 @@ class LlamaStateDictAdapter:
         heads = self._heads_of(hf_name)
         return tensor if heads is None else _halves_to_pairs(tensor, heads)
 
+    def rows_from_hf(self, name: str, start: int, stop: int, read_hf_rows) -> torch.Tensor:
+        """Rows [start, stop) of titanlite's tensor `name`, where read_hf_rows(a, b) gives
+        rows [a, b) of its Hugging Face counterpart. Lets a rank read only its own shard:
+        the RoPE permutation moves rows only within a head, so a rotated projection is
+        read in whole heads and cut to the rows asked for."""
+        heads = self._heads_of(name)
+        if heads is None or start >= stop:
+            return read_hf_rows(start, stop)
+        per_head = self.args.head_dim
+        first, last = start // per_head, -(-stop // per_head)
+        block = _halves_to_pairs(read_hf_rows(first * per_head, last * per_head), last - first)
+        return block[start - first * per_head:stop - first * per_head]
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.to_hf_name(k): self.to_hf_tensor(k, v) for k, v in state_dict.items()}
 

@@ -1,0 +1,185 @@
+"""Seeding a training run from a Hugging Face folder (checkpoint.initial_load_in_hf).
+
+The folder is a randomly initialised transformers Llama of the tiny test shape, saved in
+several safetensors shards. A single process seeded from it must reproduce transformers'
+own logits; 2 and 4 ranks, each reading only its own slices, must hold exactly the same
+weights and take the same first step as the single process.
+"""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from titanlite.checkpoint import CheckpointError
+from titanlite.checkpoint.hf import _local_box
+from titanlite.config import ConfigError, parse_args
+from titanlite.models.llama import LlamaStateDictAdapter
+from titanlite.train import Trainer
+
+transformers = pytest.importorskip("transformers")
+
+GLOBAL_BATCH = 4
+BASE_ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    f"--training.global_batch_size={GLOBAL_BATCH}",
+    f"--training.local_batch_size={GLOBAL_BATCH}",  # one process; ranks override it
+    "--training.steps=2",
+    "--training.mixed_precision_param", "float32",
+    "--activation_checkpoint.mode", "none",
+    "--optimizer.lr", "3e-3",
+    "--metrics.log_freq", "1",
+    "--checkpoint.initial_load_in_hf",
+]
+PROBE = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
+
+
+def save_hf_llama(folder: Path, seed: int, **overrides) -> Path:
+    """A random transformers Llama of the tiny shape, in 20 KB safetensors shards."""
+    fields = dict(
+        hidden_size=TINY.dim, num_hidden_layers=TINY.n_layers, num_attention_heads=TINY.n_heads,
+        num_key_value_heads=TINY.kv_heads, intermediate_size=TINY.ffn_hidden_dim, vocab_size=TINY.vocab_size,
+        rope_theta=TINY.rope_theta, rms_norm_eps=TINY.norm_eps, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
+    with torch.no_grad():  # the norms start at exactly 1; make them count too
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory) -> Path:
+    folder = save_hf_llama(tmp_path_factory.mktemp("hf") / "llama", seed=1)
+    assert len(list(folder.glob("*.safetensors"))) > 5  # really sharded
+    return folder
+
+
+def hf_weights_in_titanlite_layout(folder: Path) -> dict[str, torch.Tensor]:
+    model = transformers.LlamaForCausalLM.from_pretrained(folder)
+    return LlamaStateDictAdapter(TINY).from_hf(model.state_dict())
+
+
+def seed_and_train(hf_dir: str, extra: list[str]) -> dict:
+    """Seed from hf_dir, report the seeded weights (whole) and this rank's part sizes,
+    the logits on PROBE, then train two steps."""
+    trainer = Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", hf_dir] + extra))
+    state = trainer.model.state_dict()
+    seeded = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in state.items()}
+    local_rows = {n: _local_box(t)[0] for n, t in state.items()}
+    with torch.no_grad():
+        logits = trainer.model(PROBE) if not dist.is_initialized() else None
+    records = trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"seeded": seeded, "local_rows": local_rows, "logits": logits, "loss": [r.loss for r in records]}
+
+
+@pytest.fixture(scope="module")
+def single(hf_folder) -> dict:
+    return run_on_ranks(1, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
+
+
+def test_single_process_matches_transformers(hf_folder, single):
+    expected = hf_weights_in_titanlite_layout(hf_folder)
+    assert single["seeded"].keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(single["seeded"][name], value), name
+    # The q/k permutation is right only if the logits agree, not just the values.
+    with torch.no_grad():
+        reference = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()(PROBE).logits
+    torch.testing.assert_close(single["logits"], reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ranks_seed_like_one_process(hf_folder, single, world_size):
+    runs = run_on_ranks(world_size, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])
+    for run in runs:
+        for name, value in single["seeded"].items():
+            assert torch.equal(run["seeded"][name], value), name
+        torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(single["loss"]), rtol=1e-5, atol=0)
+    # Each rank held (and so read) only its own rows: together they tile every tensor.
+    for name, value in single["seeded"].items():
+        rows = sorted(run["local_rows"][name] for run in runs)
+        assert rows[0][0] == 0 and rows[-1][1] == value.shape[0], name
+        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:])), name
+        if world_size == 4 and name.endswith("attention.wk.weight"):
+            assert rows[0][1] - rows[0][0] < TINY.head_dim  # a shard ends inside a head
+
+
+def test_rows_from_hf_matches_the_whole_permutation():
+    adapter = LlamaStateDictAdapter(TINY)
+    hf_wk = torch.arange(TINY.kv_heads * TINY.head_dim * 3, dtype=torch.float32).view(-1, 3)
+    whole = adapter.from_hf_tensor("model.layers.0.self_attn.k_proj.weight", hf_wk)
+    reads = []
+
+    def read(a, b):
+        reads.append((a, b))
+        return hf_wk[a:b]
+
+    for start in range(hf_wk.shape[0] + 1):
+        for stop in range(start, hf_wk.shape[0] + 1):
+            part = adapter.rows_from_hf("layers.0.attention.wk.weight", start, stop, read)
+            assert torch.equal(part, whole[start:stop]), (start, stop)
+    assert max(b - a for a, b in reads) == hf_wk.shape[0]  # never more than the heads asked for
+
+
+def test_a_different_model_is_refused_with_one_line(tmp_path):
+    folder = save_hf_llama(tmp_path / "wide", seed=1, intermediate_size=TINY.ffn_hidden_dim + 32)
+    register_tiny_flavor()
+    with pytest.raises(CheckpointError, match=r"wide: the folder holds a different model .*intermediate_size 224 vs 192"):
+        Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(folder)]))
+
+
+def test_a_damaged_shard_is_named(hf_folder, tmp_path):
+    folder = tmp_path / "damaged"
+    shutil.copytree(hf_folder, folder)
+    shard = sorted(folder.glob("*.safetensors"))[2]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    register_tiny_flavor()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}"):
+        Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(folder)]))
+
+
+def test_not_a_hugging_face_folder(tmp_path):
+    register_tiny_flavor()
+    with pytest.raises(CheckpointError, match=r"initial_load_path .*empty: not a Hugging Face model folder \(no config.json\)"):
+        (tmp_path / "empty").mkdir()
+        Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(tmp_path / "empty")]))
+
+
+def test_config_rules():
+    with pytest.raises(ConfigError, match="initial_load_in_hf needs checkpoint.initial_load_path"):
+        parse_args(BASE_ARGS)
+    with pytest.raises(ConfigError, match="initial_load_model_only must be true"):
+        parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", "x", "--checkpoint.initial_load_model_only=false"])
+
+
+def seed_from_per_rank_folder(folders: list[str]) -> str:
+    """Rank r seeds from folders[r]; returns the error each rank raised."""
+    path = folders[int(os.environ["RANK"])]
+    try:
+        Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", path, "--training.local_batch_size=2"]))
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return "no error"
+
+
+def test_ranks_reading_different_weights_all_stop(hf_folder, tmp_path):
+    # Same shapes, names and files, other values: what a stale copy on one node looks like.
+    other = save_hf_llama(tmp_path / "other", seed=2)
+    errors = run_on_ranks(2, seed_from_per_rank_folder, [str(hf_folder), str(other)])
+    for error in errors:
+        assert "the ranks read different files" in error, error

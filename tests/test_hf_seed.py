@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from tests.hf_folders import save_hf_llama
 from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import _local_box
@@ -38,23 +39,6 @@ BASE_ARGS = [
     "--checkpoint.initial_load_in_hf",
 ]
 PROBE = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
-
-
-def save_hf_llama(folder: Path, seed: int, **overrides) -> Path:
-    """A random transformers Llama of the tiny shape, in 20 KB safetensors shards."""
-    fields = dict(
-        hidden_size=TINY.dim, num_hidden_layers=TINY.n_layers, num_attention_heads=TINY.n_heads,
-        num_key_value_heads=TINY.kv_heads, intermediate_size=TINY.ffn_hidden_dim, vocab_size=TINY.vocab_size,
-        rope_theta=TINY.rope_theta, rms_norm_eps=TINY.norm_eps, max_position_embeddings=64, tie_word_embeddings=False,
-    )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
-    with torch.no_grad():  # the norms start at exactly 1; make them count too
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
-    model.save_pretrained(folder, max_shard_size="20KB")
-    return folder
 
 
 @pytest.fixture(scope="module")

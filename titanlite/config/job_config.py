@@ -195,7 +195,70 @@ class EMA:
 @dataclass
 class Metrics:
     log_freq: int = 10
-    """Print a metrics line every this many steps (and at step 1)."""
+    """Log metrics every this many steps (and at step 1 and the last step)."""
+
+    disable_color_printing: bool = False
+    """Print the console metrics line without ANSI colors."""
+
+    enable_tensorboard: bool = False
+    """Write TensorBoard event files under dump_folder/save_tb_folder/<run time>."""
+
+    save_tb_folder: str = "tb"
+    """TensorBoard folder, relative to job.dump_folder."""
+
+    save_for_all_ranks: bool = False
+    """Write TensorBoard and JSONL metrics for every rank (rank_N sub-folders), not only rank 0."""
+
+    enable_jsonl: bool = True
+    """Write one JSON object per logged step to dump_folder/metrics/<run time>/metrics.jsonl."""
+
+    enable_wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package; settings from WANDB_* variables)."""
+
+    peak_tflops: float = 0.0
+    """Peak dense TFLOPs of one device for MFU; 0 looks the GPU up by name (on CPU, no MFU unless set)."""
+
+
+@dataclass
+class Validation:
+    enable: bool = False
+    """Compute the loss on held-out data every `freq` steps."""
+
+    dataset: Literal["python_stdlib", "text", "huggingface"] = "python_stdlib"
+    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library)."""
+
+    dataset_path: str | None = None
+    """File or folder for a text validation dataset, or the name given to datasets.load_dataset."""
+
+    local_batch_size: int = -1
+    """Sequences per rank per validation step; -1 means training.local_batch_size."""
+
+    seq_len: int = -1
+    """Tokens per validation sequence; -1 means training.seq_len."""
+
+    freq: int = 10
+    """Validate every this many training steps (and after the last one)."""
+
+    steps: int = 10
+    """Validation batches per evaluation; -1 means the whole held-out set."""
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = False
+    """Record torch.profiler traces, one per rank, every profile_freq steps."""
+
+    save_traces_folder: str = "profile_traces"
+    """Trace folder, relative to job.dump_folder; traces go to iteration_<step>/rank<N>_trace.json."""
+
+    profile_freq: int = 10
+    """Trace the last step of every window of this many steps."""
+
+    enable_memory_snapshot: bool = False
+    """Record CUDA allocator history and dump a memory snapshot every profile_freq steps (GPU only)."""
+
+    save_memory_snapshot_folder: str = "memory_snapshot"
+    """Memory snapshot folder, relative to job.dump_folder."""
 
 
 @dataclass
@@ -226,5 +289,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     ema: EMA = field(default_factory=EMA)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

@@ -346,6 +346,12 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("checkpoint.exclude_from_loading",             f"a subset of {', '.join(CHECKPOINT_PARTS)}", lambda v: set(v) <= set(CHECKPOINT_PARTS)),
     ("ema.decay",                                   "in [0, 1)",               lambda v: 0 <= v < 1),
     ("metrics.log_freq",                            ">= 1",                    lambda v: v >= 1),
+    ("metrics.peak_tflops",                         ">= 0",                    lambda v: v >= 0),
+    ("validation.local_batch_size",                 "-1 or >= 1",              _minus_one_or_positive),
+    ("validation.seq_len",                          "-1 or >= 1",              _minus_one_or_positive),
+    ("validation.freq",                             ">= 1",                    lambda v: v >= 1),
+    ("validation.steps",                            "-1 or >= 1",              _minus_one_or_positive),
+    ("profiling.profile_freq",                      ">= 1",                    lambda v: v >= 1),
     ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
 )  # fmt: skip
 
@@ -367,6 +373,12 @@ def _check_dataset_has_path(config: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path must be set when training.dataset is '{dataset}'")
 
 
+def _check_validation_dataset_has_path(config: JobConfig) -> None:
+    validation = config.validation
+    if validation.enable and validation.dataset in ("text", "huggingface") and validation.dataset_path is None:
+        raise ConfigError(f"validation.dataset_path must be set when validation.dataset is '{validation.dataset}'")
+
+
 def _check_hf_seed(config: JobConfig) -> None:
     checkpoint = config.checkpoint
     if not checkpoint.initial_load_in_hf:
@@ -384,6 +396,7 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_dataset_has_path,
     _check_hf_seed,
+    _check_validation_dataset_has_path,
 )
 
 

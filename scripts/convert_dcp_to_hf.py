@@ -1,13 +1,18 @@
 """Export a titanlite checkpoint (a step-N folder) as a Hugging Face LlamaForCausalLM folder.
 
     python scripts/convert_dcp_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16]
-        [--max-shard-size 5GB] [--ema] [--push-to-hub REPO_ID]
+        [--max-shard-size 5GB] [--ema] [--tokenizer PATH] [--push-to-hub REPO_ID]
+
+The run's tokenizer (recorded in the checkpoint) is copied beside the weights and its
+BOS/EOS ids go into config.json and generation_config.json; --tokenizer names another
+tokenizer.json (or its folder), e.g. when the recorded one has moved.
 
 --push-to-hub uploads OUTPUT_DIR with huggingface_hub; the token comes from the
 environment (HF_TOKEN) or huggingface_hub's login, never from the command line.
 """
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -23,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-shard-size", default=None, help="e.g. 5GB: write sharded files and an index")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights (ema.*) instead of the model's")
+    parser.add_argument("--tokenizer", metavar="PATH", default=None,
+                        help="a tokenizer.json or its folder, instead of the one the run recorded")
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this model repo")
     return parser
 
@@ -33,13 +40,25 @@ def push_to_hub(folder: Path, repo_id: str) -> None:
     HfApi().upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model")
 
 
+def _log_to_stdout() -> None:
+    """The export's progress lines go to stdout, so that stderr holds only an error."""
+    logger = logging.getLogger("titanlite")
+    if not any(getattr(h, "_convert_dcp_to_hf", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        handler._convert_dcp_to_hf = True
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from titanlite.checkpoint.hf_export import export_to_hf
 
+    _log_to_stdout()
     try:
         out = export_to_hf(args.checkpoint_dir, args.output_dir, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, use_ema=args.ema)
+                           max_shard_size=args.max_shard_size, use_ema=args.ema, tokenizer=args.tokenizer)
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2

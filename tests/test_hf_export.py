@@ -1,0 +1,253 @@
+"""Exporting titanlite checkpoints to Hugging Face folders: the tokenizer travels with the
+weights, the shards and index are huggingface_hub's, a checkpoint that contradicts its
+own model_args is refused, and the fast reader writes what dcp.load would.
+"""
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors import safe_open
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from titanlite.checkpoint import hf_export
+from titanlite.checkpoint.hf import _titanlite_names
+from titanlite.data.tokenizer import HFTokenizer
+from titanlite.models.llama import LlamaArgs, Transformer
+from tests.multiprocess import TINY
+from tests.tiny_run import train_tiny
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
+TEXT = "def main():\n    return 'hello world'  # the quick brown fox"
+
+
+def run_export(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(EXPORT), *map(str, args)], capture_output=True, text=True, timeout=300)
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def error_line(result: subprocess.CompletedProcess) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("convert_dcp_to_hf: error: ")
+    return lines[0]
+
+
+def no_output(parent: Path, out: Path) -> bool:
+    return not out.exists() and not [p for p in parent.iterdir() if ".partial" in p.name]
+
+
+def make_tokenizer(folder: Path) -> Path:
+    """A byte-level BPE tokenizer with 258 ids (the 256 byte symbols, <s> and </s>),
+    the vocabulary of the tiny model, plus the config files a Hugging Face repo has."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=258, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([TEXT] * 10, trainer)
+    assert tokenizer.get_vocab_size() == 258
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    return folder
+
+
+def save_checkpoint(step_dir: Path, weights: dict, args: LlamaArgs, tokenizer_path: str | None = None) -> Path:
+    """A model-only step folder as the trainer writes one: weights plus model_args."""
+    description = {"name": "llama3", "flavor": "tiny", "args": dataclasses.asdict(args), "tokenizer_path": tokenizer_path}
+    dcp.save({**weights, "model_args": description}, checkpoint_id=str(step_dir), no_dist=True)
+    return step_dir
+
+
+def tiny_weights(args: LlamaArgs = TINY, seed: int = 0) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Transformer(args).state_dict()
+
+
+# --- the tokenizer ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    return make_tokenizer(tmp_path_factory.mktemp("assets") / "tok")
+
+
+@pytest.fixture(scope="module")
+def trained_with_tokenizer(tokenizer_dir, tmp_path_factory):
+    return train_tiny(tmp_path_factory.mktemp("run"), ["--model.hf_assets_path", str(tokenizer_dir)])
+
+
+def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, tmp_path):
+    out = tmp_path / "hf"
+    result = run_export(trained_with_tokenizer.step_dir, out)
+    assert result.returncode == 0, result.stderr
+    assert "exported the tokenizer" in result.stdout
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (out / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
+    original = HFTokenizer(str(tokenizer_dir / "tokenizer.json"))
+    ids = {"bos_token_id": original.bos_id, "eos_token_id": original.eos_id}
+    assert ids == {"bos_token_id": 0, "eos_token_id": 1}
+    assert json.loads((out / "generation_config.json").read_text()) == ids
+    config = json.loads((out / "config.json").read_text())
+    assert {key: config[key] for key in ids} == ids
+
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert loaded(TEXT, add_special_tokens=False)["input_ids"] == original.encode(TEXT)
+    assert loaded.eos_token_id == original.eos_id and loaded.bos_token_id == original.bos_id
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == original.eos_id
+
+
+def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, tmp_path):
+    gone = tmp_path / "moved-away" / "tokenizer.json"
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(gone))
+    out = tmp_path / "hf"
+    line = error_line(run_export(step, out))
+    assert str(gone) in line and "--tokenizer" in line
+    assert no_output(tmp_path, out)
+    with pytest.raises(ValueError, match="no longer exists"):
+        hf_export.export_to_hf(step, out)
+    assert no_output(tmp_path, out)
+
+    result = run_export(step, out, "--tokenizer", tokenizer_dir)  # the folder
+    assert result.returncode == 0, result.stderr
+    assert (out / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+    hf_export.export_to_hf(step, tmp_path / "hf2", tokenizer=tokenizer_dir / "tokenizer.json")  # the file
+    assert (tmp_path / "hf2" / "tokenizer_config.json").is_file()
+
+    line = error_line(run_export(step, tmp_path / "hf3", "--tokenizer", tmp_path / "nothing-here"))
+    assert str(tmp_path / "nothing-here") in line and no_output(tmp_path, tmp_path / "hf3")
+
+
+def test_a_byte_tokenizer_run_exports_no_tokenizer(tmp_path):
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    result = run_export(step, tmp_path / "hf")
+    assert result.returncode == 0, result.stderr
+    assert "no tokenizer files exported" in result.stdout
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}
+
+
+# --- shards -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shards_and_index_are_huggingface_hubs(tmp_path, dtype):
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    out = tmp_path / "hf"
+    hf_export.export_to_hf(step, out, dtype=dtype, max_shard_size="30KB")
+    tensors = hf_tensors(out)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    # The library's own split of the written tensors, in the model's order, is the one used.
+    adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
+    in_model_order = {adapter.to_hf_name(name): tensors[adapter.to_hf_name(name)] for name in _titanlite_names(TINY)}
+    split = split_torch_state_dict_into_shards(in_model_order, max_shard_size=30_000)
+    assert index["weight_map"] == split.tensor_to_filename
+    assert index["metadata"] == split.metadata
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(split.filename_to_tensors)
+    assert all(t.dtype == getattr(torch, dtype) for t in tensors.values())
+
+
+def test_one_shard_is_model_safetensors(tmp_path):
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    hf_export.export_to_hf(step, tmp_path / "big-limit", max_shard_size="1GB")
+    hf_export.export_to_hf(step, tmp_path / "no-limit")
+    for folder in (tmp_path / "big-limit", tmp_path / "no-limit"):
+        assert sorted(p.name for p in folder.glob("model*")) == ["model.safetensors"]
+
+
+# --- a checkpoint that contradicts its model_args -------------------------------------------
+
+
+def test_shapes_that_disagree_with_model_args_are_refused(tmp_path):
+    claimed = dataclasses.replace(TINY, n_kv_heads=4)  # wk/wv would be 64 rows, not 32
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(TINY), claimed)
+    out = tmp_path / "hf"
+    line = error_line(run_export(step, out))
+    assert str(step) in line and "layers.0.attention.wk.weight" in line and "[32, 64]" in line
+    assert no_output(tmp_path, out)
+
+
+def test_expected_shapes_are_the_models():
+    for args in (TINY, dataclasses.replace(TINY, n_kv_heads=None, ffn_dim_multiplier=1.3, multiple_of=16)):
+        with torch.device("meta"):
+            model = Transformer(args)
+        actual = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        assert hf_export._expected_shapes(args) == actual
+
+
+# --- the reader -----------------------------------------------------------------------------
+
+
+def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
+    weights = tiny_weights()
+    # A weight saved as a transposed view: not row-major in the file, so the fast path
+    # must leave it to dcp.load.
+    weights["layers.1.feed_forward.w2.weight"] = weights["layers.1.feed_forward.w2.weight"].t().contiguous().t()
+    assert not weights["layers.1.feed_forward.w2.weight"].is_contiguous()
+    step = save_checkpoint(tmp_path / "step-1", weights, TINY)
+    located = []
+    original_locate = hf_export._CheckpointReader._locate
+
+    def counting(self, key, entry):
+        where = original_locate(self, key, entry)
+        located.append((key, where is not None))
+        return where
+
+    monkeypatch.setattr(hf_export._CheckpointReader, "_locate", counting)
+    for dtype in ("float32", "bfloat16"):
+        hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
+    fast_keys = {key for key, fast in located if fast}
+    assert "layers.1.feed_forward.w2.weight" not in fast_keys and len(fast_keys) == len(weights) - 1
+
+    monkeypatch.setattr(hf_export._CheckpointReader, "_locate", lambda self, key, entry: None)
+    for dtype in ("float32", "bfloat16"):
+        hf_export.export_to_hf(step, tmp_path / f"slow-{dtype}", dtype=dtype, max_shard_size="40KB")
+        fast, slow = tmp_path / f"fast-{dtype}", tmp_path / f"slow-{dtype}"
+        assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in slow.iterdir())
+        for file in fast.iterdir():
+            assert file.read_bytes() == (slow / file.name).read_bytes(), file.name
+    adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
+    exported = hf_tensors(tmp_path / "fast-float32")
+    for name, value in weights.items():
+        assert torch.equal(exported[adapter.to_hf_name(name)], adapter.to_hf_tensor(name, value)), name
+
+
+def test_a_truncated_checkpoint_file_is_an_error(tmp_path):
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    data = next(step.glob("*.distcp"))
+    with open(data, "r+b") as file:
+        file.truncate(data.stat().st_size // 2)
+    with pytest.raises(ValueError, match="damaged") as raised:
+        hf_export.export_to_hf(step, tmp_path / "hf")
+    assert str(step) in str(raised.value) and "\n" not in str(raised.value)
+    assert no_output(tmp_path, tmp_path / "hf")
+
+
+def test_the_output_does_not_depend_on_the_tokenizer_copy(tmp_path, tokenizer_dir):
+    # Copying the companions only where they exist: a folder with tokenizer.json alone.
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    shutil.copyfile(tokenizer_dir / "tokenizer.json", alone / "tokenizer.json")
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(alone / "tokenizer.json"))
+    hf_export.export_to_hf(step, tmp_path / "hf")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(("tokenizer", "special"))) == ["tokenizer.json"]
+    # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>.
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 1}

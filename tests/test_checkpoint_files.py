@@ -32,7 +32,7 @@ from titanlite.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
-STEP_LINE = re.compile(r"\[titanlite\] step: (\d+)\s+loss: (\S+)\s+grad_norm: (\S+)")
+STEP_LINE = re.compile(r"\[titanlite\] step:\s+(\d+)\s+loss: (\S+)\s+grad_norm: (\S+)")
 STOP_LINE = re.compile(r"stop signal received: saving step (\d+) and exiting")
 MODEL_NAMES = {"tok_embeddings", "layers", "norm", "output"}
 TRAINING_PARTS = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}

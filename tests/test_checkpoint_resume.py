@@ -242,7 +242,7 @@ def two_rank_worker(dump: str, ports: list[int]) -> dict:
     batches = record_batches(trainer)
     loss_share, grad_norm = trainer.train_step()
     out["exclude"] = {
-        "loaded": loaded, "batches": batches, "loss": trainer.global_loss(loss_share),
+        "loaded": loaded, "batches": batches, "loss": trainer.global_loss(loss_share)[0],
         "grad_norm": grad_norm.item(), "after_step": optimizer_summary(trainer),
     }
     trainer.checkpointer.close()

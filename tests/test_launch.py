@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RUN_TRAIN = REPO_ROOT / "run_train.sh"
-STEP_LINE = re.compile(r"step: (\d+)\s+loss: ([0-9.]+)")
+STEP_LINE = re.compile(r"step:\s+(\d+)\s+loss: ([0-9.]+)")
 
 
 def _launcher_env() -> dict[str, str]:

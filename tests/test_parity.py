@@ -197,7 +197,7 @@ def precision_report(extra_args: list[str]) -> dict:
         "matmul_output": str(seen["output"]),
         "master_params": sorted({str(p.dtype) for p in trainer.model.parameters()}),
         "optimizer_state": sorted({str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"}),
-        "loss": trainer.global_loss(loss_share),
+        "loss": trainer.global_loss(loss_share)[0],
         "grad_norm": grad_norm.item(),
     }
     if dist.is_initialized():

@@ -26,9 +26,15 @@ from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
 from titanlite.data import build_documents, build_tokenizer, tokenizer_file
 from titanlite.data.loader import PackedLoader
+from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
+from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
+from titanlite.metrics.processor import MetricsProcessor
+from titanlite.metrics.profiling import profiler_context
+from titanlite.metrics.validation import build_validation_documents, build_validator
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import (
+    DTYPES,
     ParallelDims,
     clip_grad_norm_,
     compute_context,
@@ -82,6 +88,8 @@ def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):
     try:
         tokenizer = build_tokenizer(job_config.model.hf_assets_path)
         documents = build_documents(training.dataset, training.dataset_path, split="train")
+        if job_config.validation.enable:
+            build_validation_documents(job_config.validation)  # only to find a bad path now
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if tokenizer.eos_id is None:
@@ -107,6 +115,14 @@ def setup_logging(rank: int) -> None:
     shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
     logging.basicConfig(format="[titanlite] %(message)s", stream=sys.stdout, force=True)
     logger.setLevel(logging.INFO if rank in shown else logging.WARNING)
+    # Lines every rank must print about itself (e.g. its shard size), tagged with the rank.
+    every_rank = logging.getLogger("titanlite.every_rank")
+    every_rank.setLevel(logging.INFO)
+    every_rank.propagate = False
+    if not every_rank.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[titanlite] %(message)s"))
+        every_rank.addHandler(handler)
 
 
 @dataclass
@@ -163,6 +179,7 @@ class Trainer(Stateful):
         self.loss_fn = cross_entropy_sum
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        self._log_diagnostics(model, mesh)
 
         # 5. Optimizer, schedule and the weight average.
         self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
@@ -193,6 +210,20 @@ class Trainer(Stateful):
         if job_config.checkpoint.enable:
             self._save_on_signals()
 
+        # 7. Metrics and held-out loss.
+        self.metrics = self._build_metrics()
+        self.validator = None
+        if job_config.validation.enable:
+            try:
+                self.validator = build_validator(
+                    job_config.validation, tokenizer=self.tokenizer, training_seq_len=training.seq_len,
+                    training_local_batch_size=training.local_batch_size, loss_fn=self.loss_fn,
+                    compute_context=self.compute_context, device=self.device,
+                    dp_rank=self.rank, dp_degree=parallel_dims.dp_degree,
+                )
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
+
         logger.info(
             "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
             "global batch %d = local %d x dp %d x accumulation %d",
@@ -215,6 +246,37 @@ class Trainer(Stateful):
             raise CheckpointError(f"checkpoint.initial_load_path {error}") from error
         logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
 
+    def _log_diagnostics(self, model, mesh) -> None:
+        """What was really built: settings, FSDP units, shard sizes; the compute dtype and
+        per-phase memory follow during the first steps."""
+        job_config, dims = self.job_config, self.plan.parallel_dims
+        training, ac = job_config.training, job_config.activation_checkpoint
+        settings = {
+            "strategy": dims.strategy, "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape)),
+            "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
+            "param_dtype": training.mixed_precision_param, "reduce_dtype": training.mixed_precision_reduce,
+            "cpu_offload": training.enable_cpu_offload,
+            "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
+            "compile": job_config.compile.components if job_config.compile.enable else "off",
+        }
+        blocks = list(model.layers.values())
+        log_startup(model, settings, len(blocks), sharded=mesh is not None, rank=self.rank)
+        self.dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
+        self.phase_memory = PhaseMemory(MemoryMonitor(self.device))
+
+    def _build_metrics(self) -> MetricsProcessor:
+        job_config = self.job_config
+        run_name = [default_run_name()]
+        if dist.is_initialized():  # one folder name for all ranks: rank 0's clock decides
+            dist.broadcast_object_list(run_name, src=0)
+        loggers = build_loggers(
+            job_config.metrics, job_config.job.dump_folder, self.rank, run_name[0], dataclasses.asdict(job_config)
+        )
+        return MetricsProcessor(
+            loggers, MemoryMonitor(self.device), flops_per_token(self.plan.model_args, job_config.training.seq_len),
+            resolve_peak_flops(job_config.metrics.peak_tflops, self.device),
+        )
+
     # --- one optimizer step ------------------------------------------------------------
 
     def _set_gradient_all_reduce(self, enabled: bool) -> None:
@@ -236,20 +298,25 @@ class Trainer(Stateful):
         # loss by it makes the summed gradients equal one big batch's, whatever the layout.
         global_tokens = self.plan.global_batch_size * training.seq_len
         loss_share = torch.zeros((), device=self.device)
+        self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
             self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
-            inputs, labels = (t.to(self.device) for t in self.loader.next_batch())
+            with self.metrics.data_loading():
+                inputs, labels = (t.to(self.device) for t in self.loader.next_batch())
             with self.compute_context:
                 logits = self.model(inputs)
                 loss = self.loss_fn(logits, labels) / global_tokens
             del logits  # the [batch, seq, vocab] logits are the largest activation
+            self.phase_memory.mark("forward")
             loss.backward()
+            self.phase_memory.mark("backward")
             loss_share += loss.detach()
 
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
         # An async save may still be copying the weights; they must not change under it.
         self.checkpointer.wait_for_staging()
         self.optimizer.step()
+        self.phase_memory.mark("optimizer")
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         if self.ema is not None:
@@ -310,10 +377,16 @@ class Trainer(Stateful):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
         return bool(flag.item())
 
-    def global_loss(self, loss_share: torch.Tensor) -> float:
-        if dist.is_initialized():
-            dist.all_reduce(loss_share, op=dist.ReduceOp.SUM)
-        return loss_share.item()
+    def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
+        """The loss over the global batch, and the largest of the ranks' own mean losses.
+        Every rank holds the same number of tokens, so a rank's mean is its share times
+        the number of ranks."""
+        if not dist.is_initialized():
+            return loss_share.item(), loss_share.item()
+        shares = [torch.zeros_like(loss_share) for _ in range(dist.get_world_size())]
+        dist.all_gather(shares, loss_share)
+        shares = torch.stack(shares)
+        return shares.sum().item(), (shares.max() * len(shares)).item()
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -323,40 +396,68 @@ class Trainer(Stateful):
         # Python's collector pauses at random moments, differently on every rank, which
         # stalls collectives; collect at fixed steps instead.
         gc.disable()
-        window_start, window_tokens = time.perf_counter(), 0
         try:
-            while self.step < training.steps:
-                lr = self.lr_scheduler.get_last_lr()[0]
-                loss_share, grad_norm = self.train_step()
-                window_tokens += training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
-                if self.step % training.gc_freq == 0:
-                    gc.collect(1)
-                if self.step == 1 or self.step % log_freq == 0 or self.step == training.steps:
-                    # Reading the numbers waits for the device, so time after it.
-                    loss, norm = self.global_loss(loss_share), grad_norm.item()
-                    elapsed = time.perf_counter() - window_start
-                    record = StepRecord(self.step, loss, norm, lr, window_tokens / elapsed)
-                    records.append(record)
-                    logger.info(
-                        "step: %d  loss: %.4f  grad_norm: %.4f  lr: %.2e  tps: %d",
-                        record.step, record.loss, record.grad_norm, record.lr, round(record.tokens_per_second),
-                    )
-                    window_start, window_tokens = time.perf_counter(), 0
-                last = self.step == training.steps
-                saved = self.checkpointer.should_save(self.step, training.steps)
-                if saved:
-                    model_only = last and self.job_config.checkpoint.last_save_model_only
-                    self.checkpointer.save(self.step, model_only=model_only, sync=last)
-                if not last and self._stop_requested():
-                    logger.warning("stop signal received: saving step %d and exiting", self.step)
-                    if not saved:
-                        self.checkpointer.save(self.step, sync=True)
-                    break
+            with profiler_context(self.job_config.profiling, self.job_config.job.dump_folder, self.rank,
+                                  start_step=self.step) as profiler:
+                while self.step < training.steps:
+                    record = self._one_step(log_freq)
+                    profiler.step()
+                    if record is not None:
+                        records.append(record)
+                    self._validate_if_due()
+                    if self._save_or_stop():
+                        break
         finally:
             gc.enable()
             self.checkpointer.close()
+            self.metrics.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
         return records
+
+    def _one_step(self, log_freq: int) -> StepRecord | None:
+        """Train one step; log it when it is due and return what was logged."""
+        training = self.job_config.training
+        lr = self.lr_scheduler.get_last_lr()[0]
+        loss_share, grad_norm = self.train_step()
+        self.metrics.step_done(training.local_batch_size * training.seq_len * self.plan.grad_accum_steps)
+        if self.step % training.gc_freq == 0:
+            gc.collect(1)
+        if self.dtype_probe is not None:
+            self.dtype_probe.report()
+            self.dtype_probe = None
+        self.phase_memory.end_step(self.step)
+        if not (self.step == 1 or self.step % log_freq == 0 or self.step == training.steps):
+            return None
+        # Reading the numbers waits for the device, so the window's time ends after it.
+        loss, max_loss = self.global_loss(loss_share)
+        norm = grad_norm.item()
+        metrics = self.metrics.log_step(self.step, loss, max_loss, norm, lr, self.tokens_seen)
+        return StepRecord(self.step, loss, norm, lr, metrics[TPS])
+
+    def _validate_if_due(self) -> None:
+        if self.validator is None:
+            return
+        freq, last = self.job_config.validation.freq, self.job_config.training.steps
+        if self.step % freq == 0 or self.step == last:
+            start = time.perf_counter()
+            result = self.validator.validate(self.model)
+            self.metrics.leave_out(time.perf_counter() - start)
+            self.metrics.log_validation(self.step, result["loss"])
+
+    def _save_or_stop(self) -> bool:
+        """Save when due; on a stop signal save (if not just done) and say stop."""
+        training = self.job_config.training
+        last = self.step == training.steps
+        saved = self.checkpointer.should_save(self.step, training.steps)
+        if saved:
+            model_only = last and self.job_config.checkpoint.last_save_model_only
+            self.checkpointer.save(self.step, model_only=model_only, sync=last)
+        if not last and self._stop_requested():
+            logger.warning("stop signal received: saving step %d and exiting", self.step)
+            if not saved:
+                self.checkpointer.save(self.step, sync=True)
+            return True
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -373,10 +373,17 @@ def _check_dataset_has_path(config: JobConfig) -> None:
         raise ConfigError(f"training.dataset_path must be set when training.dataset is '{dataset}'")
 
 
-def _check_validation_dataset_has_path(config: JobConfig) -> None:
+def _check_validation(config: JobConfig) -> None:
     validation = config.validation
-    if validation.enable and validation.dataset in ("text", "huggingface") and validation.dataset_path is None:
+    if not validation.enable:
+        return
+    if validation.dataset in ("text", "huggingface") and validation.dataset_path is None:
         raise ConfigError(f"validation.dataset_path must be set when validation.dataset is '{validation.dataset}'")
+    if validation.seq_len > config.training.seq_len:
+        raise ConfigError(
+            f"validation.seq_len ({validation.seq_len}) must not exceed training.seq_len ({config.training.seq_len}), "
+            "the length the model's position tables are built for"
+        )
 
 
 def _check_hf_seed(config: JobConfig) -> None:
@@ -396,7 +403,7 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_dataset_has_path,
     _check_hf_seed,
-    _check_validation_dataset_has_path,
+    _check_validation,
 )
 
 

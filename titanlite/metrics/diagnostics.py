@@ -1,0 +1,132 @@
+"""Start-up and early-step diagnostics for the three FSDP mistakes that cost the most:
+
+1. the sharding matched nothing (one FSDP unit for the whole model, so every rank holds
+   and gathers everything at once): count the FSDP units and warn when a multi-block
+   model has fewer than one per block plus the root;
+2. the mixed-precision setting did not reach the computation: report the dtype the model
+   actually computes in during the first forward, and warn when it is not the one asked for;
+3. one phase dominates memory: report the peak after forward, after backward and after
+   the optimizer step for the first few steps.
+
+Every rank also logs its own local trainable parameter MiB, so uneven shards show.
+"""
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from titanlite.metrics.memory import MemoryMonitor
+
+logger = logging.getLogger("titanlite")
+# Per-rank lines go through their own logger, shown on every rank (see train.setup_logging).
+rank_logger = logging.getLogger("titanlite.every_rank")
+SAMPLE_UNITS = 4
+
+
+def fsdp_unit_names(model: nn.Module) -> list[str]:
+    """Qualified names of the modules fully_shard was applied to ("<root>" for the model)."""
+    return [name or "<root>" for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+
+
+def checkpointed_block_count(model: nn.Module) -> int:
+    return sum(isinstance(module, CheckpointWrapper) for module in model.modules())
+
+
+def local_trainable_mib(model: nn.Module) -> float:
+    """MiB of trainable parameters this rank holds (its shards under FSDP)."""
+    total = 0
+    for param in model.parameters():
+        if param.requires_grad:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            total += local.numel() * local.element_size()
+    return total / 2**20
+
+
+def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool) -> str | None:
+    """Why the sharding looks wrong, or None. Each block should be a unit of its own,
+    plus the root that holds the embeddings, final norm and output."""
+    if not sharded or n_blocks < 2:
+        return None
+    if len(unit_names) <= 1:
+        return (f"only {len(unit_names)} FSDP unit(s) for a model of {n_blocks} blocks: per-block sharding "
+                "matched nothing, so every rank gathers the whole model at once")
+    if len(unit_names) < n_blocks + 1:
+        return f"{len(unit_names)} FSDP units for {n_blocks} blocks (expected {n_blocks + 1}: one per block plus the root)"
+    return None
+
+
+def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sharded: bool, rank: int) -> list[str]:
+    """Log the resolved parallel settings and the sharding; returns the FSDP unit names."""
+    units = fsdp_unit_names(model)
+    logger.info("parallel settings: %s", ", ".join(f"{key}={value}" for key, value in settings.items()))
+    samples = ", ".join(units[:SAMPLE_UNITS]) + (", ..." if len(units) > SAMPLE_UNITS else "")
+    logger.info("FSDP units: %d (%s); activation-checkpointed blocks: %d of %d",
+                len(units), samples or "none", checkpointed_block_count(model), n_blocks)
+    problem = wrap_problem(units, n_blocks, sharded)
+    if problem:
+        logger.warning("!!! SHARDING PROBLEM: %s !!!", problem)
+    rank_logger.info("rank %d: local trainable parameters %.2f MiB", rank, local_trainable_mib(model))
+    return units
+
+
+class ComputeDtypeProbe:
+    """Records the dtype of the model's output (the logits, from its last matmul) in the
+    first forward: what mixed precision really computes in, whatever the config says.
+    The hook sits on the model itself, outside the separately compiled blocks."""
+
+    def __init__(self, model: nn.Module, expected: torch.dtype):
+        self.expected, self.seen = expected, None
+        self._handle = model.register_forward_hook(self._record)
+
+    def _record(self, module, inputs, output) -> None:
+        self.seen = output.dtype
+        self._handle.remove()
+
+    def report(self) -> None:
+        """Log the dtype seen (once, after the first step) and warn on a mismatch."""
+        if self.seen is None:
+            return
+        seen, self.seen = self.seen, None
+        if seen != self.expected:
+            logger.warning("!!! MIXED PRECISION PROBLEM: the model computes in %s, the config asks for %s !!!",
+                           str(seen).removeprefix("torch."), str(self.expected).removeprefix("torch."))
+        else:
+            logger.info("the model computes in %s, as configured", str(seen).removeprefix("torch."))
+
+
+class PhaseMemory:
+    """Peak memory after forward, after backward and after the optimizer step, for the
+    first `steps` steps. The peak is reset at the start of each of those steps, so each
+    figure is the highest point since the step began."""
+
+    PHASES = ("forward", "backward", "optimizer")
+
+    def __init__(self, monitor: MemoryMonitor, steps: int = 3):
+        self.monitor, self.steps_left = monitor, steps
+        self.peaks: dict[str, float] = {}
+
+    @property
+    def active(self) -> bool:
+        return self.steps_left > 0
+
+    def start_step(self) -> None:
+        if self.active:
+            self.peaks = {}
+            self.monitor.reset_peak()
+
+    def mark(self, phase: str) -> None:
+        if self.active and phase not in self.peaks:
+            self.peaks[phase] = self.monitor.phase_peak_gib()
+
+    def end_step(self, step: int) -> dict[str, float]:
+        """Log and return this step's peaks (empty once the first steps are over)."""
+        if not self.active:
+            return {}
+        self.steps_left -= 1
+        logger.info("step %d peak memory (%s): %s", step, self.monitor.kind,
+                    ", ".join(f"after {phase} {self.peaks.get(phase, 0.0):.3f} GiB" for phase in self.PHASES))
+        return dict(self.peaks)

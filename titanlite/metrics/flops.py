@@ -1,0 +1,126 @@
+"""Model FLOPs per token, device peak FLOPs, and the TFLOPs and MFU derived from them.
+
+MFU (model FLOPs utilisation, PaLM appendix B) compares the FLOPs the model needs per
+token, times the tokens per second achieved, with the device's dense peak. Recomputation
+(activation checkpointing, flash attention's backward) is not counted: MFU measures
+useful work, not work done.
+"""
+
+import re
+
+import torch
+
+from titanlite.models.llama.args import LlamaArgs
+
+
+# --- parameter counts ----------------------------------------------------------------------
+
+
+def _block_params(args: LlamaArgs) -> int:
+    """Parameters of one transformer block."""
+    d, hd, hidden = args.dim, args.head_dim, args.ffn_hidden_dim
+    attention = d * args.n_heads * hd + 2 * d * args.kv_heads * hd + args.n_heads * hd * d  # wq, wk+wv, wo
+    feed_forward = 3 * d * hidden  # w1, w2, w3 (SwiGLU)
+    norms = 2 * d  # attention_norm, ffn_norm
+    return attention + feed_forward + norms
+
+
+def count_params(args: LlamaArgs, include_embedding: bool = True) -> int:
+    """Parameters of titanlite's Llama Transformer, from the hyper-parameters alone (no
+    model needed). The output projection is not tied to the embedding, so it counts
+    even when the embedding table is left out."""
+    embedding = args.vocab_size * args.dim
+    final_norm_and_output = args.dim + args.dim * args.vocab_size
+    total = args.n_layers * _block_params(args) + final_norm_and_output
+    return total + embedding if include_embedding else total
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token:
+
+        6 x (parameters without the token embedding) + 6 x n_layers x n_heads x head_dim x seq_len
+
+    The first term is the usual 2 FLOPs per multiply-add in the forward pass plus 4 in
+    the backward, for every weight a token meets; the embedding is a table lookup, not
+    a matmul, so it is left out (the output projection stays in).
+
+    The second term is attention's two matmuls (QK^T and scores x V), which involve no
+    parameters. 6 x L x H x Dh x T counts only the causal half of the score matrix: a
+    token attends to the tokens before it, on average half the sequence.
+    torchtitan and PaLM write 12 x L x H x Dh x T (the full matrix, ignoring the causal
+    mask), so at long sequence lengths titanlite's FLOPs per token, TFLOPs and MFU read
+    somewhat lower than torchtitan's for the same run.
+    """
+    attention = 6 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return 6 * count_params(args, include_embedding=False) + attention
+
+
+# --- device peaks ----------------------------------------------------------------------------
+
+# Dense (no 2:4 sparsity) bf16 tensor-core peak per device, from the vendors' data sheets;
+# fp16 for V100 and T4, which have no bf16. Rows are (model token, variant substring or
+# None, FLOP/s); the first row whose model is a whole word of the device name and whose
+# variant appears in it wins, so variants come before their model's plain row.
+_PEAK_FLOPS = (
+    ("A100", None, 312e12),
+    ("A800", None, 312e12),
+    ("H100", "NVL", 835e12),
+    ("H100", "PCIE", 756e12),
+    ("H100", None, 989e12),  # SXM, reported e.g. as "NVIDIA H100 80GB HBM3"
+    ("H800", None, 989e12),
+    ("H200", None, 989e12),
+    ("GH200", None, 989e12),
+    ("B200", None, 2.25e15),
+    ("GB200", None, 2.5e15),
+    ("L40S", None, 362e12),
+    ("L40", None, 181e12),
+    ("L4", None, 121e12),
+    ("A10", None, 125e12),
+    ("A10G", None, 70e12),  # AWS variant of the A10; no NVIDIA data sheet, commonly quoted figure
+    ("V100", "PCIE", 112e12),
+    ("V100", None, 125e12),
+    ("T4", None, 65e12),
+    ("MI250X", None, 383e12),
+    ("MI300X", None, 1307e12),
+    ("MI325X", None, 1307e12),
+)
+
+
+def peak_flops_per_device(device_name: str) -> float | None:
+    """Dense bf16 peak FLOP/s of a GPU, looked up by its name (torch.cuda.get_device_name);
+    None for a CPU or a device not in the table.
+
+    Model names are matched as whole words so that "A10" does not match an A100 and
+    "L4" does not match an L40S.
+    """
+    upper = device_name.upper()
+    words = set(re.split(r"[^A-Z0-9]+", upper))
+    for model, variant, flops in _PEAK_FLOPS:
+        if model in words and (variant is None or variant in upper):
+            return flops
+    return None
+
+
+def resolve_peak_flops(peak_tflops: float, device: torch.device) -> float | None:
+    """The peak to compute MFU against: metrics.peak_tflops when set (> 0), else the
+    table's value for a CUDA device, else None (CPU, unknown GPU: no MFU)."""
+    if peak_tflops > 0:
+        return peak_tflops * 1e12
+    if device.type == "cuda":
+        return peak_flops_per_device(torch.cuda.get_device_name(device))
+    return None
+
+
+# --- achieved -----------------------------------------------------------------------------
+
+
+def tflops(tokens_per_second: float, flops_per_token: int) -> float:
+    """Achieved model TFLOP/s of one device, from its tokens per second."""
+    return tokens_per_second * flops_per_token / 1e12
+
+
+def mfu(tokens_per_second: float, flops_per_token: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation in percent (the "mfu(%)" tag) of one device."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return 100.0 * tokens_per_second * flops_per_token / peak_flops

@@ -1,0 +1,75 @@
+"""From what the training loop measured to the numbers that are logged.
+
+The loop tells the processor how long data loading took and how many tokens each step
+consumed on this device; at a logging step it hands over the loss, grad norm and lr,
+and the processor adds throughput, TFLOPs, MFU, step and data-loading time and peak
+memory for the window since the previous log, then sends everything to the loggers.
+"""
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from titanlite.metrics.flops import mfu, tflops
+from titanlite.metrics.loggers import (
+    DATA_PCT, DATA_TIME, GRAD_NORM, LOSS, LR, MAX_LOSS, MFU, STEP_TIME, TFLOPS, TOKENS_SEEN, TPS, VAL_LOSS,
+    VAL_PERPLEXITY, MetricLogger,
+)
+from titanlite.metrics.memory import MemoryMonitor
+
+
+class MetricsProcessor:
+    def __init__(self, logger: MetricLogger, monitor: MemoryMonitor, flops_per_token: int, peak_flops: float | None):
+        self.logger, self.monitor = logger, monitor
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self.window_start = time.perf_counter()
+        self.window_steps, self.window_tokens, self.data_seconds = 0, 0, 0.0
+
+    @contextmanager
+    def data_loading(self) -> Iterator[None]:
+        """Time a wait for the next batch."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.data_seconds += time.perf_counter() - start
+
+    def step_done(self, device_tokens: int) -> None:
+        """One optimizer step consumed `device_tokens` tokens on this device."""
+        self.window_steps += 1
+        self.window_tokens += device_tokens
+
+    def log_step(self, step: int, loss: float, max_loss: float, grad_norm: float, lr: float, tokens_seen: int) -> dict:
+        """Log the window that ends at `step` (call after the numbers were read from the
+        device, so the window's time includes waiting for it) and start the next one."""
+        elapsed = time.perf_counter() - self.window_start
+        steps = max(self.window_steps, 1)
+        tokens_per_second = self.window_tokens / elapsed
+        metrics = {
+            LOSS: loss, MAX_LOSS: max_loss, GRAD_NORM: grad_norm, LR: lr, TOKENS_SEEN: tokens_seen,
+            TPS: tokens_per_second, TFLOPS: tflops(tokens_per_second, self.flops_per_token),
+            STEP_TIME: elapsed / steps, DATA_TIME: self.data_seconds / steps, DATA_PCT: 100.0 * self.data_seconds / elapsed,
+        }
+        if self.peak_flops:
+            metrics[MFU] = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
+        metrics.update(self.monitor.stats())
+        self.logger.log(metrics, step)
+        self.monitor.reset_peak()
+        self._start_window()
+        return metrics
+
+    def leave_out(self, seconds: float) -> None:
+        """Keep time spent outside training (validation) out of the window's rates."""
+        self.window_start += seconds
+
+    def log_validation(self, step: int, loss: float) -> dict:
+        metrics = {VAL_LOSS: loss, VAL_PERPLEXITY: math.exp(min(loss, 700.0))}  # exp overflows past ~709
+        self.logger.log(metrics, step)
+        return metrics
+
+    def close(self) -> None:
+        self.logger.close()

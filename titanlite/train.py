@@ -72,14 +72,11 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
     if training.enable_cpu_offload and parallel_dims.world_size == 1:
         raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one rank")
 
-    per_micro_step = training.local_batch_size * parallel_dims.dp_degree
-    global_batch = per_micro_step if training.global_batch_size == -1 else training.global_batch_size
-    if global_batch % per_micro_step != 0:
-        raise ConfigError(
-            f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
-            f"({training.local_batch_size}) x data-parallel degree ({parallel_dims.dp_degree}) = {per_micro_step}"
-        )
-    return RunPlan(parallel_dims, model_args, global_batch, global_batch // per_micro_step)
+    try:
+        global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return RunPlan(parallel_dims, model_args, global_batch, accumulation)
 
 
 def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):

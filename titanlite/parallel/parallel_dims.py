@@ -34,6 +34,19 @@ class ParallelDims:
             )
         return cls(dp_replicate, dp_shard, world_size)
 
+    def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
+        """(sequences per optimizer step, micro-batches per step) for these degrees; -1
+        means no accumulation. Raise ValueError unless the global batch is a positive
+        multiple of local_batch_size x dp degree."""
+        per_micro_step = local_batch_size * self.dp_degree
+        global_batch = per_micro_step if global_batch_size == -1 else global_batch_size
+        if global_batch < 1 or global_batch % per_micro_step != 0:
+            raise ValueError(
+                f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
+                f"({local_batch_size}) x data-parallel degree ({self.dp_degree}) = {per_micro_step}"
+            )
+        return global_batch, global_batch // per_micro_step
+
     @property
     def dp_degree(self) -> int:
         return self.dp_replicate * self.dp_shard

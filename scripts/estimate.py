@@ -1,0 +1,217 @@
+"""Will a config fit, and how fast will it run? Answered on a laptop, before renting GPUs.
+
+    python scripts/estimate.py --job.config_file train_configs/llama7b.toml --world_size 8 --hardware h100
+    python scripts/estimate.py --job.config_file train_configs/llama3_70b.toml --nodes 16 --json
+    python scripts/estimate.py --job.config_file train_configs/llama7b.toml --sweep
+    python scripts/estimate.py --job.config_file CFG --inter_node_gbps 25 --training.local_batch_size 4
+
+Memory: rank 0 of the requested layout is simulated in this process with a fake process
+group and fake tensors (nothing of the model's size is allocated): the config's real
+parallelize function, optimizer, activation checkpointing and mixed precision, one
+forward/backward/optimizer step under PyTorch's FSDP memory tracker. Step time: an
+analytic model of compute (FLOPs per token x tokens per device over peak x efficiency)
+and FSDP/HSDP communication (all-gather and reduce-scatter on the shard group, the
+all-reduce on the replicate group, each on the link its ranks share). Every other
+option is a config override (--section.key value), as for training.
+
+The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
+FSDP and HSDP (one shard group per node) at 8, 64, 512 and 4096 GPUs, keeping the local
+batch (no accumulation). A layout that does not fit is reported as such (exit status 0);
+bad input is one line on stderr and exit status 2.
+"""
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PROG = "estimate"
+SWEEP_SIZES = (8, 64, 512, 4096)
+GIB = 2**30
+
+
+def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The estimator's own options; everything else is left for the config parser."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0], add_help=False)
+    parser.add_argument("--world_size", type=int, default=None, help="GPUs in the run")
+    parser.add_argument("--nodes", type=int, default=None, help="nodes in the run (x GPUs per node)")
+    parser.add_argument("--hardware", default="h100", help="GPU kind: h100, h200, a100, b200, mi300x, l40s")
+    parser.add_argument("--peak_tflops", type=float, default=None, help="override: dense bf16 peak TFLOP/s per GPU")
+    parser.add_argument("--memory_gib", type=float, default=None, help="override: GPU memory in GiB")
+    parser.add_argument("--intra_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, in a node")
+    parser.add_argument("--inter_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, across nodes")
+    parser.add_argument("--gpus_per_node", type=int, default=None, help="override: GPUs per node")
+    parser.add_argument("--efficiency", type=float, default=None, help="share of peak FLOPs the kernels reach (default 0.5)")
+    parser.add_argument("--reserve_gib", type=float, default=2.0,
+                        help="memory kept aside for the CUDA context, NCCL and fragmentation (default 2)")
+    parser.add_argument("--sweep", action="store_true", help="FSDP and HSDP at 8, 64, 512 and 4096 GPUs")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--skip_memory", action="store_true", help="step time only (no memory simulation)")
+    parser.add_argument("-h", "--help", action="store_true")
+    options, rest = parser.parse_known_args(argv)
+    if options.help:
+        print(__doc__)
+        parser.print_help()
+        raise SystemExit(0)
+    return options, rest
+
+
+def _hardware(options):
+    from titanlite.estimate import get_hardware
+
+    overrides = {
+        "peak_flops": None if options.peak_tflops is None else options.peak_tflops * 1e12,
+        "memory_bytes": None if options.memory_gib is None else int(options.memory_gib * GIB),
+        "intra_node_bw": None if options.intra_node_gbps is None else options.intra_node_gbps * 1e9,
+        "inter_node_bw": None if options.inter_node_gbps is None else options.inter_node_gbps * 1e9,
+        "gpus_per_node": options.gpus_per_node,
+    }
+    return get_hardware(options.hardware, **overrides)
+
+
+def _world_size(options, hardware) -> int:
+    if options.world_size is not None and options.world_size < 1:
+        raise ValueError(f"--world_size {options.world_size}: must be at least 1")
+    if options.nodes is not None and options.nodes < 1:
+        raise ValueError(f"--nodes {options.nodes}: must be at least 1")
+    by_nodes = None if options.nodes is None else options.nodes * hardware.gpus_per_node
+    if options.world_size is not None and by_nodes is not None and options.world_size != by_nodes:
+        raise ValueError(
+            f"--world_size {options.world_size} does not equal --nodes {options.nodes} x "
+            f"{hardware.gpus_per_node} GPUs per node = {by_nodes}"
+        )
+    return options.world_size or by_nodes or hardware.gpus_per_node
+
+
+def _with_layout(job_config, replicate: int, shard: int):
+    """A copy of the config with this layout and no accumulation (the sweep keeps the local batch)."""
+    changed = copy.deepcopy(job_config)
+    changed.parallelism.data_parallel_replicate_degree = replicate
+    changed.parallelism.data_parallel_shard_degree = shard
+    changed.training.global_batch_size = -1
+    return changed
+
+
+def estimate_one(job_config, world_size: int, hardware, options, memory_cache: dict | None = None) -> dict:
+    """Memory and step time of one layout, as a JSON-ready dict."""
+    from titanlite.estimate import DEFAULT_EFFICIENCY, estimate_for_job_config, estimate_memory, fits
+
+    efficiency = DEFAULT_EFFICIENCY if options.efficiency is None else options.efficiency
+    timing = estimate_for_job_config(job_config, world_size, hardware, efficiency=efficiency)
+    result = {"layout": {"strategy": timing.strategy, "world_size": world_size, "dp_replicate": timing.dp_replicate,
+                         "dp_shard": timing.dp_shard, "hardware": hardware.name},
+              "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"}}
+    if options.skip_memory:
+        return result
+    # Per-rank memory depends on the shard degree, not on how many replicas there are.
+    key = (timing.dp_shard, timing.dp_replicate > 1)
+    memory = None if memory_cache is None else memory_cache.get(key)
+    if memory is None:
+        memory = estimate_memory(job_config, world_size)
+        if memory_cache is not None:
+            memory_cache[key] = memory
+    fit, headroom = fits(memory, hardware.memory_bytes, int(options.reserve_gib * GIB))
+    result["memory"] = {
+        "peak_bytes": memory.peak_bytes, "by_category_at_peak": memory.peak, "largest_activations": memory.activations,
+        "parameters": memory.exact.parameters, "gradients": memory.exact.gradients,
+        "optimizer_state": memory.exact.optimizer_state, "device_bytes": hardware.memory_bytes,
+        "reserve_bytes": int(options.reserve_gib * GIB), "fits": fit, "headroom_bytes": headroom,
+        "notes": memory.notes,
+    }
+    return result
+
+
+def _report(result: dict, describe_model: str) -> str:
+    layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
+    lines = [f"{describe_model} on {layout['world_size']} x {layout['hardware']}: {layout['strategy']}, "
+             f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s)", ""]
+    if memory is not None:
+        peak = memory["by_category_at_peak"]
+        lines.append("memory per GPU (rank 0, at the step's peak)      GiB")
+        for name, value in peak.items():
+            if name != "total":
+                lines.append(f"  {name.replace('_', ' '):<44} {value / GIB:8.2f}")
+        verdict = "fits" if memory["fits"] else "DOES NOT FIT"
+        lines.append(f"  {'peak':<44} {memory['peak_bytes'] / GIB:8.2f}   of {memory['device_bytes'] / GIB:.0f} "
+                     f"(keeping {memory['reserve_bytes'] / GIB:.1f} aside): {verdict}, headroom "
+                     f"{memory['headroom_bytes'] / GIB:.2f} GiB")
+        lines.append(f"  sharded parameters / gradients / optimizer state: {memory['parameters'] / GIB:.2f} / "
+                     f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB (params x bytes / shards)")
+        lines.extend(f"  note: {note}" for note in memory["notes"])
+        lines.append("")
+    threshold = timing["threshold_tokens_per_device"]
+    lines += [
+        "step time (analytic)",
+        f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  ({timing['tokens_per_device_per_step']:,} tokens/device, "
+        f"{timing['efficiency']:.0%} of peak)",
+        f"  all-gather     {timing['all_gather_s'] * 1e3:10.1f} ms  ({timing['all_gather_bytes'] / 1e9:.2f} GB, {timing['shard_link']})",
+        f"  reduce-scatter {timing['reduce_scatter_s'] * 1e3:10.1f} ms  ({timing['reduce_scatter_bytes'] / 1e9:.2f} GB, {timing['shard_link']})",
+        f"  all-reduce     {timing['all_reduce_s'] * 1e3:10.1f} ms  ({timing['all_reduce_bytes'] / 1e9:.2f} GB, {timing['replicate_link']})",
+        f"  step           {timing['step_s'] * 1e3:10.1f} ms  -> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, "
+        f"MFU {timing['mfu_percent']:.1f}%",
+        f"  verdict: {timing['verdict']} ({timing['tokens_per_device_per_micro_batch']:,} tokens/device per micro-batch; "
+        f"threshold C/W = {'n/a' if threshold is None else f'{threshold:,.0f}'}, break-even here "
+        f"{timing['break_even_tokens_per_device']:,.0f})",
+    ]
+    return "\n".join(lines)
+
+
+def _sweep_rows(results: list[dict]) -> str:
+    header = f"{'GPUs':>5} {'layout':<6} {'replicas x shards':>17} {'peak GiB':>9} {'fits':>5} {'step ms':>9} " \
+             f"{'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+    rows = [header]
+    for r in results:
+        layout, timing, memory = r["layout"], r["step_time"], r.get("memory")
+        peak = "-" if memory is None else f"{memory['peak_bytes'] / GIB:.2f}"
+        fit = "-" if memory is None else ("yes" if memory["fits"] else "NO")
+        rows.append(f"{layout['world_size']:>5} {layout['strategy']:<6} "
+                    f"{str(layout['dp_replicate']) + ' x ' + str(layout['dp_shard']):>17} {peak:>9} {fit:>5} "
+                    f"{timing['step_s'] * 1e3:>9.1f} {timing['tokens_per_second_per_device']:>10,.0f} "
+                    f"{timing['mfu_percent']:>6.1f}  {timing['verdict']}")
+    return "\n".join(rows)
+
+
+def run(argv: list[str]) -> int:
+    options, config_argv = _options(argv)
+    from titanlite.config import ConfigError, parse_args
+
+    job_config = parse_args(config_argv)
+    hardware = _hardware(options)
+    model = f"{job_config.model.name} {job_config.model.flavor}, seq_len {job_config.training.seq_len}, " \
+            f"local batch {job_config.training.local_batch_size}"
+    if options.sweep:
+        results, cache = [], {}
+        for world_size in SWEEP_SIZES:
+            layouts = [(1, world_size)]
+            if world_size > hardware.gpus_per_node and world_size % hardware.gpus_per_node == 0:
+                layouts.append((world_size // hardware.gpus_per_node, hardware.gpus_per_node))
+            for replicate, shard in layouts:
+                results.append(estimate_one(_with_layout(job_config, replicate, shard), world_size, hardware, options, cache))
+        print(json.dumps(results, indent=2) if options.json else f"{model} on {hardware.name}\n" + _sweep_rows(results))
+        return 0
+    try:
+        world_size = _world_size(options, hardware)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    result = estimate_one(job_config, world_size, hardware, options)
+    print(json.dumps(result, indent=2) if options.json else _report(result, model))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from titanlite.config import ConfigError
+
+    try:
+        return run(argv)
+    except (ConfigError, ValueError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

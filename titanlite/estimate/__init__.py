@@ -1,0 +1,42 @@
+"""Estimates made before a run: how long a step takes (step_time) on which hardware,
+and how much memory each rank needs (memory)."""
+
+# --- step time and hardware ---
+from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
+from titanlite.estimate.step_time import (
+    DEFAULT_EFFICIENCY,
+    StepTimeEstimate,
+    estimate_for_job_config,
+    estimate_step_time,
+    threshold_tokens_per_device,
+)
+
+# --- memory ---
+from titanlite.estimate.memory import (
+    EstimateError,
+    MemoryEstimate,
+    ModelStateBytes,
+    estimate_memory,
+    exact_model_state_bytes,
+    fits,
+    measure_real_memory,
+)
+
+__all__ = [
+    "EstimateError",
+    "MemoryEstimate",
+    "ModelStateBytes",
+    "estimate_memory",
+    "exact_model_state_bytes",
+    "fits",
+    "measure_real_memory",
+    "DEFAULT_EFFICIENCY",
+    "HARDWARE",
+    "Hardware",
+    "StepTimeEstimate",
+    "estimate_for_job_config",
+    "estimate_step_time",
+    "get_hardware",
+    "parse_hardware_overrides",
+    "threshold_tokens_per_device",
+]

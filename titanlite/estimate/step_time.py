@@ -1,0 +1,450 @@
+"""An analytic model of one training step under FSDP / HSDP / DDP: compute time,
+communication time, which of the two bounds the step, and the throughput and MFU that
+follow. Pure arithmetic: nothing is built, nothing runs on a device.
+
+The roofline rule it reproduces (data parallelism and FSDP alike, since an all-reduce
+is an all-gather plus a reduce-scatter): a step is compute-bound when the tokens each
+device processes per collective round exceed
+
+    C / W = peak FLOP/s of one device / bytes per second one device sends,
+
+because compute grows with the tokens per device while the weight traffic does not.
+On an H100 that is 989e12 / 450e9 ~ 2,198 tokens when the FSDP group sits inside one
+NVLink node, but 989e12 / 50e9 ~ 19,780 tokens once the group spans nodes over
+400 Gb/s InfiniBand; HSDP keeps the heavy, per-layer FSDP traffic on NVLink and sends
+only one all-reduce of the gradient shard per step across nodes.
+
+Assumptions (each is also stated where it is used):
+  * Ring collectives: an all-gather or reduce-scatter of S bytes over n ranks makes
+    every rank send S x (n-1)/n bytes; an all-reduce twice that.
+  * A collective runs at the per-direction bandwidth of its slowest link: the
+    intra-node one when every group of that mesh dimension fits in one node, the
+    inter-node one otherwise.
+  * FSDP overlaps communication with compute (prefetching the next unit's all-gather,
+    reduce-scattering while the previous unit's backward runs), so a step takes
+    max(compute, communication) plus the part that nothing can hide.
+  * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+from titanlite.estimate.hardware import Hardware, get_hardware
+from titanlite.metrics.flops import count_params, flops_per_token, mfu
+from titanlite.models.llama.args import LlamaArgs
+from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.parallelize import DTYPES
+
+# Fraction of the peak a well-tuned bf16 transformer step reaches on its matmuls
+# (attention and elementwise kernels included). Llama pretraining on H100/A100 with
+# FSDP reports roughly 40-55% MFU; 0.5 sits in that range. Override per run.
+DEFAULT_EFFICIENCY = 0.5
+
+RESHARD_POLICIES = ("default", "always", "never")
+AC_MODES = ("none", "full", "selective")
+
+
+@dataclass(frozen=True)
+class StepTimeEstimate:
+    """What one optimizer step costs on each device. Bytes are those one device sends,
+    summed over the step (all micro-batches); seconds are per step."""
+
+    strategy: str  # "single process", "FSDP", "DDP" or "HSDP" (ParallelDims.strategy)
+    dp_replicate: int
+    dp_shard: int
+    world_size: int
+    hardware: Hardware
+    efficiency: float
+    # compute
+    flops_per_token: int  # model FLOPs (forward + backward), what MFU counts
+    recompute_flops_per_token: float  # forward FLOPs redone by activation checkpointing
+    tokens_per_device_per_micro_batch: int
+    tokens_per_device_per_step: int
+    compute_s: float
+    # communication
+    all_gather_bytes: float  # FSDP parameter all-gathers (forward + backward re-gathers)
+    reduce_scatter_bytes: float  # FSDP gradient reduce-scatters
+    all_reduce_bytes: float  # HSDP/DDP gradient all-reduce across replicas
+    shard_link: str  # "intra-node", "inter-node" or "none" (a group of one)
+    replicate_link: str
+    all_gather_s: float
+    reduce_scatter_s: float
+    all_reduce_s: float
+    comm_s: float
+    exposed_comm_s: float  # communication no compute can hide
+    overlapped: bool  # communication assumed to run under compute
+    step_s: float
+    # verdict
+    verdict: str  # "compute-bound" or "communication-bound"
+    threshold_tokens_per_device: float | None  # the seed's C / W; None with no communication
+    break_even_tokens_per_device: float  # per micro-batch, where compute_s == comm_s here
+    tokens_per_second_per_device: float
+    mfu_percent: float
+
+    def describe(self) -> str:
+        """A few human-readable lines, for a command-line report."""
+        hw = self.hardware
+        threshold = "n/a" if self.threshold_tokens_per_device is None else f"{self.threshold_tokens_per_device:,.0f}"
+        return "\n".join(
+            [
+                f"{self.strategy}: {self.dp_replicate} replica(s) x {self.dp_shard} shard(s) "
+                f"on {self.world_size} {hw.name}",
+                f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,} tokens/device/step, "
+                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
+                f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
+                f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
+                f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
+                f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms",
+                f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,} tokens/device/micro-batch vs "
+                f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
+                f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
+                f"MFU {self.mfu_percent:.1f}%",
+            ]
+        )
+
+
+# --- formulas: one small function each ------------------------------------------------------
+
+
+def ring_bytes(total_bytes: float, group_size: int) -> float:
+    """Bytes one rank sends in a ring all-gather or reduce-scatter of ``total_bytes``:
+
+        total_bytes x (n - 1) / n
+
+    Each rank owns 1/n of the data and must pass on the other n - 1 pieces. An
+    all-reduce (reduce-scatter then all-gather) is twice this. n = 1 sends nothing.
+    """
+    return total_bytes * (group_size - 1) / group_size
+
+
+def threshold_tokens_per_device(peak_flops: float, bandwidth: float) -> float:
+    """The seed's roofline threshold (data parallelism and FSDP alike):
+
+        tokens per device > C / W   =>   compute-bound
+
+    C = peak FLOP/s of one device, W = bytes/s it sends (per direction). It follows from
+    4 backward FLOPs per parameter per token against 4 bytes per bf16 parameter in an
+    all-reduce (2 x 2 bytes): the per-token FLOPs and the per-parameter bytes cancel.
+    """
+    return peak_flops / bandwidth
+
+
+def param_counts(args: LlamaArgs) -> tuple[int, int, int]:
+    """(all parameters, one block's, the root unit's), from metrics.flops.count_params:
+
+        root  = embedding + final norm + output = V x d + d + d x V
+        block = (count_params(no embedding) - d - d x V) / n_layers
+
+    The FSDP units are one per block plus the root (embedding, final norm, output).
+    """
+    total = count_params(args, include_embedding=True)
+    head = args.dim + args.dim * args.vocab_size  # final norm + output projection
+    block = (count_params(args, include_embedding=False) - head) // args.n_layers
+    return total, block, head + args.vocab_size * args.dim
+
+
+def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
+    """Parameters all-gathered a second time in backward, per micro-batch:
+
+        always  -> all of them (FULL_SHARD / ZeRO-3: every unit freed after forward)
+        default -> all - last block - root (titanlite keeps the last block, which backward
+                   needs first, and the root unsharded after forward: the seed's
+                   "don't drop the last layer" optimisation)
+        never   -> 0 (SHARD_GRAD_OP / ZeRO-2: forward's gathered weights stay)
+    """
+    total, block, root = param_counts(args)
+    if reshard_after_forward == "always":
+        return total
+    if reshard_after_forward == "default":
+        return total - block - root
+    return 0
+
+
+def recompute_fraction(n_layers: int, ac_mode: str, selective_ac_option: str) -> float:
+    """Fraction of blocks whose forward activation checkpointing runs twice:
+
+        none          -> 0
+        full          -> 1 (every block)
+        selective N   -> ceil(n_layers / N) / n_layers (blocks 0, N, 2N, ... as parallelize.py wraps them)
+        selective op  -> 0 (matmul and attention outputs are saved; only elementwise
+                         ops are recomputed, which FLOP counts ignore)
+    """
+    if ac_mode == "none" or (ac_mode == "selective" and selective_ac_option == "op"):
+        return 0.0
+    if ac_mode == "full":
+        return 1.0
+    every = int(selective_ac_option)
+    return math.ceil(n_layers / every) / n_layers
+
+
+def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float) -> float:
+    """Extra FLOPs per token from recomputation: that fraction of the blocks' forward,
+
+        fraction x (F - 6 x (d + d x V)) / 3
+
+    F is metrics.flops.flops_per_token; removing the output layer (and final norm) leaves
+    the blocks' forward + backward, and the forward is 2 of its 6 FLOPs per weight (and
+    a third of attention's). Full AC is therefore a little under +1 forward (8/6 of F):
+    the output projection, outside the blocks, is never recomputed.
+    """
+    blocks = model_flops_per_token - 6 * (args.dim + args.dim * args.vocab_size)
+    return fraction * blocks / 3
+
+
+def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
+    """Time for the FLOPs one device does in a step:
+
+        (model FLOPs + recomputed FLOPs) per token x tokens per device / (peak x efficiency)
+    """
+    return flops_per_token_done * tokens / (peak_flops * efficiency)
+
+
+def fsdp_bytes(
+    params: int, regathered: int, param_bytes: int, reduce_bytes: int, dp_shard: int, micro_batches: int
+) -> tuple[float, float]:
+    """Per-device (all-gather, reduce-scatter) bytes in one step of the shard group:
+
+        all-gather     = micro_batches x (params + regathered) x param_bytes x (s - 1) / s
+        reduce-scatter = micro_batches x params x reduce_bytes x (s - 1) / s
+
+    Every micro-batch gathers every parameter for its forward (FSDP reshards after each
+    backward) and, unless resharding is "never", again for its backward; every
+    micro-batch reduce-scatters its gradients (titanlite only skips the replicate
+    all-reduce on early micro-batches). With reshard "always" and one dtype that is
+    3 collectives per layer, each moving one model's worth: the seed's "3x intra-group".
+    """
+    gather = micro_batches * ring_bytes((params + regathered) * param_bytes, dp_shard)
+    scatter = micro_batches * ring_bytes(params * reduce_bytes, dp_shard)
+    return gather, scatter
+
+
+def replicate_all_reduce_bytes(params: int, reduce_bytes: int, dp_shard: int, dp_replicate: int) -> float:
+    """Per-device bytes of the all-reduce across replicas (HSDP, DDP), once per step:
+
+        2 x (params / s) x reduce_bytes x (r - 1) / r
+
+    Each device all-reduces only its gradient shard (1/s of the model) with the devices
+    holding the same shard in the other replicas: the seed's "1 all_reduce at the end".
+    """
+    return 2 * ring_bytes(params / dp_shard * reduce_bytes, dp_replicate)
+
+
+def group_spans_nodes(dp_replicate: int, dp_shard: int, gpus_per_node: int, dim: str) -> bool:
+    """Whether any group of mesh dimension ``dim`` ("shard" or "replicate") has ranks on
+    two nodes. Ranks fill the (replicate, shard) mesh row by row, rank = i x s + j, and
+    nodes hold consecutive ranks, so a group spans nodes when its first and last rank
+    sit on different nodes: shard groups are s consecutive ranks, replicate groups have
+    stride s. One straddling group is enough: a collective waits for its slowest group.
+    """
+    g = gpus_per_node
+    if dim == "shard":
+        firsts, span = range(0, dp_replicate * dp_shard, dp_shard), dp_shard - 1
+    else:
+        firsts, span = range(dp_shard), (dp_replicate - 1) * dp_shard
+    return any(first // g != (first + span) // g for first in firsts)
+
+
+def link(hardware: Hardware, group_size: int, spans_nodes: bool) -> tuple[str, float]:
+    """(name, bytes/s) of the link a group's collective runs over: none for a group of one,
+    inter-node when the group spans nodes, intra-node otherwise."""
+    if group_size == 1:
+        return "none", math.inf
+    if spans_nodes:
+        return "inter-node", hardware.inter_node_bw
+    return "intra-node", hardware.intra_node_bw
+
+
+def overlapped_step_seconds(compute_s: float, comm_s: float, n_units: int) -> tuple[float, float]:
+    """(step seconds, exposed communication seconds) with FSDP's overlap:
+
+        exposed = comm / n_units
+        step    = max(compute, comm) + exposed
+
+    Prefetching hides each unit's all-gather under the previous unit's compute, and each
+    reduce-scatter under the next unit's backward, except at the ends of the step: the
+    first unit's all-gather and the last unit's reduce-scatter (and all-reduce) have
+    nothing to hide behind. That is taken as one unit's average share of the traffic.
+    """
+    exposed = comm_s / n_units
+    return max(compute_s, comm_s) + exposed, exposed
+
+
+def break_even_tokens(comm_s: float, micro_batches: int, flops_per_token_done: float,
+                      peak_flops: float, efficiency: float) -> float:
+    """Tokens per device per micro-batch at which compute time equals communication time:
+
+        comm per micro-batch x peak x efficiency / FLOPs done per token
+
+    With bf16 parameters and gradients, reshard "always", no recomputation, efficiency 1
+    and a large group this is the seed's C / W (to within the embedding's share of the
+    parameters and attention's share of the FLOPs): 6 bytes and 6 FLOPs per parameter.
+    """
+    return comm_s / micro_batches * peak_flops * efficiency / flops_per_token_done
+
+
+# --- validation -----------------------------------------------------------------------------
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None) -> ParallelDims:
+    """Degrees to ParallelDims: each positive or -1 (at most one -1, which needs world_size);
+    ParallelDims.resolve reports a product that does not match the world size."""
+    for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
+        if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and degree != -1):
+            raise ValueError(f"{name} must be a positive integer or -1, got {degree!r}")
+    if dp_replicate == -1 and dp_shard == -1:
+        raise ValueError("dp_replicate and dp_shard cannot both be -1; set one of them")
+    if world_size is None:
+        if -1 in (dp_replicate, dp_shard):
+            raise ValueError("a degree of -1 (take the ranks left over) needs world_size")
+        world_size = dp_replicate * dp_shard
+    _positive_int("world_size", world_size)
+    return ParallelDims.resolve(dp_replicate, dp_shard, world_size)
+
+
+def _check_choices(ac_mode: str, selective_ac_option: str, reshard_after_forward: str,
+                   param_dtype: str, reduce_dtype: str, efficiency: float) -> None:
+    """One clear ValueError per bad option, naming the choices."""
+    for name, value, choices in (
+        ("reshard_after_forward", reshard_after_forward, RESHARD_POLICIES),
+        ("ac_mode", ac_mode, AC_MODES),
+        ("param_dtype", param_dtype, tuple(DTYPES)),
+        ("reduce_dtype", reduce_dtype, tuple(DTYPES)),
+    ):
+        if value not in choices:
+            raise ValueError(f"{name} '{value}' is not known (choose from {', '.join(choices)})")
+    if ac_mode == "selective" and selective_ac_option != "op":
+        if not (selective_ac_option.isdigit() and int(selective_ac_option) >= 1):
+            raise ValueError(f"selective_ac_option must be 'op' or a positive integer, got {selective_ac_option!r}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+
+
+# --- the estimate ---------------------------------------------------------------------------
+
+
+def estimate_step_time(
+    model_args: LlamaArgs,
+    *,
+    seq_len: int,
+    local_batch_size: int,
+    hardware: Hardware | str,
+    dp_replicate: int = 1,
+    dp_shard: int = -1,
+    world_size: int | None = None,
+    grad_accum_steps: int = 1,
+    param_dtype: str = "bfloat16",
+    reduce_dtype: str = "float32",
+    reshard_after_forward: str = "default",
+    ac_mode: str = "selective",
+    selective_ac_option: str = "2",
+    efficiency: float = DEFAULT_EFFICIENCY,
+    gpus_per_node: int | None = None,
+) -> StepTimeEstimate:
+    """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
+    fp32 reductions, reshard "default", selective AC every 2nd block).
+
+    hardware: a Hardware or a table name ("h100"). gpus_per_node overrides the
+    hardware's. world_size may be left out when neither degree is -1.
+    Raises ValueError with a one-line message for any inconsistent input.
+    """
+    for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size),
+                        ("grad_accum_steps", grad_accum_steps)):
+        _positive_int(name, value)
+    _check_choices(ac_mode, selective_ac_option, reshard_after_forward, param_dtype, reduce_dtype, efficiency)
+    hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
+    if gpus_per_node is not None:
+        _positive_int("gpus_per_node", gpus_per_node)
+        hw = replace(hw, gpus_per_node=gpus_per_node)
+    dims = _resolve_layout(dp_replicate, dp_shard, world_size)
+    r, s = dims.dp_replicate, dims.dp_shard
+
+    # compute
+    model_flops = flops_per_token(model_args, seq_len)
+    fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
+    recompute = recompute_flops(model_args, model_flops, fraction)
+    micro_tokens = local_batch_size * seq_len
+    step_tokens = micro_tokens * grad_accum_steps
+    compute_s = compute_seconds(model_flops + recompute, step_tokens, hw.peak_flops, efficiency)
+
+    # communication
+    params = count_params(model_args, include_embedding=True)
+    regathered = regathered_params(model_args, reshard_after_forward)
+    p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
+    gather_b, scatter_b = fsdp_bytes(params, regathered, p_bytes, g_bytes, s, grad_accum_steps)
+    reduce_b = replicate_all_reduce_bytes(params, g_bytes, s, r)
+    shard_link, shard_bw = link(hw, s, group_spans_nodes(r, s, hw.gpus_per_node, "shard"))
+    replicate_link, replicate_bw = link(hw, r, group_spans_nodes(r, s, hw.gpus_per_node, "replicate"))
+    # Shard- and replicate-group collectives are added, not overlapped with each other:
+    # FSDP issues the all-reduce after each unit's reduce-scatter, and when both groups
+    # are inter-node they share the same network cards.
+    gather_s, scatter_s, reduce_s = gather_b / shard_bw, scatter_b / shard_bw, reduce_b / replicate_bw
+    comm_s = gather_s + scatter_s + reduce_s
+
+    step_s, exposed_s = overlapped_step_seconds(compute_s, comm_s, model_args.n_layers + 1)
+    tokens_per_s = step_tokens / step_s
+    # The seed's C / W uses the link that carries the heavy traffic: the FSDP shard group,
+    # or the replicate group for pure DDP.
+    heavy_bw = shard_bw if s > 1 else replicate_bw
+    return StepTimeEstimate(
+        strategy=dims.strategy, dp_replicate=r, dp_shard=s, world_size=dims.world_size,
+        hardware=hw, efficiency=efficiency,
+        flops_per_token=model_flops, recompute_flops_per_token=recompute,
+        tokens_per_device_per_micro_batch=micro_tokens, tokens_per_device_per_step=step_tokens,
+        compute_s=compute_s,
+        all_gather_bytes=gather_b, reduce_scatter_bytes=scatter_b, all_reduce_bytes=reduce_b,
+        shard_link=shard_link, replicate_link=replicate_link,
+        all_gather_s=gather_s, reduce_scatter_s=scatter_s, all_reduce_s=reduce_s, comm_s=comm_s,
+        exposed_comm_s=exposed_s, overlapped=True, step_s=step_s,
+        # The seed: compute-bound when T_math / T_comms > 1.
+        verdict="compute-bound" if compute_s > comm_s else "communication-bound",
+        threshold_tokens_per_device=(
+            None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)
+        ),
+        break_even_tokens_per_device=break_even_tokens(comm_s, grad_accum_steps, model_flops + recompute,
+                                                       hw.peak_flops, efficiency),
+        tokens_per_second_per_device=tokens_per_s,
+        mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
+    )
+
+
+def estimate_for_job_config(
+    job_config,
+    world_size: int,
+    hardware: Hardware | str,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    gpus_per_node: int | None = None,
+) -> StepTimeEstimate:
+    """estimate_step_time with every input read from a JobConfig: model flavor, seq_len,
+    local and global batch (hence the accumulation steps), degrees, mixed precision,
+    reshard policy and activation checkpointing. world_size is the number of GPUs the
+    run would have; a layout that does not multiply to it is a ValueError."""
+    from titanlite.registry import get_model_args  # the registry pulls in every model
+
+    training, parallelism, ac = job_config.training, job_config.parallelism, job_config.activation_checkpoint
+    dims = _resolve_layout(
+        parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+    )
+    _positive_int("training.local_batch_size", training.local_batch_size)
+    _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
+    return estimate_step_time(
+        get_model_args(job_config.model.name, job_config.model.flavor),
+        seq_len=training.seq_len,
+        local_batch_size=training.local_batch_size,
+        hardware=hardware,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        world_size=dims.world_size,
+        grad_accum_steps=accumulation,
+        param_dtype=training.mixed_precision_param,
+        reduce_dtype=training.mixed_precision_reduce,
+        reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+        ac_mode=ac.mode,
+        selective_ac_option=ac.selective_ac_option,
+        efficiency=efficiency,
+        gpus_per_node=gpus_per_node,
+    )

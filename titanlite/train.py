@@ -9,12 +9,14 @@ and is imported by nobody.
 
 import dataclasses
 import gc
+import math
 import logging
 import os
 import signal
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -46,6 +48,19 @@ from titanlite.parallel import (
 from titanlite.registry import get_model_args, get_model_spec
 
 logger = logging.getLogger("titanlite")
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced NaN or inf gradients and no more skips were allowed."""
+
+
+# How a peer's death or a timeout shows up: DistError subclasses from c10d and NCCL, but
+# plain RuntimeErrors from gloo's transport.
+_COLLECTIVE_FAILURE_MARKS = ("gloo", "NCCL", "Timed out waiting", "Connection closed by peer", "Connection reset")
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or any(mark in str(error) for mark in _COLLECTIVE_FAILURE_MARKS)
 
 
 @dataclass(frozen=True)
@@ -184,6 +199,7 @@ class Trainer(Stateful):
         self.ema = EMA(model, job_config.ema.decay) if job_config.ema.enable else None
         self.step = 0
         self.tokens_seen = 0
+        self.nonfinite_in_a_row = 0
 
         # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
         states = {
@@ -310,13 +326,15 @@ class Trainer(Stateful):
             loss_share += loss.detach()
 
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
+        update = self._finite_or_skip(grad_norm, loss_share)
         # An async save may still be copying the weights; they must not change under it.
         self.checkpointer.wait_for_staging()
-        self.optimizer.step()
-        self.phase_memory.mark("optimizer")
+        if update:
+            self.optimizer.step()
+            self.phase_memory.mark("optimizer")
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        if self.ema is not None:
+        if self.ema is not None and update:
             self.ema.update()
         self.step += 1
         self.tokens_seen += global_tokens
@@ -374,6 +392,27 @@ class Trainer(Stateful):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
         return bool(flag.item())
 
+    def _finite_or_skip(self, grad_norm: torch.Tensor, loss_share: torch.Tensor) -> bool:
+        """Whether to apply this step's update. A NaN/inf anywhere reaches the global
+        gradient norm, which every rank holds alike after its all-reduce, so all ranks
+        decide the same without another collective. Reading it waits for the device once
+        per step: the price of never applying a non-finite update."""
+        norm = grad_norm.item()
+        if math.isfinite(norm):
+            self.nonfinite_in_a_row = 0
+            return True
+        step = self.step + 1
+        what = f"gradient norm {norm}, this rank's loss share {loss_share.item()}"
+        if self.nonfinite_in_a_row < self.job_config.training.skip_nonfinite_steps:
+            self.nonfinite_in_a_row += 1
+            logger.warning("step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)", step, what,
+                           self.nonfinite_in_a_row, self.job_config.training.skip_nonfinite_steps)
+            return False
+        raise NonFiniteError(
+            f"step {step}: {what}; stopped before applying it, so every checkpoint holds finite weights "
+            "(training.skip_nonfinite_steps skips such steps instead)"
+        )
+
     def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
         """The loss over the global batch, and the largest of the ranks' own mean losses.
         Every rank holds the same number of tokens, so a rank's mean is its share times
@@ -393,12 +432,15 @@ class Trainer(Stateful):
         # Python's collector pauses at random moments, differently on every rank, which
         # stalls collectives; collect at fixed steps instead.
         gc.disable()
+        first_step = self.step
         try:
             with profiler_context(self.job_config.profiling, self.job_config.job.dump_folder, self.rank,
                                   start_step=self.step) as profiler:
                 while self.step < training.steps:
                     record = self._one_step(log_freq)
                     profiler.step()
+                    if self.step == first_step + 1:
+                        self._use_train_timeout()
                     if record is not None:
                         records.append(record)
                     self._validate_if_due()
@@ -410,6 +452,14 @@ class Trainer(Stateful):
             self.metrics.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
         return records
+
+    def _use_train_timeout(self) -> None:
+        """Start-up (compiles, first all-gathers, loading) may be slow; after the first
+        step a collective that waits longer than train_timeout_seconds means a dead or
+        stuck rank, and failing beats hanging until the job's wall-clock limit."""
+        if dist.is_initialized():
+            timeout = timedelta(seconds=self.job_config.comm.train_timeout_seconds)
+            dist.distributed_c10d._set_pg_timeout(timeout)  # the default group; checkpoint saves keep theirs
 
     def _one_step(self, log_freq: int) -> StepRecord | None:
         """Train one step; log it when it is due and return what was logged."""
@@ -479,6 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except CheckpointError as error:
         print(f"titanlite: checkpoint error at step {trainer.step}: {error}", file=sys.stderr)
+        return 1
+    except NonFiniteError as error:
+        if trainer.rank == 0:  # every rank stops at the same step with the same norm
+            print(f"titanlite: non-finite values at {error}", file=sys.stderr)
+        return 1
+    except (dist.DistError, RuntimeError) as error:
+        if not is_collective_failure(error):
+            raise
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        print(f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another rank "
+              f"die or hang? see its log): {first_line[:300]}", file=sys.stderr)
         return 1
     finally:
         destroy_distributed()

@@ -71,6 +71,9 @@ class Training:
     gc_freq: int = 50
     """Run Python's garbage collector every this many steps (automatic collection is disabled in the loop)."""
 
+    skip_nonfinite_steps: int = 0
+    """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at the first."""
+
 
 @dataclass
 class Optimizer:
@@ -264,7 +267,10 @@ class Profiling:
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    """Seconds before process-group creation or any collective gives up (a dead rank then fails the others instead of hanging them)."""
+    """Seconds before process-group creation, or a collective before the first step ends, gives up."""
+
+    train_timeout_seconds: int = 100
+    """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others instead of hanging them)."""
 
 
 @dataclass

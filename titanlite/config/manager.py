@@ -353,6 +353,8 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("validation.steps",                            "-1 or >= 1",              _minus_one_or_positive),
     ("profiling.profile_freq",                      ">= 1",                    lambda v: v >= 1),
     ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
+    ("comm.train_timeout_seconds",                  ">= 1",                    lambda v: v >= 1),
+    ("training.skip_nonfinite_steps",               ">= 0",                    lambda v: v >= 0),
 )  # fmt: skip
 
 

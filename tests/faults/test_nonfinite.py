@@ -1,0 +1,76 @@
+"""A NaN or inf in a step: training stops before applying it, names the step, and never
+checkpoints it; with training.skip_nonfinite_steps the step is skipped instead."""
+
+import pytest
+import torch
+
+from tests.multiprocess import register_tiny_flavor
+from titanlite.config import parse_args
+from titanlite.train import NonFiniteError, Trainer
+
+ARGS = [
+    "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
+    "--training.steps", "5", "--training.mixed_precision_param", "float32",
+    "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
+]
+
+
+def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> None:
+    """Make the forward of `step` (1-based) produce `value` everywhere."""
+    def hook(module, inputs, output):
+        return output * value if trainer.step == step - 1 else output
+
+    trainer.model.register_forward_hook(hook)
+
+
+def weights(trainer: Trainer) -> dict:
+    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
+
+
+def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path):
+    register_tiny_flavor()
+    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                                         "--checkpoint.interval", "1"]))
+    poison_step(trainer, 3)
+    with pytest.raises(NonFiniteError, match=r"^step 3: gradient norm nan, this rank's loss share nan; stopped before"):
+        trainer.train()
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]
+    assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+
+
+def test_an_inf_is_named_too(tmp_path):
+    register_tiny_flavor()
+    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path)]))
+    poison_step(trainer, 1, float("inf"))
+    with pytest.raises(NonFiniteError, match=r"^step 1: gradient norm (inf|nan)"):
+        trainer.train()
+
+
+def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
+    register_tiny_flavor()
+    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps", "1"]))
+    poison_step(trainer, 3)
+    poison_step(trainer, 5)
+    trainer.train_step()
+    trainer.train_step()
+    before = weights(trainer)
+    moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
+    trainer.train_step()  # step 3: NaN, skipped
+    assert trainer.step == 3
+    for name, value in weights(trainer).items():
+        assert torch.equal(value, before[name]), name
+    for key, value in trainer.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(value, moments[key]), key
+    trainer.train_step()  # step 4: finite, applied
+    assert not torch.equal(weights(trainer)["norm.weight"], before["norm.weight"])
+    trainer.train_step()  # step 5: NaN again, but not in a row: skipped
+    assert trainer.step == 5
+
+
+def test_too_many_skips_in_a_row_stop(tmp_path):
+    register_tiny_flavor()
+    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps", "1"]))
+    poison_step(trainer, 2)
+    poison_step(trainer, 3)
+    with pytest.raises(NonFiniteError, match=r"^step 3: "):
+        trainer.train()

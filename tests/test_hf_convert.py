@@ -154,7 +154,8 @@ def test_bf16_sharded_export(trained, tmp_path):
         assert len(sizes) == 1 or sum(sizes) <= 20_000
 
 
-def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch):
+def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_do_not_print_me_42")
     spec = importlib.util.spec_from_file_location("convert_dcp_to_hf", EXPORT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
@@ -170,6 +171,8 @@ def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch):
     out = tmp_path / "pushed"
     assert script.main([str(trained[0]), str(out), "--push-to-hub", "me/tiny"]) == 0
     assert calls == [{"folder_path": str(out), "repo_id": "me/tiny", "repo_type": "model"}]
+    printed = capsys.readouterr()
+    assert "hf_do_not_print_me_42" not in printed.out + printed.err
 
 
 # --- bad input ---------------------------------------------------------------------------

@@ -54,6 +54,10 @@ class NonFiniteError(RuntimeError):
     """A step produced NaN or inf gradients and no more skips were allowed."""
 
 
+class DataError(RuntimeError):
+    """The training data turned out to be unreadable after the run started."""
+
+
 # How a peer's death or a timeout shows up: DistError subclasses from c10d and NCCL, but
 # plain RuntimeErrors from gloo's transport.
 _COLLECTIVE_FAILURE_MARKS = ("gloo", "NCCL", "Timed out waiting", "Connection closed by peer", "Connection reset")
@@ -315,7 +319,7 @@ class Trainer(Stateful):
         for micro_step in range(self.plan.grad_accum_steps):
             self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
-                inputs, labels = (t.to(self.device) for t in self.loader.next_batch())
+                inputs, labels = (t.to(self.device) for t in self._next_batch())
             with self.compute_context:
                 logits = self.model(inputs)
                 loss = self.loss_fn(logits, labels) / global_tokens
@@ -391,6 +395,14 @@ class Trainer(Stateful):
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
         return bool(flag.item())
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # Documents are read as training goes, so a bad record far into a file shows up
+        # only here; the loader's message names the file and line.
+        try:
+            return self.loader.next_batch()
+        except ValueError as error:
+            raise DataError(str(error)) from error
 
     def _finite_or_skip(self, grad_norm: torch.Tensor, loss_share: torch.Tensor) -> bool:
         """Whether to apply this step's update. A NaN/inf anywhere reaches the global
@@ -529,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         trainer.train()
     except CheckpointError as error:
         print(f"titanlite: checkpoint error at step {trainer.step}: {error}", file=sys.stderr)
+        return 1
+    except DataError as error:
+        print(f"titanlite: data error in step {trainer.step + 1}: {error}", file=sys.stderr)
         return 1
     except NonFiniteError as error:
         if trainer.rank == 0:  # every rank stops at the same step with the same norm

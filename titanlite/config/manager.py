@@ -401,10 +401,22 @@ def _check_hf_seed(config: JobConfig) -> None:
         )
 
 
+def _check_load_step(config: JobConfig) -> None:
+    # Without checkpoint.enable the run's own checkpoint folder is never read, so the step
+    # would be ignored and the run would silently start from scratch.
+    checkpoint = config.checkpoint
+    if checkpoint.load_step >= 0 and not checkpoint.enable:
+        raise ConfigError(
+            f"checkpoint.load_step ({checkpoint.load_step}) needs checkpoint.enable "
+            "(it picks a step-N folder of the run's own checkpoint folder)"
+        )
+
+
 CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_dataset_has_path,
     _check_hf_seed,
+    _check_load_step,
     _check_validation,
 )
 

@@ -9,8 +9,16 @@ The manager saves a dict of Stateful objects by name and knows nothing about wha
 are, with one layout rule: the entries of the "model" object are stored at the top level
 of the checkpoint (not under "model."), so that model-only checkpoints and full ones name
 weights the same way.
+
+With ``checkpoint.verify_integrity``, rank 0 also writes ``.manifest.json`` (every file's
+size and SHA-256) into the folder before the rename; a load checks the sizes whenever a
+manifest exists and the checksums when the option is on. Every load also checks each file
+against the byte ranges DCP's ``.metadata`` records, so a truncated file is named.
 """
 
+import dataclasses
+import hashlib
+import json
 import logging
 import os
 import re
@@ -35,6 +43,8 @@ logger = logging.getLogger("titanlite")
 
 MODEL = "model"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
+MANIFEST = ".manifest.json"
+_HASH_CHUNK = 1 << 20
 # DCP reports a failure on any rank as a CheckpointException, which is a BaseException.
 _FAILURES = (Exception, CheckpointException)
 # Dtypes a model-only save or an export may cast the weights to, by config name.
@@ -45,15 +55,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be found, read or written; the message names the path."""
 
 
-def _describe(error: BaseException) -> str:
-    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks)."""
+def _first_failure(error: BaseException) -> tuple[int | None, BaseException]:
+    """The rank and the exception behind an error; DCP wraps every rank's failure."""
     if isinstance(error, CheckpointException) and error.failures:
         rank, failure = sorted(error.failures.items())[0]
         if isinstance(failure, tuple):  # (exception, its stack frames)
             failure = failure[0]
-        error_text = f"on rank {rank}: {type(failure).__name__}: {failure}"
-    else:
-        error_text = f"{type(error).__name__}: {error}"
+        return rank, failure
+    return None, error
+
+
+def _describe(error: BaseException) -> str:
+    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks)."""
+    rank, failure = _first_failure(error)
+    error_text = f"{type(failure).__name__}: {failure}"
+    if rank is not None:
+        error_text = f"on rank {rank}: {error_text}"
     return " ".join(error_text.split())[:500]
 
 
@@ -63,6 +80,95 @@ def _fsync_folder(path: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def _sha256(path: Path) -> str:
+    """The file's SHA-256, read in 1 MiB chunks (never the whole file in memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    """Write the folder's MANIFEST, {file name: {size, sha256}} for every other file, and fsync it."""
+    files = {
+        entry.name: {"size": entry.stat().st_size, "sha256": _sha256(entry)}
+        for entry in sorted(folder.iterdir())
+        if entry.is_file() and entry.name != MANIFEST
+    }
+    with open(folder / MANIFEST, "w") as file:
+        json.dump(files, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _read_manifest(folder: Path) -> dict | None:
+    path = folder / MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        files = json.loads(path.read_text())
+        return {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointError(f"{path}: the integrity manifest is damaged ({type(error).__name__}: {error})") from None
+
+
+def verify_manifest(folder: Path, checksums: bool) -> bool:
+    """Check every file the folder's manifest lists: its size, and its SHA-256 when
+    `checksums`. Raises CheckpointError naming the first file that differs; returns
+    whether there was a manifest to check against."""
+    manifest = _read_manifest(folder)
+    if manifest is None:
+        return False
+    for name, (size, sha256) in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the integrity manifest lists it)")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"{path}: size mismatch, {actual} bytes instead of {size} (the file was truncated or changed after it was saved)"
+            )
+        if checksums and _sha256(path) != sha256:
+            raise CheckpointError(f"{path}: sha256 mismatch (the file changed after it was saved)")
+    return True
+
+
+def check_data_files(folder: Path) -> None:
+    """Check that every data file DCP's .metadata refers to exists and is long enough for
+    the byte ranges it records: a truncated shard is named before DCP reads it."""
+    storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing (the checkpoint's .metadata refers to it)")
+        size = path.stat().st_size
+        if size < end:
+            raise CheckpointError(
+                f"{path}: truncated, {size} bytes but the checkpoint's .metadata places data up to byte {end}"
+            )
+
+
+class _FileNamingReader(FileSystemReader):
+    """DCP's filesystem reader, reading file by file so that an error names its file."""
+
+    def read_data(self, plan, planner):
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as error:
+                path = Path(self.path) / name
+                text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+                raise CheckpointError(f"{path}: cannot be read, the file is damaged ({text})") from error
+        return super().read_data(dataclasses.replace(plan, items=[]), planner)
 
 
 def complete_steps(folder: Path) -> dict[int, Path]:
@@ -82,7 +188,9 @@ def top_level_names(path: Path) -> set[str]:
     try:
         keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
     except _FAILURES as error:  # unreadable or corrupt metadata
-        raise CheckpointError(f"{path}: cannot read the checkpoint metadata ({error})") from None
+        raise CheckpointError(
+            f"{path / '.metadata'}: cannot read the checkpoint metadata ({_describe(error)})"
+        ) from None
     return {key.split(".", 1)[0] for key in keys}
 
 
@@ -99,6 +207,7 @@ class CheckpointManager:
         self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.in_use else None
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlite-checkpoint")
         self._in_flight: Future | None = None
+        self._in_flight_step = 0
         self._staging: Future | None = None
         self._stager = None
         if config.async_mode == "async_with_pinned_mem":
@@ -144,22 +253,32 @@ class CheckpointManager:
         final = self.folder / f"step-{step}"
         writer = FileSystemWriter(str(partial), sync_files=True)
         if sync or self.config.async_mode == "disabled":
-            dcp.save(state, storage_writer=writer, process_group=self.process_group)
-            self._publish(partial, final)
+            try:
+                dcp.save(state, storage_writer=writer, process_group=self.process_group)
+                self._publish(partial, final)
+            except _FAILURES as error:
+                self._settle(step, error)
+            else:
+                self._settle(step, None)
             return
         # DCP's writer processes join a process group of their own, built from the default
         # one; a single process without a group writes from a thread instead.
         in_process = self.config.async_mode == "async_with_pinned_mem" and self.process_group is not None
         checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
-        response = dcp.async_save(
-            state, storage_writer=writer, process_group=self.process_group,
-            async_checkpointer_type=checkpointer, async_stager=self._stager,
-        )
+        try:
+            response = dcp.async_save(
+                state, storage_writer=writer, process_group=self.process_group,
+                async_checkpointer_type=checkpointer, async_stager=self._stager,
+            )
+        except _FAILURES as error:  # planning or staging failed before the write began
+            self._settle(step, error)
+            return
         if isinstance(response, AsyncSaveResponse):
             self._staging, upload = response.staging_completion, response.upload_completion
         else:
             upload = response  # staging already finished inside async_save
         self._in_flight = self._writes.submit(self._publish_when_written, upload, partial, final)
+        self._in_flight_step = step
 
     def _publish_when_written(self, upload: Future, partial: Path, final: Path) -> None:
         upload.result()
@@ -170,6 +289,8 @@ class CheckpointManager:
         DCP returns on rank 0 only after every rank's data and the metadata are written."""
         if self.rank != 0:
             return
+        if self.config.verify_integrity:
+            write_manifest(partial)
         _fsync_folder(partial)
         if final.exists():
             # Only after resuming from an older step (load_step): the newer trajectory's
@@ -178,7 +299,37 @@ class CheckpointManager:
         os.replace(partial, final)
         _fsync_folder(self.folder)
         logger.info("checkpoint saved: %s", final)
-        self._purge()
+        try:
+            self._purge()
+        except _FAILURES as error:  # the new checkpoint is saved; only old ones stay
+            logger.warning("could not delete old checkpoints in %s: %s", self.folder, _describe(error))
+
+    def _settle(self, step: int, error: BaseException | None, agree: bool = True) -> None:
+        """After a save ended: if it failed on any rank, rank 0 removes its partial folder and
+        every rank raises CheckpointError (or, with continue_on_save_error, logs and goes on).
+        With `agree`, the ranks first share their outcome (a failure in rank 0's publishing is
+        seen by it alone), so that all of them stop or go on together."""
+        text = None if error is None else _describe(error)
+        if agree and self.process_group is not None:
+            texts = [None] * dist.get_world_size(self.process_group)
+            dist.all_gather_object(texts, text, group=self.process_group)
+            text = next((t for t in texts if t is not None), None)
+        if text is None:
+            return
+        partial = self.folder / f".step-{step}.partial"
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        message = (
+            f"saving checkpoint step-{step} in {self.folder} failed {text} "
+            f"(its partial folder {partial.name} was removed; earlier checkpoints are untouched)"
+        )
+        if not self.config.continue_on_save_error:
+            raise CheckpointError(message) from error
+        newest = next(reversed(complete_steps(self.folder)), None)
+        logger.error(
+            "CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); the newest "
+            "checkpoint on disk is %s", message, "none" if newest is None else f"step-{newest}",
+        )
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state; call before changing weights."""
@@ -186,21 +337,29 @@ class CheckpointManager:
             self._staging.result()
             self._staging = None
 
-    def wait(self) -> None:
-        """Block until the save in flight is on disk (and published)."""
+    def wait(self, agree: bool = True) -> None:
+        """Block until the save in flight is on disk (and published); a failed one is
+        settled as in a synchronous save. Every rank must call it, unless not `agree`."""
         self.wait_for_staging()
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            try:
-                in_flight.result()
-            except _FAILURES as error:
-                raise CheckpointError(f"saving a checkpoint in {self.folder} failed {_describe(error)}") from error
+        if self._in_flight is None:
+            return
+        in_flight, self._in_flight = self._in_flight, None
+        try:
+            in_flight.result()
+        except _FAILURES as error:
+            self._settle(self._in_flight_step, error, agree)
+        else:
+            self._settle(self._in_flight_step, None, agree)
 
     def close(self) -> None:
-        self.wait()
-        self._writes.shutdown()
-        if self._stager is not None:
-            self._stager.close()
+        # No exchange with the other ranks: close() also runs on a rank leaving with an
+        # error. A normal run's last save is synchronous and has settled already.
+        try:
+            self.wait(agree=False)
+        finally:
+            self._writes.shutdown()
+            if self._stager is not None:
+                self._stager.close()
 
     # --- purging -----------------------------------------------------------------------
 
@@ -318,6 +477,7 @@ class CheckpointManager:
             return None
         path, model_only = source
         available = self._parts_in(path)
+        self._check_files(path)
         wanted = [MODEL] if model_only else [n for n in self.states if n not in self.config.exclude_from_loading]
         missing = [name for name in wanted if name not in available]
         if MODEL in missing:
@@ -325,6 +485,31 @@ class CheckpointManager:
         for name in missing:
             logger.warning("%s holds no '%s'; it starts fresh", path, name)
         return path, [name for name in wanted if name in available]
+
+    def _check_files(self, path: Path) -> None:
+        """Catch damaged files before DCP reads them (a truncated shard, and with a manifest
+        any change of size, or of content with verify_integrity), naming the file."""
+        start = time.perf_counter()
+        checksums = self.config.verify_integrity
+        try:
+            if verify_manifest(path, checksums):
+                logger.info("%s matches its integrity manifest (%s, %.2f s)", path,
+                            "sizes and sha256" if checksums else "sizes", time.perf_counter() - start)
+            elif checksums:
+                logger.warning("%s has no integrity manifest (saved without checkpoint.verify_integrity): "
+                               "loading it unverified", path)
+            check_data_files(path)
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}; to resume from an earlier checkpoint, set checkpoint.load_step") from None
+
+    def _dcp_load(self, state: dict, path: Path) -> None:
+        try:
+            dcp.load(state, storage_reader=_FileNamingReader(str(path)), process_group=self.process_group)
+        except _FAILURES as error:
+            rank, failure = _first_failure(error)
+            if isinstance(failure, CheckpointError):  # a damaged file, named by the reader
+                raise CheckpointError(f"{failure} (on rank {rank})" if rank is not None else str(failure)) from error
+            raise CheckpointError(f"{path}: loading failed {_describe(error)}") from error
 
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.
@@ -337,10 +522,7 @@ class CheckpointManager:
             return []
         path, parts = plan
         state = self._collect(parts)
-        try:
-            dcp.load(state, storage_reader=FileSystemReader(str(path)), process_group=self.process_group)
-        except _FAILURES as error:
-            raise CheckpointError(f"{path}: loading failed {_describe(error)}") from error
+        self._dcp_load(state, path)
         for name in parts:
             part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]
             try:

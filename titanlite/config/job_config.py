@@ -165,7 +165,7 @@ class Checkpoint:
     """Never delete checkpoints whose step is a multiple of this (0: no such exception)."""
 
     load_step: int = -1
-    """Resume from this step's checkpoint instead of the newest; -1 means the newest."""
+    """Resume from this step's checkpoint instead of the newest (needs checkpoint.enable); -1 means the newest."""
 
     last_save_model_only: bool = False
     """Make the save after the last step hold the model weights only, cast to export_dtype."""
@@ -184,6 +184,12 @@ class Checkpoint:
 
     initial_load_model_only: bool = True
     """Load only the model weights from initial_load_path (a fresh optimizer, schedule and data position)."""
+
+    verify_integrity: bool = False
+    """Write a manifest of file sizes and SHA-256 checksums with every checkpoint and verify it before loading."""
+
+    continue_on_save_error: bool = False
+    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1."""
 
 
 @dataclass

@@ -511,6 +511,15 @@ class CheckpointManager:
                 raise CheckpointError(f"{failure} (on rank {rank})" if rank is not None else str(failure)) from error
             raise CheckpointError(f"{path}: loading failed {_describe(error)}") from error
 
+    def _skip_absent_descriptions(self, state: dict, path: Path) -> None:
+        """Do not ask for the model part's non-tensor entries (its description) when the
+        checkpoint has none: checkpoints written by other tools, torchtitan's among them,
+        hold the weights alone. A missing tensor is still an error."""
+        present = top_level_names(path)
+        for key in [k for k, v in state.items() if k not in self.states and not isinstance(v, torch.Tensor)]:
+            if key not in present:
+                del state[key]
+
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.
         Returns the names of the parts loaded (none for a fresh start)."""
@@ -522,6 +531,7 @@ class CheckpointManager:
             return []
         path, parts = plan
         state = self._collect(parts)
+        self._skip_absent_descriptions(state, path)
         self._dcp_load(state, path)
         for name in parts:
             part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]

@@ -1,0 +1,86 @@
+"""A checkpoint laid out the way torchtitan writes one (a step-N DCP folder, model keys
+flattened at the top level, beside optimizer / lr_scheduler / dataloader / train_state,
+and no titanlite model_args) starts a titanlite run through initial_load_path."""
+
+import io
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+from torch.distributed.tensor import DTensor
+
+from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from titanlite.config import parse_args
+from titanlite.models.llama import Transformer
+from titanlite.train import Trainer
+
+ARGS = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "2",
+        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"]
+
+
+def torchtitan_layout(folder: Path, full: bool) -> tuple[Path, dict]:
+    """step-3 with the model's keys at the top level and, for a full checkpoint, the other
+    parts under torchtitan's names (their contents only need to be plausible: a model-only
+    initial load must not read them)."""
+    model = Transformer(TINY)
+    model.init_weights(seed=11)
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    state = dict(weights)
+    if full:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+        optimizer.step()
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+        state["lr_scheduler"] = {"lr_scheduler_0": {"last_epoch": 3, "_step_count": 4}}
+        state["dataloader"] = {"dp_rank_0": io.BytesIO(b"torchtitan loader state")}
+        state["train_state"] = {"step": 3, "ntokens_seen": 96, "log_steps": [1, 2, 3]}
+    step = folder / "checkpoint" / "step-3"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(step), no_dist=True)
+    return step, weights
+
+
+def seeded_weights(step: str, dump: str, extra: list[str]) -> dict:
+    trainer = Trainer(parse_args(ARGS + ["--checkpoint.initial_load_path", step, "--job.dump_folder", dump] + extra))
+    weights = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+               for n, t in trainer.model.state_dict().items()}
+    trainer.train()  # and it trains from there
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return weights
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["model-only", "full"])
+def test_a_torchtitan_checkpoint_starts_a_run(tmp_path, full):
+    step, expected = torchtitan_layout(tmp_path / "torchtitan", full)
+    register_tiny_flavor()
+    loaded = seeded_weights(str(step), str(tmp_path / "run"), ["--training.local_batch_size=2"])
+    assert loaded.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(loaded[name], value), name
+
+
+def test_two_ranks_reshard_a_torchtitan_checkpoint(tmp_path):
+    step, expected = torchtitan_layout(tmp_path / "torchtitan", full=True)
+    ranks = run_on_ranks(2, seeded_weights, str(step), str(tmp_path / "run"), ["--training.local_batch_size=1"])
+    for loaded in ranks:
+        for name, value in expected.items():
+            assert torch.equal(loaded[name], value), name
+
+
+def test_a_missing_weight_is_still_an_error(tmp_path):
+    step, expected = torchtitan_layout(tmp_path / "torchtitan", full=False)
+    state = {k: v for k, v in expected.items() if k != "norm.weight"}
+    broken = tmp_path / "broken" / "step-3"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(broken), no_dist=True)
+    register_tiny_flavor()
+    from titanlite.checkpoint import CheckpointError
+    with pytest.raises(CheckpointError, match=r"step-3.*norm\.weight"):
+        seeded_weights(str(broken), str(tmp_path / "run"), ["--training.local_batch_size=2"])

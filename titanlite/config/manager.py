@@ -13,6 +13,7 @@ import difflib
 import functools
 import inspect
 import math
+import os
 import sys
 import textwrap
 import types
@@ -24,6 +25,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10 has no tomllib; tomli is the same parser.
     import tomli as tomllib
 
+from titanlite.config import torchtitan_keys
 from titanlite.config.job_config import JobConfig
 
 USAGE = (
@@ -240,10 +242,21 @@ def _load_toml_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"invalid TOML in {path}: {error}") from None
 
 
-def _apply_toml(config: JobConfig, toml_data: dict[str, Any], path: str) -> None:
+def _flatten(prefix: str, table: dict[str, Any]):
+    """('prefix.key', value) for every leaf of a nested TOML table ([quantize.linear.float8])."""
+    for key, value in table.items():
+        dotted_key = f"{prefix}.{key}"
+        if isinstance(value, dict) and dotted_key not in _key_types() and dotted_key not in torchtitan_keys.ALL_KEYS:
+            yield from _flatten(dotted_key, value)
+        else:
+            yield dotted_key, value
+
+
+def _apply_toml(config: JobConfig, toml_data: dict[str, Any], path: str, warnings: dict[str, str]) -> None:
     source = f"in {path}"
     for section_name, table in toml_data.items():
-        if section_name not in _section_classes():
+        torchtitan_section = section_name in torchtitan_keys.TORCHTITAN_SECTIONS
+        if section_name not in _section_classes() and not torchtitan_section:
             # A top-level `steps = 5` is most likely a key that lost its [section].
             suggestion = _closest(section_name, list(_section_classes())) or _closest_key(section_name)
             raise _unknown_name_error(f"section '{section_name}'", source, suggestion)
@@ -252,11 +265,79 @@ def _apply_toml(config: JobConfig, toml_data: dict[str, Any], path: str) -> None
                 f"'{section_name}' {source} must be a table ([{section_name}]), "
                 f"got {_toml_value(table)}"
             )
-        for key, value in table.items():
-            dotted_key = f"{section_name}.{key}"
+        for dotted_key, value in _flatten(section_name, table):
             if dotted_key not in _key_types():
-                raise _unknown_name_error(f"key '{dotted_key}'", source, _closest_key(dotted_key))
+                dotted_key = _torchtitan_key(dotted_key, value, source, path, False, warnings)
+                if dotted_key is None:
+                    continue
             _set(config, dotted_key, _convert_for_key(dotted_key, value, source, from_cli=False))
+
+
+# ---------------------------------------------------------------------------
+# torchtitan 0.2 keys titanlite does not implement (torchtitan_keys.py)
+# ---------------------------------------------------------------------------
+
+
+def _key_in_toml(dotted_key: str) -> str:
+    """'quantize.linear.float8.recipe_name' -> '[quantize.linear.float8] recipe_name'."""
+    table, _, key = dotted_key.rpartition(".")
+    return f"[{table}] {key}"
+
+
+def _torchtitan_cli_value(text: str, default: Any) -> Any:
+    """A command-line string as the type of torchtitan's default, where it reads as one."""
+    if text.strip().lower() in CLI_NONE_WORDS:
+        return None
+    if isinstance(default, bool):
+        return text.lower() == "true" if text.lower() in CLI_BOOL_WORDS else text
+    if isinstance(default, list):
+        return [item.strip() for item in text.split(",") if item.strip()]
+    for number_type in (int, float):
+        if isinstance(default, number_type):
+            try:
+                return number_type(text)
+            except ValueError:
+                return text
+    return text
+
+
+def _torchtitan_key(
+    dotted_key: str, value: Any, source: str, where: str, from_cli: bool, warnings: dict[str, str]
+) -> str | None:
+    """Handle a key titanlite does not define: the titanlite key to set it on (a renamed
+    torchtitan key), or None once a harmless torchtitan setting has been noted in `warnings`.
+    Anything else is a ConfigError."""
+    shown_key = f"--{dotted_key}" if from_cli else _key_in_toml(dotted_key)
+    if dotted_key in torchtitan_keys.RENAMED:
+        new_key = torchtitan_keys.RENAMED[dotted_key]
+        new_shown = f"--{new_key}" if from_cli else _key_in_toml(new_key)
+        warnings[dotted_key] = (
+            f"titanlite: warning: {where}: {shown_key} is torchtitan's name for {new_shown}; read as {new_shown}"
+        )
+        return new_key
+    entry = torchtitan_keys.TORCHTITAN_ONLY.get(dotted_key)
+    if entry is None:
+        section_name = dotted_key.partition(".")[0]
+        if section_name in _section_classes():
+            suggestion = _closest_key(dotted_key)
+        else:
+            suggestion = _closest(dotted_key, list(torchtitan_keys.TORCHTITAN_ONLY))
+        if from_cli:
+            raise _unknown_name_error(f"option '--{dotted_key}'", source, suggestion and f"--{suggestion}")
+        raise _unknown_name_error(f"key '{dotted_key}'", source, suggestion)
+    if from_cli:
+        value = _torchtitan_cli_value(value, entry.default)
+    shown_value = "none" if value is None else _toml_value(value)
+    if not entry.is_harmless(value):
+        raise ConfigError(
+            f"{dotted_key} = {shown_value} {source} is a torchtitan setting titanlite does not implement: "
+            f"{entry.advice}"
+        )
+    warnings[dotted_key] = (
+        f"titanlite: warning: {where}: {shown_key} = {shown_value} is a torchtitan setting "
+        "titanlite does not implement; ignored (harmless at this value)"
+    )
+    return None
 
 
 # ---------------------------------------------------------------------------
@@ -275,15 +356,19 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
                 f"unexpected argument '{token}' on the command line; options look like --section.key VALUE"
             )
         key, has_equals, inline_value = token[2:].partition("=")
-        if key not in _key_types():
-            suggestion = _closest_key(key)
+        if key not in _key_types() and key not in torchtitan_keys.ALL_KEYS:
+            section_name = key.partition(".")[0]
+            if section_name in torchtitan_keys.TORCHTITAN_SECTIONS and section_name not in _section_classes():
+                suggestion = _closest(key, list(torchtitan_keys.TORCHTITAN_ONLY))
+            else:
+                suggestion = _closest_key(key)
             raise _unknown_name_error(
                 f"option '--{key}'", "on the command line", suggestion and f"--{suggestion}"
             )
         next_token = argv[index + 1] if index + 1 < len(argv) else None
         if has_equals:
             value, index = inline_value, index + 1
-        elif _key_types()[key] is bool:
+        elif _is_bool_key(key):
             # A bare boolean flag means true; an explicit true/false may follow it.
             if next_token is not None and next_token.lower() in CLI_BOOL_WORDS:
                 value, index = next_token, index + 2
@@ -295,6 +380,13 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
             value, index = next_token, index + 2
         pairs.append((key, value))
     return pairs
+
+
+def _is_bool_key(key: str) -> bool:
+    key = torchtitan_keys.RENAMED.get(key, key)
+    if key in torchtitan_keys.TORCHTITAN_ONLY:
+        return isinstance(torchtitan_keys.TORCHTITAN_ONLY[key].default, bool)
+    return _key_types()[key] is bool
 
 
 def _config_file_from_cli(cli_pairs: list[tuple[str, str]]) -> str | None:
@@ -446,20 +538,39 @@ def _set(config: JobConfig, dotted_key: str, value: Any) -> None:
     setattr(getattr(config, section_name), key, value)
 
 
-def parse_args(argv: list[str] | None = None) -> JobConfig:
-    """Return the JobConfig for `argv` (default: sys.argv[1:]); raise ConfigError if it is bad."""
+def parse_args_with_warnings(argv: list[str] | None = None) -> tuple[JobConfig, list[str]]:
+    """parse_args, also returning the warning lines for torchtitan keys titanlite ignores or
+    renames (one line per key) instead of printing them."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "-h" in argv or "--help" in argv:
         print(format_help())
         raise SystemExit(0)
     cli_pairs = _split_cli(argv)
     config = JobConfig()
+    warnings: dict[str, str] = {}
     config_file = _config_file_from_cli(cli_pairs)
     if config_file is not None:
-        _apply_toml(config, _load_toml_file(config_file), config_file)
+        _apply_toml(config, _load_toml_file(config_file), config_file, warnings)
     for key, value in cli_pairs:
+        if key not in _key_types():
+            key = _torchtitan_key(key, value, "on the command line", "command line", True, warnings)
+            if key is None:
+                continue
         _set(config, key, _convert_for_key(key, value, "on the command line", from_cli=True))
     validate(config)
+    return config, list(warnings.values())
+
+
+def parse_args(argv: list[str] | None = None) -> JobConfig:
+    """Return the JobConfig for `argv` (default: sys.argv[1:]); raise ConfigError if it is bad.
+
+    torchtitan 0.2 keys that titanlite ignores or renames print one warning line each on
+    stderr, from rank 0 only (RANK unset counts as rank 0), once the whole config is valid.
+    """
+    config, warnings = parse_args_with_warnings(argv)
+    if os.environ.get("RANK", "0") == "0":
+        for line in warnings:
+            print(line, file=sys.stderr)
     return config
 
 

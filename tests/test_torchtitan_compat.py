@@ -1,0 +1,383 @@
+"""torchtitan_compat.md stays true: its key tables against the parser, and torchtitan 0.2
+TOML files (debug model, 8B) loading in titanlite."""
+
+import logging
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlite.config import ConfigError
+from titanlite.config import torchtitan_keys
+from titanlite.config.manager import _key_types, _toml_value, parse_args, parse_args_with_warnings
+
+REPO = Path(__file__).resolve().parent.parent
+DOC = REPO / "torchtitan_compat.md"
+ROW = re.compile(r"^\| `([a-z0-9_.]+)` \| ([^|]+?) \| [^|]*\| [^|]*\|$")
+RENAMED = re.compile(r"^renamed to `([a-z0-9_.]+)`$")
+STATUSES = ("same", "ignored with a warning", "not supported", "titanlite only")
+
+
+def doc_rows() -> dict[str, str]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        match = ROW.match(line)
+        if match:
+            key, status = match.groups()
+            assert key not in rows, f"{key} is listed twice"
+            rows[key] = status
+    return rows
+
+
+ROWS = doc_rows()
+TORCHTITAN_ROWS = {key: status for key, status in ROWS.items() if status != "titanlite only"}
+
+
+def by_status(status: str) -> list[str]:
+    return sorted(key for key, value in ROWS.items() if value == status)
+
+
+def changed_value(default):
+    """A value other than torchtitan's default, of the same kind where there is one."""
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, int):
+        return default + 7
+    if isinstance(default, float):
+        return default + 0.25
+    if isinstance(default, list):
+        return ["layers.0"]
+    if isinstance(default, str):
+        return default + "_other"
+    return "something"
+
+
+def toml_for(dotted_key: str, value) -> str:
+    table, _, key = dotted_key.rpartition(".")
+    return f"[{table}]\n{key} = {_toml_value(value)}\n"
+
+
+def load(tmp_path, dotted_key, value, capsys):
+    """Parse one setting (TOML, or the command line for an unset default); return
+    (config, warning lines on stderr)."""
+    capsys.readouterr()
+    if value is None:
+        config = parse_args([f"--{dotted_key}", "none"])
+    else:
+        path = tmp_path / "one.toml"
+        path.write_text(toml_for(dotted_key, value))
+        config = parse_args(["--job.config_file", str(path)])
+    err = capsys.readouterr().err
+    return config, [line for line in err.splitlines() if line.strip()]
+
+
+# --- the document ---------------------------------------------------------------------
+
+
+def test_every_section_has_a_table():
+    text = DOC.read_text()
+    for section in torchtitan_keys.TORCHTITAN_SECTIONS:
+        assert f"### `[{section}]`" in text, section
+    assert {key.partition(".")[0] for key in TORCHTITAN_ROWS} == set(torchtitan_keys.TORCHTITAN_SECTIONS)
+
+
+def test_every_row_has_one_known_status():
+    assert len(ROWS) > 100
+    for key, status in ROWS.items():
+        assert status in STATUSES or RENAMED.match(status), f"{key}: {status!r}"
+
+
+def test_every_torchtitan_key_is_documented_once():
+    assert set(TORCHTITAN_ROWS) == torchtitan_keys.ALL_KEYS
+
+
+@pytest.mark.parametrize("key", by_status("same"))
+def test_same_keys_exist(key):
+    assert key in _key_types()
+    assert key in torchtitan_keys.SHARED_KEYS
+
+
+@pytest.mark.parametrize("key", by_status("titanlite only"))
+def test_titanlite_only_keys_exist_and_are_not_torchtitans(key):
+    assert key in _key_types()
+    assert key not in torchtitan_keys.ALL_KEYS
+
+
+def test_every_titanlite_key_is_documented():
+    assert set(_key_types()) <= set(ROWS)
+
+
+@pytest.mark.parametrize("key", sorted(k for k, s in ROWS.items() if RENAMED.match(s)))
+def test_renamed_keys_map_with_one_warning(key, tmp_path, capsys):
+    new_key = RENAMED.match(ROWS[key]).group(1)
+    assert new_key in _key_types() and torchtitan_keys.RENAMED[key] == new_key
+    config, warnings = load(tmp_path, key, "some/folder", capsys)
+    section, _, name = new_key.partition(".")
+    assert getattr(getattr(config, section), name) == "some/folder"
+    assert len(warnings) == 1 and key.rpartition(".")[2] in warnings[0] and name in warnings[0]
+
+
+@pytest.mark.parametrize("key", by_status("not supported"))
+def test_not_supported_keys_refuse_other_values(key, tmp_path, capsys):
+    entry = torchtitan_keys.TORCHTITAN_ONLY[key]
+    assert entry.verdict == "IGNORE_IF_DEFAULT"
+    with pytest.raises(ConfigError, match=re.escape(key)) as error:
+        load(tmp_path, key, changed_value(entry.default), capsys)
+    assert "titanlite does not implement" in str(error.value) and entry.advice in str(error.value)
+
+
+@pytest.mark.parametrize("key", by_status("not supported") + by_status("ignored with a warning"))
+def test_defaults_give_one_warning_line(key, tmp_path, capsys):
+    entry = torchtitan_keys.TORCHTITAN_ONLY[key]
+    _, warnings = load(tmp_path, key, entry.default, capsys)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("titanlite: warning: ") and key.rpartition(".")[2] in warnings[0]
+    assert warnings[0].endswith("is a torchtitan setting titanlite does not implement; ignored (harmless at this value)")
+
+
+@pytest.mark.parametrize("key", by_status("ignored with a warning"))
+def test_ignored_keys_take_any_value(key, tmp_path, capsys):
+    entry = torchtitan_keys.TORCHTITAN_ONLY[key]
+    assert entry.verdict == "IGNORE"
+    _, warnings = load(tmp_path, key, changed_value(entry.default), capsys)
+    assert len(warnings) == 1, warnings
+
+
+def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
+    path = tmp_path / "typo.toml"
+    path.write_text("[quantize.linear.float8]\nrecipe = \"rowwise\"\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'quantize\.linear\.float8\.recipe'.*recipe_name"):
+        parse_args(["--job.config_file", str(path)])
+    with pytest.raises(ConfigError, match=r"did you mean '--training\.steps'"):
+        parse_args(["--training.stepz", "3"])
+
+
+def test_command_line_torchtitan_options():
+    config, warnings = parse_args_with_warnings(["--job.print_args", "--parallelism.tensor_parallel_degree=1"])
+    assert len(warnings) == 2 and "--job.print_args = true" in warnings[0]
+    with pytest.raises(ConfigError, match=r"parallelism\.pipeline_parallel_degree = 2 on the command line"):
+        parse_args(["--parallelism.pipeline_parallel_degree", "2"])
+
+
+def test_warnings_come_from_rank_zero_only(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    parse_args(["--job.print_args"])
+    assert capsys.readouterr().err == ""
+
+
+# --- torchtitan 0.2 files ----------------------------------------------------------------
+
+# torchtitan's section and key names; the values titanlite needs instead of torchtitan's are
+# the dataset (c4_test is not here) and a CPU-sized run (short sequences, float32).
+TORCHTITAN_DEBUG_TOML = """
+[job]
+dump_folder = "{dump}"
+description = "Llama 3 debug training"
+print_args = false
+use_for_integration_test = true
+
+[profiling]
+enable_profiling = false
+save_traces_folder = "profile_trace"
+profile_freq = 10
+enable_memory_snapshot = false
+save_memory_snapshot_folder = "memory_snapshot"
+
+[metrics]
+log_freq = 1
+disable_color_printing = false
+enable_tensorboard = false
+save_tb_folder = "tb"
+enable_wandb = false
+
+[model]
+name = "llama3"
+flavor = "debugmodel"
+converters = []
+
+[optimizer]
+name = "AdamW"
+lr = 8e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 2
+decay_ratio = 0.8
+decay_type = "linear"
+min_lr_factor = 0.0
+
+[training]
+local_batch_size = 2
+seq_len = 64
+max_norm = 1.0
+steps = 2
+dataset = "python_stdlib"
+mixed_precision_param = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+fsdp_reshard_after_forward = "default"
+tensor_parallel_degree = 1
+context_parallel_degree = 1
+pipeline_parallel_degree = 1
+pipeline_parallel_schedule = "1F1B"
+expert_parallel_degree = 1
+expert_tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 10
+last_save_model_only = false
+export_dtype = "float32"
+async_mode = "disabled"
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "2"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+
+[comm]
+trace_buf_size = 20000
+
+[memory_estimation]
+enable = false
+
+[validation]
+enable = false
+freq = 5
+steps = 10
+"""
+
+TORCHTITAN_8B_TOML = """
+[job]
+dump_folder = "./outputs"
+description = "Llama 3 8B training"
+
+[profiling]
+enable_profiling = true
+save_traces_folder = "profile_trace"
+profile_freq = 100
+
+[metrics]
+log_freq = 10
+enable_tensorboard = true
+save_tb_folder = "tb"
+
+[model]
+name = "llama3"
+flavor = "8B"
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+
+[lr_scheduler]
+warmup_steps = 200
+
+[training]
+local_batch_size = 1
+seq_len = 8192
+max_norm = 1.0
+steps = 1000
+dataset = "python_stdlib"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+pipeline_parallel_degree = 1
+context_parallel_degree = 1
+
+[checkpoint]
+enable = false
+folder = "checkpoint"
+interval = 500
+last_save_model_only = true
+export_dtype = "float32"
+async_mode = "disabled"
+
+[compile]
+enable = false
+components = ["model", "loss"]
+
+[activation_checkpoint]
+mode = "selective"
+selective_ac_option = "op"
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = false
+precompute_float8_dynamic_scale_for_fsdp = false
+filter_fqns = ["output"]
+"""
+
+
+@pytest.fixture
+def quiet_process_state():
+    """Undo what an in-process run changes for the whole process: logging handlers bound to
+    this test's captured streams, and signal handlers."""
+    loggers = [logging.getLogger(), logging.getLogger("titanlite"), logging.getLogger("titanlite.every_rank")]
+    saved = [(list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for lg, (lg_handlers, level, propagate) in zip(loggers, saved):
+        lg.handlers[:] = lg_handlers
+        lg.setLevel(level)
+        lg.propagate = propagate
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+
+
+def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, quiet_process_state):
+    from titanlite.train import main
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "debug_model.toml"
+    path.write_text(TORCHTITAN_DEBUG_TOML.format(dump=tmp_path / "dump"))
+    capsys.readouterr()
+    assert main(["--job.config_file", str(path), "--metrics.enable_jsonl=false"]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("titanlite: warning: ")]
+    expected = {"print_args", "use_for_integration_test", "converters", "tensor_parallel_degree",
+                "context_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
+                "expert_parallel_degree", "expert_tensor_parallel_degree", "enable_fsdp_float8_all_gather",
+                "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns", "trace_buf_size", "enable"}
+    named = {re.search(r"\] (\w+) = ", line).group(1) for line in warnings}
+    assert named == expected and len(warnings) == len(expected), warnings
+    assert "Traceback" not in err
+
+
+def test_torchtitan_8b_is_accepted_by_the_estimator(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "scripts"))
+    import estimate
+
+    path = tmp_path / "llama3_8b.toml"
+    path.write_text(TORCHTITAN_8B_TOML)
+    assert estimate.main(["--job.config_file", str(path), "--world_size", "8", "--skip_memory"]) == 0
+    captured = capsys.readouterr()
+    assert "llama3 8B, seq_len 8192" in captured.out
+    assert captured.err.count("titanlite: warning: ") == 6, captured.err
+
+
+def test_the_slurm_example_parses():
+    script = REPO / "multinode_trainer.slurm"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    text = script.read_text()
+    for piece in ("--rdzv_backend c10d", '--rdzv_endpoint "$head_node:29500"', '--nnodes "$SLURM_NNODES"',
+                  "--nproc_per_node 8", "-m titanlite.train --job.config_file"):
+        assert piece in text, piece

@@ -1,0 +1,55 @@
+"""Smoke tests of the benchmark scripts: each runs with its smallest options as a
+subprocess, exits 0 and ends with its key line. No timings are asserted: the numbers
+depend on the machine and on whatever else runs on it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO_ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 180) -> list[str]:
+    """Run a benchmark script; return its non-empty stdout lines after checking it succeeded."""
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), *args],
+        cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    assert lines, result.stderr[-4000:]
+    return lines
+
+
+def test_throughput_quick_prints_the_table_and_the_key_ratio():
+    lines = _run("throughput.py", "--quick")
+    assert any(line.startswith("| debug (4.4 M) | FSDP | 2 (1 x 2) | eager |") for line in lines), lines
+    assert lines[-1].startswith("key ratio (debug, eager): FSDP 2 ranks total tokens/s / 1 rank tokens/s = "), lines
+    float(lines[-1].split(" = ")[1].split()[0])  # a number, whatever its value
+
+
+def test_memory_scaling_quick_prints_every_rank_and_the_worst_ratio():
+    lines = _run("memory_scaling.py", "--quick")
+    rows = [line for line in lines if line.startswith("| debug (4.4 M) |")]
+    assert len(rows) == 3, lines  # 1 rank + 2 ranks
+    assert lines[-1].startswith("worst per-rank param+grad+optimizer bytes / (total / world size) = "), lines
+    worst = float(lines[-1].split(" = ")[1].split()[0])
+    # Bytes, unlike timings, are deterministic: the debug model shards evenly over 2 ranks.
+    assert 0.99 < worst < 1.01, lines[-1]
+
+
+def test_gpu_mfu_skips_without_a_gpu_or_runs_briefly_with_one():
+    if torch.cuda.is_available():
+        lines = _run("gpu_mfu.py", "--steps", "4", "--warmup", "2", "--seq-len", "512", "--batch", "1", timeout=600)
+        assert lines[-1].startswith("MFU = "), lines
+    else:
+        assert _run("gpu_mfu.py") == ["no GPU: skipped"]
+
+
+def test_gpu_mfu_dry_run_on_cpu_goes_through_the_whole_script():
+    lines = _run("gpu_mfu.py", "--cpu-dry-run")
+    assert any(line.startswith("| measured (trainer metrics) |") for line in lines), lines
+    assert lines[-1].startswith("MFU = "), lines

@@ -135,10 +135,14 @@ def setup_logging(rank: int) -> None:
     every_rank = logging.getLogger("titanlite.every_rank")
     every_rank.setLevel(logging.INFO)
     every_rank.propagate = False
-    if not every_rank.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("[titanlite] %(message)s"))
-        every_rank.addHandler(handler)
+    # Replaced on every call, as basicConfig(force=True) does for the root: a handler kept
+    # from an earlier call could hold a stdout that has since been closed or swapped.
+    for old in [h for h in every_rank.handlers if getattr(h, "titanlite_stdout", False)]:
+        every_rank.removeHandler(old)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[titanlite] %(message)s"))
+    handler.titanlite_stdout = True
+    every_rank.addHandler(handler)
 
 
 @dataclass

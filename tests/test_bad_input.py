@@ -9,8 +9,7 @@ deleted (a case that starts from an existing checkpoint must leave it as it was;
 "mid_run" case, whose mistake only the running loader can find, may leave what the run's
 start wrote).
 
-titanlite has no ``--debug`` switch that would show the traceback instead: ``--debug``
-is an unknown option like any other (see the case "no_debug_switch").
+A bare ``--debug`` adds the traceback after that line (the last test).
 
 The parser's own checks are also covered, one assertion each, in test_config.py, and a
 few trainer checks as subprocesses in test_train_errors.py; this table is the one that
@@ -138,7 +137,6 @@ CASES = [
     Case("cli_unknown_key", ["--training.step", "5"], r"unknown option '--training\.step'.*did you mean '--training\.steps'\?"),
     Case("cli_unknown_section", ["--optimzer.lr", "0.1"], r"unknown option '--optimzer\.lr'.*did you mean '--optimizer\.lr'\?"),
     Case("cli_key_without_section", ["--seq_len", "64"], r"unknown option '--seq_len'.*did you mean '--training\.seq_len'\?"),
-    Case("no_debug_switch", ["--debug"], r"unknown option '--debug' on the command line"),
     Case("cli_stray_argument", ["train.toml"], r"unexpected argument 'train\.toml'"),
     Case("cli_bad_bool", ["--checkpoint.enable=yes"], r"checkpoint\.enable on the command line expects bool, got 'yes'"),
     Case("cli_bad_int", ["--training.local_batch_size", "two"], r"training\.local_batch_size on the command line expects int, got 'two'"),
@@ -329,6 +327,15 @@ def test_bad_input_is_one_clear_line(case, tmp_path, clean_env, quiet_process_st
     assert _snapshot(tmp) == before, "the run created, changed or deleted files"
     if not case.from_checkpoint:
         assert not dump.exists()
+
+
+def test_debug_adds_the_traceback_after_the_line(tmp_path, clean_env, quiet_process_state, capsys):
+    clean_env.chdir(tmp_path)
+    code = _run_main(["--job.dump_folder", str(tmp_path / "dump"), *SMALL_RUN, "--debug", "--training.stepz", "3"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.splitlines()[0].startswith("titanlite: config error: unknown option '--training.stepz'"), err
+    assert "Traceback (most recent call last)" in err and "ConfigError" in err
 
 
 def test_the_table_is_comprehensive():

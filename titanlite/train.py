@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -25,7 +26,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.hf import seed_from_hf
-from titanlite.config import ConfigError, JobConfig, parse_args_or_exit, to_toml
+from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
 from titanlite.data import build_documents, build_tokenizer, tokenizer_file
 from titanlite.data.loader import PackedLoader
 from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
@@ -524,7 +525,25 @@ class Trainer(Stateful):
 
 
 def main(argv: list[str] | None = None) -> int:
-    job_config = parse_args_or_exit(argv)
+    """Train; every expected failure is one stderr line and an exit status (2: the config
+    or checkpoint to start from, 1: something during training). A bare --debug adds the
+    traceback after the line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    show_traceback = "--debug" in argv  # a flag of the launcher, not a config key
+    argv = [arg for arg in argv if arg != "--debug"]
+
+    def fail(line: str, status: int, printed: bool = True) -> int:
+        if printed:
+            print(line, file=sys.stderr)
+            if show_traceback:
+                traceback.print_exc()
+        return status
+
+    rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank finds the same config mistake
+    try:
+        job_config = parse_args(argv)
+    except ConfigError as error:
+        return fail(f"titanlite: config error: {error}", 2, rank0)
     try:
         if job_config.job.validate_only:
             plan = plan_run(job_config, world_size_from_env())
@@ -534,32 +553,25 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         trainer = Trainer(job_config)
     except (ConfigError, CheckpointError) as error:
-        # Every rank finds the same mistake; one line is enough.
-        kind = "config" if isinstance(error, ConfigError) else "checkpoint"
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"titanlite: {kind} error: {error}", file=sys.stderr)
         destroy_distributed()
-        return 2
+        kind = "config" if isinstance(error, ConfigError) else "checkpoint"
+        return fail(f"titanlite: {kind} error: {error}", 2, rank0)
     try:
         logger.info("resolved config:\n%s", to_toml(job_config))
         trainer.train()
     except CheckpointError as error:
-        print(f"titanlite: checkpoint error at step {trainer.step}: {error}", file=sys.stderr)
-        return 1
+        return fail(f"titanlite: checkpoint error at step {trainer.step}: {error}", 1)
     except DataError as error:
-        print(f"titanlite: data error in step {trainer.step + 1}: {error}", file=sys.stderr)
-        return 1
+        return fail(f"titanlite: data error in step {trainer.step + 1}: {error}", 1)
     except NonFiniteError as error:
-        if trainer.rank == 0:  # every rank stops at the same step with the same norm
-            print(f"titanlite: non-finite values at {error}", file=sys.stderr)
-        return 1
+        # Every rank stops at the same step with the same norm: one line is enough.
+        return fail(f"titanlite: non-finite values at {error}", 1, trainer.rank == 0)
     except (dist.DistError, RuntimeError) as error:
         if not is_collective_failure(error):
             raise
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        print(f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another rank "
-              f"die or hang? see its log): {first_line[:300]}", file=sys.stderr)
-        return 1
+        return fail(f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another "
+                    f"rank die or hang? see its log): {first_line[:300]}", 1)
     finally:
         destroy_distributed()
     return 0

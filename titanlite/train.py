@@ -127,23 +127,35 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes each record to whatever sys.stdout is at that moment, so a handler made
+    for one run never writes into a stream that was swapped or closed since (a later
+    run in the same process, tests capturing output)."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("[titanlite] %(message)s"))
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns one; ours is looked up
+        pass
+
+
 def setup_logging(rank: int) -> None:
-    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere."""
+    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere;
+    lines every rank must print about itself (e.g. its shard size) on all ranks."""
     shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
-    logging.basicConfig(format="[titanlite] %(message)s", stream=sys.stdout, force=True)
+    logging.basicConfig(handlers=[_StdoutHandler()], force=True)
     logger.setLevel(logging.INFO if rank in shown else logging.WARNING)
-    # Lines every rank must print about itself (e.g. its shard size), tagged with the rank.
     every_rank = logging.getLogger("titanlite.every_rank")
     every_rank.setLevel(logging.INFO)
     every_rank.propagate = False
-    # Replaced on every call, as basicConfig(force=True) does for the root: a handler kept
-    # from an earlier call could hold a stdout that has since been closed or swapped.
-    for old in [h for h in every_rank.handlers if getattr(h, "titanlite_stdout", False)]:
-        every_rank.removeHandler(old)
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[titanlite] %(message)s"))
-    handler.titanlite_stdout = True
-    every_rank.addHandler(handler)
+    if not any(isinstance(h, _StdoutHandler) for h in every_rank.handlers):
+        every_rank.addHandler(_StdoutHandler())
 
 
 @dataclass

@@ -66,5 +66,7 @@ if (( status != 0 )) || [[ "$validate_only" == [Tt][Rr][Uu][Ee] ]]; then
     exit "$status"
 fi
 
+# The preflight has shown the config's warnings; the ranks need not repeat them.
+export TITANLITE_CONFIG_WARNINGS_SHOWN=1
 exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
     -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"

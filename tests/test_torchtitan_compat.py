@@ -168,6 +168,14 @@ def test_warnings_come_from_rank_zero_only(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def test_warnings_are_not_repeated_after_the_preflight(capsys, monkeypatch):
+    parse_args(["--job.print_args"])
+    assert "job.print_args" in capsys.readouterr().err
+    monkeypatch.setenv("TITANLITE_CONFIG_WARNINGS_SHOWN", "1")  # what run_train.sh sets for torchrun
+    parse_args(["--job.print_args"])
+    assert capsys.readouterr().err == ""
+
+
 # --- torchtitan 0.2 files ----------------------------------------------------------------
 
 # torchtitan's section and key names; the values titanlite needs instead of torchtitan's are

@@ -565,10 +565,11 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     """Return the JobConfig for `argv` (default: sys.argv[1:]); raise ConfigError if it is bad.
 
     torchtitan 0.2 keys that titanlite ignores or renames print one warning line each on
-    stderr, from rank 0 only (RANK unset counts as rank 0), once the whole config is valid.
+    stderr, from rank 0 only (RANK unset counts as rank 0), once the whole config is valid,
+    and not again after run_train.sh's preflight showed them (TITANLITE_CONFIG_WARNINGS_SHOWN).
     """
     config, warnings = parse_args_with_warnings(argv)
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("TITANLITE_CONFIG_WARNINGS_SHOWN"):
         for line in warnings:
             print(line, file=sys.stderr)
     return config

@@ -41,21 +41,16 @@ def push_to_hub(folder: Path, repo_id: str) -> None:
 
 
 def _log_to_stdout() -> None:
-    """The export's progress lines go to stdout, so that stderr holds only an error."""
-    logger = logging.getLogger("titanlite")
-    if not any(getattr(h, "_convert_dcp_to_hf", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
-        handler._convert_dcp_to_hf = True
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    """The export's progress lines go to stdout, so that stderr holds only an error. Set
+    up only when run as a script: a caller's own logging is left alone."""
+    logging.basicConfig(stream=sys.stdout, format=f"{PROG}: %(message)s")
+    logging.getLogger("titanlite").setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from titanlite.checkpoint.hf_export import export_to_hf
 
-    _log_to_stdout()
     try:
         out = export_to_hf(args.checkpoint_dir, args.output_dir, dtype=args.dtype,
                            max_shard_size=args.max_shard_size, use_ema=args.ema, tokenizer=args.tokenizer)
@@ -74,4 +69,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    _log_to_stdout()
     sys.exit(main())

@@ -267,9 +267,11 @@ class _CheckpointReader:
                     return None
                 window.seek(0)
                 described = torch.load(window, map_location="meta", weights_only=True)
-        except Exception:  # not a torch.save archive as expected: let dcp.load read it
+        except Exception as error:  # not a torch.save archive as expected: let dcp.load read it
+            logger.debug("%s: read through dcp.load (%s: %s)", key, type(error).__name__, error)
             return None
         if type(described) is not torch.Tensor:
+            logger.debug("%s: read through dcp.load (the archive holds a %s)", key, type(described).__name__)
             return None
         nbytes = entry.size.numel() * entry.properties.dtype.itemsize
         data_offset = getattr(described.untyped_storage(), "_checkpoint_offset", None)

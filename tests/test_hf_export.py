@@ -78,8 +78,11 @@ def save_checkpoint(step_dir: Path, weights: dict, args: LlamaArgs, tokenizer_pa
 
 
 def tiny_weights(args: LlamaArgs = TINY, seed: int = 0) -> dict[str, torch.Tensor]:
-    torch.manual_seed(seed)
-    return Transformer(args).state_dict()
+    # init_weights, not the constructor alone: the norms are left uninitialised until
+    # then, and stray NaNs in them made equality checks fail now and then.
+    model = Transformer(args)
+    model.init_weights(seed=seed)
+    return model.state_dict()
 
 
 # --- the tokenizer ------------------------------------------------------------------------
@@ -215,11 +218,7 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
     fast_keys = {key for key, fast in located if fast}
-    assert "layers.1.feed_forward.w2.weight" not in fast_keys
-    # Every plain tensor should take the fast path. Once, in a long test session, some
-    # did not (the cause is not known; the output stayed byte-identical, checked below),
-    # so the debug log says why a tensor fell back, and a majority is required here.
-    assert len(fast_keys) > (len(weights) - 1) // 2, (len(fast_keys), len(weights))
+    assert "layers.1.feed_forward.w2.weight" not in fast_keys and len(fast_keys) == len(weights) - 1
 
     monkeypatch.setattr(hf_export._CheckpointReader, "_locate", lambda self, key, entry: None)
     for dtype in ("float32", "bfloat16"):

@@ -37,7 +37,7 @@ from titanlite.checkpoint.hf import (
     _write_atomically,
     read_model_description,
 )
-from titanlite.checkpoint.manager import EXPORT_DTYPES
+from titanlite.checkpoint.manager import EXPORT_DTYPES, fsync_path
 from titanlite.data.tokenizer import HFTokenizer
 from titanlite.registry import get_model_spec
 
@@ -331,14 +331,6 @@ class _CheckpointReader:
 # --- writing --------------------------------------------------------------------------------
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _Syncer:
     """fsyncs written files on a second thread while the next shard is being written:
     the output must be on disk before the folder is renamed into place, and the disk
@@ -350,7 +342,7 @@ class _Syncer:
 
     def _run(self, path: Path) -> None:
         try:
-            _fsync(path)
+            fsync_path(path)
         except BaseException as error:
             self._errors.append(error)
 

@@ -74,7 +74,8 @@ def _describe(error: BaseException) -> str:
     return " ".join(error_text.split())[:500]
 
 
-def _fsync_folder(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a file or a folder (a folder so that renames and new entries in it last)."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -291,13 +292,13 @@ class CheckpointManager:
             return
         if self.config.verify_integrity:
             write_manifest(partial)
-        _fsync_folder(partial)
+        fsync_path(partial)
         if final.exists():
             # Only after resuming from an older step (load_step): the newer trajectory's
             # checkpoint of this step is superseded.
             self._delete(final)
         os.replace(partial, final)
-        _fsync_folder(self.folder)
+        fsync_path(self.folder)
         logger.info("checkpoint saved: %s", final)
         try:
             self._purge()
@@ -441,7 +442,7 @@ class CheckpointManager:
         aside.mkdir()
         for path in newer:
             os.replace(path, aside / path.name)
-        _fsync_folder(self.folder)
+        fsync_path(self.folder)
         logger.warning("resuming from step %d: moved the %d newer checkpoint(s) to %s", load_step, len(newer), aside)
 
     def _parts_in(self, path: Path) -> set[str]:

@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint import CheckpointManager, complete_steps
 from titanlite.config import Checkpoint, parse_args
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs
+from titanlite.parallel import exit_process
 from titanlite.train import Trainer
 
 FLAVOR = "bench134m"
@@ -185,6 +186,7 @@ def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, re
     if rank == 0:
         torch.save(report, result_file)
     dist.destroy_process_group()
+    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
 
 
 def _free_port() -> int:

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (the runner and models of benchmarks/throughput.py)
 
 from titanlite.estimate import Hardware, estimate_step_time  # noqa: E402
+from titanlite.parallel import exit_process  # noqa: E402
 
 ALL_GATHER_BYTES = 64 * 2**20
 
@@ -77,6 +78,7 @@ def _gather_rank(rank: int, port: int, repeats: int, out: str) -> None:
         # In a 2-rank all-gather each rank sends its half: (n - 1) / n of the whole.
         Path(out).write_text(str((ALL_GATHER_BYTES / 2) / best))
     dist.destroy_process_group()
+    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
 
 
 def gloo_bandwidth(repeats: int = 5) -> float:

@@ -62,6 +62,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
+from titanlite.parallel import exit_process  # noqa: E402
 
 MODELS = {
     "debug": ("debugmodel", None),
@@ -175,6 +176,7 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, seq_len: int, 
 
         dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
+    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
 
 
 # --- the driver ------------------------------------------------------------------------

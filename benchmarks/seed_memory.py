@@ -42,6 +42,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs, LlamaStateDictAdapter  # noqa: E402
+from titanlite.parallel import exit_process  # noqa: E402
 
 DIM, N_HEADS, N_KV_HEADS, VOCAB = 1024, 16, 8, 32000
 
@@ -114,6 +115,7 @@ def _rank(rank: int, world_size: int, port: int, hf_dir: str, args: LlamaArgs, o
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"growth": peak - before, "own": own}))
     if world_size > 1:
         dist.destroy_process_group()
+    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
 
 
 def _free_port() -> int:

@@ -88,6 +88,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
+from titanlite.parallel import exit_process  # noqa: E402
 
 # name -> (llama3 flavor, args to register in the worker or None for a built-in flavor)
 MODELS = {
@@ -217,6 +218,7 @@ def _rank(rank: int, world_size: int, port: int, model: str, argv: list[str], th
     report = {"params": params, "tps": [r.tokens_per_second for r in records], "steps": [r.step for r in records],
               "step_times": step_times}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
 
 
 # --- the driver ------------------------------------------------------------------------

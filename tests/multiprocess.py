@@ -14,6 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs
+from titanlite.parallel import exit_process
 
 # A flavor small enough for dozens of test runs: 3 blocks (so "every 2nd block" AC and
 # the last-block reshard rule both show), grouped-query attention, and a vocabulary
@@ -41,6 +42,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, ou
     register_tiny_flavor()
     result = fn(*args)
     torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    exit_process(0)  # as train.py's ranks end: no interpreter teardown racing gloo's threads
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args) -> list:

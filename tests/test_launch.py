@@ -4,6 +4,7 @@ config mistake that must stop in the single-process preflight, before torchrun s
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,3 +54,22 @@ def test_config_mistake_stops_before_torchrun():
         assert torchrun_marker not in output, output
     # The error is the whole output: no rank ever started.
     assert [line for line in output.splitlines() if line.strip()] == error_lines, output
+
+
+def test_a_rank_process_ends_with_its_status_after_the_exit_work():
+    """train.py's ranks end through exit_process, which skips the interpreter's teardown (where
+    a gloo worker thread can abort a finished run) but not what exiting normally does: the
+    atexit handlers run and buffered output reaches its pipe."""
+    script = (
+        "import atexit, sys\n"
+        "from titanlite.parallel import exit_process\n"
+        "atexit.register(lambda: print('atexit handler ran'))\n"
+        "print('buffered', end=' ')\n"
+        "sys.stderr.write('stderr buffered')\n"
+        "exit_process(3)\n"
+        "print('never reached')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert result.stdout == "buffered atexit handler ran\n"
+    assert result.stderr == "stderr buffered"

@@ -42,6 +42,7 @@ from titanlite.parallel import (
     clip_grad_norm_,
     compute_context,
     destroy_distributed,
+    exit_process,
     init_distributed,
     pick_device,
     world_size_from_env,
@@ -590,4 +591,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        exit_status = main()
+    except Exception:  # an unexpected error: its traceback, and a failed exit like Python's own
+        traceback.print_exc()
+        exit_status = 1
+    exit_process(exit_status)

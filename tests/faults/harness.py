@@ -46,10 +46,11 @@ import os, sys
 from tests.multiprocess import register_tiny_flavor
 from tests.faults import harness
 from titanlite import train
+from titanlite.parallel import exit_process
 register_tiny_flavor()
 if os.environ.get({FAULT_ENV!r}):
     harness.install_fault(harness.Fault.from_json(os.environ[{FAULT_ENV!r}]))
-sys.exit(train.main(sys.argv[1:]))
+exit_process(train.main(sys.argv[1:]))
 """
 
 

@@ -14,6 +14,7 @@ LAUNCHER = """
 import os, sys, time
 from tests.multiprocess import register_tiny_flavor
 from titanlite import train
+from titanlite.parallel import exit_process
 register_tiny_flavor()
 step = train.Trainer.train_step
 def maybe_hang(self):
@@ -21,7 +22,7 @@ def maybe_hang(self):
         time.sleep(600)
     return step(self)
 train.Trainer.train_step = maybe_hang
-sys.exit(train.main(sys.argv[1:]))
+exit_process(train.main(sys.argv[1:]))
 """
 ARGS = [
     "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",

@@ -3,7 +3,9 @@
 Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of the loop.
 """
 
-from titanlite.parallel.distributed import destroy_distributed, init_distributed, pick_device, world_size_from_env
+from titanlite.parallel.distributed import (
+    destroy_distributed, exit_process, init_distributed, pick_device, world_size_from_env,
+)
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
 from titanlite.parallel.parallelize import DTYPES, compute_context, parallelize_decoder
@@ -14,6 +16,7 @@ __all__ = [
     "clip_grad_norm_",
     "compute_context",
     "destroy_distributed",
+    "exit_process",
     "init_distributed",
     "parallelize_decoder",
     "pick_device",

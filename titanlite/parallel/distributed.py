@@ -1,7 +1,10 @@
-"""Process-group start-up and the choice of device."""
+"""Process-group start-up and shut-down, the choice of device, and the end of a rank process."""
 
+import atexit
 import os
+import sys
 from datetime import timedelta
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -37,3 +40,27 @@ def init_distributed(device: torch.device, timeout_seconds: int) -> None:
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_process(status: int) -> NoReturn:
+    """End this rank process with ``status`` without the interpreter's final teardown.
+
+    Gloo runs collectives on worker threads of its own, and destroy_process_group does not
+    stop them. Such a thread may still be dropping its reference to the last collective's
+    tensors when the main thread returns; that needs the GIL, and a thread that asks for
+    the GIL while the interpreter finalizes is ended inside a C++ destructor, which aborts
+    the whole process ("terminate called without an active exception", SIGABRT). A run
+    that finished would be reported as crashed. So everything normally done at exit is
+    done here while the interpreter is intact (the atexit handlers: logging's flush,
+    multiprocessing's reaping of DCP's checkpoint writer process, ...), then the standard
+    streams are flushed and the process ends.
+    """
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+                pass
+        os._exit(status)

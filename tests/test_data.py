@@ -296,14 +296,59 @@ def test_build_documents_rejects_unknown_dataset_and_missing_path():
 def test_huggingface_source_yields_the_text_field(monkeypatch):
     calls = []
 
-    def fake_load_dataset(path, split, streaming):
-        calls.append((path, split, streaming))
+    def fake_load_dataset(path, name, split, streaming):
+        calls.append((path, name, split, streaming))
         return iter([{"text": "first record"}, {"text": "second record", "meta": 1}])
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fake_load_dataset))
     documents = build_documents("huggingface", "some/corpus", split="validation")
     assert list(documents()) == ["first record", "second record"]
-    assert calls[-1] == ("some/corpus", "validation", True)
+    assert calls[-1] == ("some/corpus", None, "validation", True)
+
+
+@pytest.mark.parametrize("dataset, dataset_path, split, expected_call", [
+    ("c4", None, "train", ("allenai/c4", "en", "train", True)),
+    ("c4", None, "validation", ("allenai/c4", "en", "validation", True)),
+    ("c4_validation", None, "train", ("allenai/c4", "en", "validation", True)),
+    ("c4", "/mirror/c4", "train", ("/mirror/c4", "en", "train", True)),
+])
+def test_torchtitan_c4_names_read_allenai_c4_en(monkeypatch, dataset, dataset_path, split, expected_call):
+    calls = []
+
+    def fake_load_dataset(path, name, split, streaming):
+        calls.append((path, name, split, streaming))
+        return iter([{"text": "c4 record", "url": "https://example.com", "timestamp": "2019"}])
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=fake_load_dataset))
+    documents = build_documents(dataset, dataset_path, split=split)
+    assert list(documents()) == ["c4 record"]
+    assert set(calls) == {expected_call}
+
+
+def test_c4_test_reads_json_lines_at_torchtitans_path(tmp_path, monkeypatch):
+    folder = tmp_path / "tests" / "assets" / "c4_test"
+    folder.mkdir(parents=True)
+    records = [{"text": "first c4 document", "timestamp": "2019-04-25", "url": "https://a.example"},
+               {"text": "second c4 document", "timestamp": "2019-04-26", "url": "https://b.example"}]
+    (folder / "data.json").write_text("".join(json.dumps(record) + "\n" for record in records))
+    monkeypatch.chdir(tmp_path)  # torchtitan's default path is relative to where the run starts
+    assert list(build_documents("c4_test", None)()) == ["first c4 document", "second c4 document"]
+    # dataset_path moves it; the validation split of c4_test is the same sample, as in torchtitan
+    monkeypatch.chdir("/")
+    assert list(build_documents("c4_test", str(folder), split="validation")()) == ["first c4 document", "second c4 document"]
+
+
+def test_c4_test_errors_name_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"^dataset_path tests/assets/c4_test: no such file or folder$"):
+        build_documents("c4_test", None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"empty: folder has no \.json, \.jsonl or \.jsonl\.gz files$"):
+        build_documents("c4_test", str(tmp_path / "empty"))
+    (tmp_path / "array").mkdir()
+    (tmp_path / "array" / "data.json").write_text('[{"text": "a JSON array, not JSON lines"}]')
+    with pytest.raises(ValueError, match=r"data\.json:1: expected a JSON object with a string 'text' field"):
+        build_documents("c4_test", str(tmp_path / "array"))
 
 
 def test_huggingface_without_datasets_package_says_to_install_it(monkeypatch):

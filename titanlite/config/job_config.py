@@ -38,11 +38,11 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["python_stdlib", "text", "huggingface"] = "python_stdlib"
-    """Dataset: python_stdlib (built-in, no download), text (.txt/.jsonl/.jsonl.gz files at dataset_path) or huggingface (datasets.load_dataset(dataset_path))."""
+    dataset: Literal["python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
+    """Dataset: python_stdlib (built-in, no download), text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), or torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None
-    """File or folder for the text dataset, or the name or folder given to datasets.load_dataset."""
+    """File or folder for the text dataset, the name or folder given to datasets.load_dataset, or where c4 / c4_test live instead of their default place."""
 
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
@@ -233,11 +233,11 @@ class Validation:
     enable: bool = False
     """Compute the loss on held-out data every `freq` steps."""
 
-    dataset: Literal["python_stdlib", "text", "huggingface"] = "python_stdlib"
-    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library)."""
+    dataset: Literal["python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
+    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and c4_validation read allenai/c4's validation split)."""
 
     dataset_path: str | None = None
-    """File or folder for a text validation dataset, or the name given to datasets.load_dataset."""
+    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test live."""
 
     local_batch_size: int = -1
     """Sequences per rank per validation step; -1 means training.local_batch_size."""

@@ -13,7 +13,7 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterator
 
-DATASETS = ("python_stdlib", "text", "huggingface")
+DATASETS = ("python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test")
 STDLIB_SPLITS = ("train", "validation")
 
 # Every Nth standard-library file (in sorted order) is held out as the validation split.
@@ -21,6 +21,15 @@ STDLIB_VALIDATION_EVERY = 50
 # Third-party packages live under the stdlib root on many installs; they differ per machine.
 _STDLIB_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 _TEXT_FILE_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+
+# torchtitan 0.2's dataset names, read from the same places torchtitan reads them so that its
+# TOML files carry over: c4 and c4_validation are the "en" configuration of allenai/c4 on the
+# Hub (train and validation splits, streamed); c4_test is a small local sample of it, JSON
+# lines with a "text" field in a folder, at torchtitan's path unless dataset_path says otherwise.
+C4_HUB_NAME = "allenai/c4"
+C4_CONFIG_NAME = "en"
+C4_TEST_DEFAULT_PATH = "tests/assets/c4_test"
+_C4_TEST_SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
 
 
 # --------------------------------------------------------------------------- python_stdlib
@@ -74,23 +83,20 @@ def _read_stdlib_files(stdlib_root: str, relative_paths: list[str]) -> Iterator[
 # --------------------------------------------------------------------------- text files
 
 
-def _has_text_suffix(file_name: str) -> bool:
-    return file_name.endswith(_TEXT_FILE_SUFFIXES)
-
-
-def _list_text_files(path: str) -> list[str]:
-    """The .txt / .jsonl / .jsonl.gz files at ``path`` (a file, or a folder searched recursively)."""
+def _list_text_files(path: str, suffixes: tuple[str, ...] = _TEXT_FILE_SUFFIXES) -> list[str]:
+    """The files at ``path`` (a file, or a folder searched recursively) whose names end in ``suffixes``."""
+    wanted = ", ".join(suffixes[:-1]) + " or " + suffixes[-1]
     if os.path.isfile(path):
-        if not _has_text_suffix(path):
-            raise ValueError(f"dataset_path {path}: expected a .txt, .jsonl or .jsonl.gz file")
+        if not path.endswith(suffixes):
+            raise ValueError(f"dataset_path {path}: expected a {wanted} file")
         return [path]
     if not os.path.isdir(path):
         raise ValueError(f"dataset_path {path}: no such file or folder")
     found = []
     for folder, _, file_names in os.walk(path):
-        found.extend(os.path.join(folder, name) for name in file_names if _has_text_suffix(name))
+        found.extend(os.path.join(folder, name) for name in file_names if name.endswith(suffixes))
     if not found:
-        raise ValueError(f"dataset_path {path}: folder has no .txt, .jsonl or .jsonl.gz files")
+        raise ValueError(f"dataset_path {path}: folder has no {wanted} files")
     # Sort by path relative to the root so the order is the same wherever the folder lives.
     return sorted(found, key=lambda file_path: os.path.relpath(file_path, path).replace(os.sep, "/"))
 
@@ -131,6 +137,11 @@ def text_file_documents(path: str) -> Iterator[str]:
     return _read_text_files(file_paths)
 
 
+def c4_test_documents(path: str) -> Iterator[str]:
+    """The 'text' field of every line of the .json / .jsonl files of a c4_test folder."""
+    return _read_text_files(_list_text_files(path, _C4_TEST_SUFFIXES))
+
+
 def _read_text_files(file_paths: list[str]) -> Iterator[str]:
     for file_path in file_paths:
         if file_path.endswith(".txt"):
@@ -142,15 +153,15 @@ def _read_text_files(file_paths: list[str]) -> Iterator[str]:
 # --------------------------------------------------------------------------- Hugging Face
 
 
-def huggingface_documents(path: str, split: str) -> Iterator[str]:
+def huggingface_documents(path: str, split: str, config_name: str | None = None) -> Iterator[str]:
     """The 'text' field of a Hugging Face dataset, streamed so nothing is downloaded up front."""
     try:
         import datasets
     except ImportError:
         raise ValueError(
-            f"dataset_path {path}: the 'datasets' package is needed for dataset 'huggingface' (pip install datasets)"
+            f"dataset_path {path}: the 'datasets' package is needed to read Hugging Face datasets (pip install datasets)"
         ) from None
-    records = datasets.load_dataset(path, split=split, streaming=True)
+    records = datasets.load_dataset(path, name=config_name, split=split, streaming=True)
     return _text_fields(records, path)
 
 
@@ -168,8 +179,9 @@ def _text_fields(records, path: str) -> Iterator[str]:
 def build_documents(dataset: str, dataset_path: str | None, split: str = "train") -> Callable[[], Iterator[str]]:
     """A zero-argument callable that yields the documents from the beginning each time it is called.
 
-    ``split`` selects the python_stdlib and huggingface split; a text dataset has no splits
-    (point dataset_path at another folder for validation data).
+    ``split`` selects the python_stdlib, huggingface and c4 split; text and c4_test have no
+    splits (point dataset_path at another folder for validation data), and c4_validation is
+    always allenai/c4's validation split.
     """
     if dataset == "python_stdlib":
         # dataset_path is ignored: the corpus is whatever Python is running.
@@ -185,6 +197,15 @@ def build_documents(dataset: str, dataset_path: str | None, split: str = "train"
         else:
             open_documents = functools.partial(huggingface_documents, dataset_path, split)
             description = f"dataset_path {dataset_path} split {split!r}"
+    elif dataset in ("c4", "c4_validation"):
+        hub_path = dataset_path or C4_HUB_NAME
+        c4_split = "validation" if dataset == "c4_validation" else split
+        open_documents = functools.partial(huggingface_documents, hub_path, c4_split, C4_CONFIG_NAME)
+        description = f"dataset {dataset} ({hub_path}, {C4_CONFIG_NAME!r}, split {c4_split!r})"
+    elif dataset == "c4_test":
+        folder = dataset_path or C4_TEST_DEFAULT_PATH
+        open_documents = functools.partial(c4_test_documents, folder)
+        description = f"dataset c4_test at {folder}"
     else:
         raise ValueError(f"dataset {dataset!r}: expected one of {', '.join(DATASETS)}")
     _require_a_document(open_documents, description)

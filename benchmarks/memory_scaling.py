@@ -32,7 +32,7 @@ the measurement, the estimator's arithmetic (titanlite.estimate.exact_model_stat
 from the parameter shapes alone) is printed for the same rank. The table lists every rank;
 the lines after it give the worst rank's ratio per world size and, last, the worst of all.
 
-Models (llama3): debug is the debugmodel flavor (4.4 M parameters, vocabulary 258); 100m
+Models (llama3): debug is the debugmodel flavor (5.3 M parameters, vocabulary 2048); 100m
 is dim 768, 8 blocks, 12 heads / 4 key-value heads, vocabulary 32000 (99.5 M parameters),
 registered inside each worker. Activations are not counted (see titanlite.estimate for the
 peak). 4 ranks on 2 cores oversubscribe, which costs time only: the bytes do not depend

@@ -19,7 +19,7 @@ value well above the rank count means other work shared the cores and the row is
 
 Models (llama3, float32 everywhere, no activation checkpointing, byte tokenizer, the
 built-in python_stdlib data):
-  debug  the llama3 debugmodel flavor (dim 256, 6 blocks, vocabulary 258: 4.4 M params)
+  debug  the llama3 debugmodel flavor (dim 256, 6 blocks, vocabulary 2048: 5.3 M params)
   100m   dim 768, 8 blocks, 12 heads / 4 key-value heads, vocabulary 32000: 99.5 M params
          (a flavor registered inside each worker; the byte tokenizer uses 258 of the rows)
 

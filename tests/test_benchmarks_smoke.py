@@ -26,14 +26,14 @@ def _run(script: str, *args: str, timeout: float = 180) -> list[str]:
 
 def test_throughput_quick_prints_the_table_and_the_key_ratio():
     lines = _run("throughput.py", "--quick")
-    assert any(line.startswith("| debug (4.4 M) | FSDP | 2 (1 x 2) | eager |") for line in lines), lines
+    assert any(line.startswith("| debug (5.3 M) | FSDP | 2 (1 x 2) | eager |") for line in lines), lines
     assert lines[-1].startswith("key ratio (debug, eager): FSDP 2 ranks total tokens/s / 1 rank tokens/s = "), lines
     float(lines[-1].split(" = ")[1].split()[0])  # a number, whatever its value
 
 
 def test_memory_scaling_quick_prints_every_rank_and_the_worst_ratio():
     lines = _run("memory_scaling.py", "--quick")
-    rows = [line for line in lines if line.startswith("| debug (4.4 M) |")]
+    rows = [line for line in lines if line.startswith("| debug (5.3 M) |")]
     assert len(rows) == 3, lines  # 1 rank + 2 ranks
     assert lines[-1].startswith("worst per-rank param+grad+optimizer bytes / (total / world size) = "), lines
     worst = float(lines[-1].split(" = ")[1].split()[0])

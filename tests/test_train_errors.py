@@ -62,13 +62,13 @@ def _missing_hf_assets(folder: Path):
 
 
 def _big_tokenizer(folder: Path):
-    vocab_size = _write_word_tokenizer(folder / "big_tokenizer", n_words=400, specials=("<|end_of_text|>",))
-    assert vocab_size > 258
-    return ["--model.hf_assets_path", str(folder / "big_tokenizer")], [rf"\b{vocab_size}\b", r"\b258\b", "debugmodel"]
+    vocab_size = _write_word_tokenizer(folder / "big_tokenizer", n_words=2100, specials=("<|end_of_text|>",))
+    assert vocab_size > 2048
+    return ["--model.hf_assets_path", str(folder / "big_tokenizer")], [rf"\b{vocab_size}\b", r"\b2048\b", "debugmodel"]
 
 
 def _tokenizer_without_eos(folder: Path):
-    # Fits the debugmodel's 258 embeddings but has no end-of-document token to pack with.
+    # Fits the debugmodel's 2048 embeddings but has no end-of-document token to pack with.
     _write_word_tokenizer(folder / "no_eos_tokenizer", n_words=100)
     return ["--model.hf_assets_path", str(folder / "no_eos_tokenizer")], [re.escape("no_eos_tokenizer"), "(?i)eos"]
 

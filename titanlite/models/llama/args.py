@@ -64,7 +64,10 @@ LLAMA2_FLAVORS = {
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, multiple_of=1024)
 
 LLAMA3_FLAVORS = {
-    "debugmodel": replace(_DEBUG, n_kv_heads=4, rope_theta=500000.0),
+    # torchtitan's llama3 debugmodel embeds 2048 ids so that its test tokenizer (2,000 ids)
+    # fits; the same here, so its debug config and assets carry over. The byte tokenizer
+    # uses the first 258 rows.
+    "debugmodel": replace(_DEBUG, n_kv_heads=4, rope_theta=500000.0, vocab_size=2048),
     "8B": LlamaArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, **_LLAMA3
     ),

@@ -1,6 +1,7 @@
 """torchtitan_compat.md stays true: its key tables against the parser, and torchtitan 0.2
 TOML files (debug model, 8B) loading in titanlite."""
 
+import json
 import logging
 import re
 import signal
@@ -178,11 +179,12 @@ def test_warnings_are_not_repeated_after_the_preflight(capsys, monkeypatch):
 
 # --- torchtitan 0.2 files ----------------------------------------------------------------
 
-# torchtitan's section and key names; the values titanlite needs instead of torchtitan's are
-# the dataset (c4_test is not here) and a CPU-sized run (short sequences, float32).
+# torchtitan 0.2's debug and 8B llama3 files as torchtitan ships them: its section and key
+# names, and its values, dataset and asset paths included. The debug run is made CPU-sized
+# on the command line (fewer steps, shorter sequences), never by editing the file.
 TORCHTITAN_DEBUG_TOML = """
 [job]
-dump_folder = "{dump}"
+dump_folder = "./outputs"
 description = "Llama 3 debug training"
 print_args = false
 use_for_integration_test = true
@@ -204,6 +206,8 @@ enable_wandb = false
 [model]
 name = "llama3"
 flavor = "debugmodel"
+# test folder with tokenizer.json, for debug purpose only
+hf_assets_path = "./tests/assets/tokenizer"
 converters = []
 
 [optimizer]
@@ -218,12 +222,11 @@ decay_type = "linear"
 min_lr_factor = 0.0
 
 [training]
-local_batch_size = 2
-seq_len = 64
+local_batch_size = 8
+seq_len = 2048
 max_norm = 1.0
-steps = 2
-dataset = "python_stdlib"
-mixed_precision_param = "float32"
+steps = 10
+dataset = "c4_test"
 
 [parallelism]
 data_parallel_replicate_degree = 1
@@ -265,6 +268,7 @@ enable = false
 
 [validation]
 enable = false
+dataset = "c4_validation"
 freq = 5
 steps = 10
 """
@@ -287,6 +291,7 @@ save_tb_folder = "tb"
 [model]
 name = "llama3"
 flavor = "8B"
+hf_assets_path = "./assets/hf/Llama-3.1-8B"
 
 [optimizer]
 name = "AdamW"
@@ -301,7 +306,7 @@ local_batch_size = 1
 seq_len = 8192
 max_norm = 1.0
 steps = 1000
-dataset = "python_stdlib"
+dataset = "c4"
 
 [parallelism]
 data_parallel_replicate_degree = 1
@@ -349,17 +354,48 @@ def quiet_process_state():
         signal.signal(signum, handler)
 
 
+def write_torchtitan_test_assets(root: Path) -> int:
+    """What a torchtitan checkout holds under tests/assets for its debug config: a tokenizer
+    of 2,000 ids (word-level here, with Llama 3's BOS/EOS) and c4_test, JSON lines with a
+    'text' field. Returns the tokenizer's vocabulary size."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    words = [f"w{i}" for i in range(1997)]
+    tokenizer = Tokenizer(WordLevel(vocab={**{w: i for i, w in enumerate(words)}, "[UNK]": 1997}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens([AddedToken("<|begin_of_text|>", special=True), AddedToken("<|end_of_text|>", special=True)])
+    tokenizer_folder = root / "tests" / "assets" / "tokenizer"
+    tokenizer_folder.mkdir(parents=True)
+    tokenizer.save(str(tokenizer_folder / "tokenizer.json"))
+    (tokenizer_folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+    c4_folder = root / "tests" / "assets" / "c4_test"
+    c4_folder.mkdir(parents=True)
+    with open(c4_folder / "data.json", "w") as data:
+        for doc in range(200):
+            text = " ".join(words[(doc * 37 + i * i) % len(words)] for i in range(60))
+            data.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{doc}"}) + "\n")
+    return tokenizer.get_vocab_size(with_added_tokens=True)
+
+
 def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, quiet_process_state):
     from titanlite.train import main
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
+    monkeypatch.chdir(tmp_path)  # torchtitan's paths (./outputs, ./tests/assets/...) are relative
+    assert write_torchtitan_test_assets(tmp_path) == 2000  # more ids than the byte tokenizer's 258
     path = tmp_path / "debug_model.toml"
-    path.write_text(TORCHTITAN_DEBUG_TOML.format(dump=tmp_path / "dump"))
+    path.write_text(TORCHTITAN_DEBUG_TOML)
     capsys.readouterr()
-    assert main(["--job.config_file", str(path), "--metrics.enable_jsonl=false"]) == 0
-    err = capsys.readouterr().err
+    cpu_sized = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    assert main(["--job.config_file", str(path), *cpu_sized]) == 0
+    captured = capsys.readouterr()
+    err = captured.err
     warnings = [line for line in err.splitlines() if line.startswith("titanlite: warning: ")]
     expected = {"print_args", "use_for_integration_test", "converters", "tensor_parallel_degree",
                 "context_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
@@ -368,6 +404,11 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
     named = {re.search(r"\] (\w+) = ", line).group(1) for line in warnings}
     assert named == expected and len(warnings) == len(expected), warnings
     assert "Traceback" not in err
+    # It trained torchtitan's debug model on c4_test with the 2,000-id tokenizer, bf16 compute.
+    assert "model llama3 debugmodel" in captured.out and "param_dtype=bfloat16" in captured.out
+    (jsonl,) = (tmp_path / "outputs" / "metrics").glob("*/metrics.jsonl")
+    losses = [json.loads(line)["loss_metrics/global_avg_loss"] for line in jsonl.read_text().splitlines()]
+    assert len(losses) == 2 and all(7.0 < loss < 8.5 for loss in losses), losses  # about ln(2048) at the start
 
 
 def test_torchtitan_8b_is_accepted_by_the_estimator(tmp_path, capsys):

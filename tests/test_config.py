@@ -193,7 +193,7 @@ MALFORMED_INPUTS = [
     ("cli bool given word", None, ["--compile.enable=yes"], ["compile.enable", "bool", "'yes'"]),
     ("toml bool given int", "[compile]\nenable = 1\n", [], ["compile.enable", "bool", "1"]),
     ("cli literal not a choice", None, ["--optimizer.name", "SGD"], ["optimizer.name", "AdamW|Adam", "'SGD'"]),
-    ("toml literal not a choice", '[training]\ndataset = "c4"\n', [], ["training.dataset", "python_stdlib|text|huggingface"]),
+    ("toml literal not a choice", '[training]\ndataset = "wikipedia"\n', [], ["training.dataset", "python_stdlib|text|huggingface|c4|c4_validation|c4_test", '"wikipedia"']),
     ("toml list given string", '[compile]\ncomponents = "model"\n', [], ["compile.components", "list of str"]),
     ("toml list of ints", "[compile]\ncomponents = [1]\n", [], ["compile.components", "list of str"]),
     ("toml str given int", "[activation_checkpoint]\nselective_ac_option = 2\n", [], ["activation_checkpoint.selective_ac_option", "str"]),

@@ -224,7 +224,7 @@ def test_console_line_validation(caplog):
 
 def test_flops_per_token_debug_model_hand_count():
     args = LLAMA3_FLAVORS["debugmodel"]
-    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.vocab_size) == (256, 6, 16, 4, 258)
+    assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.vocab_size) == (256, 6, 16, 4, 2048)
     assert args.ffn_hidden_dim == 704  # int(2 * 4 * 256 / 3) = 682, rounded up to a multiple of 64
     head_dim = 256 // 16
     attention = 256 * 256 + 2 * 256 * (4 * head_dim) + 256 * 256  # wq, wk, wv, wo
@@ -232,10 +232,10 @@ def test_flops_per_token_debug_model_hand_count():
     norms = 2 * 256
     block = attention + feed_forward + norms
     assert block == 705_024
-    non_embedding = 6 * block + 256 + 256 * 258  # blocks, final norm, output projection
-    assert non_embedding == 4_296_448
+    non_embedding = 6 * block + 256 + 256 * 2048  # blocks, final norm, output projection
+    assert non_embedding == 4_754_688
     attention_term = 6 * 6 * 16 * head_dim * 2048  # 6 x L x H x Dh x T: the causal half of the scores
-    assert flops_per_token(args, 2048) == 6 * non_embedding + attention_term == 44_653_056
+    assert flops_per_token(args, 2048) == 6 * non_embedding + attention_term == 47_402_496
 
 
 def meta_param_count(args: LlamaArgs) -> int:

@@ -9,7 +9,7 @@ weights, saves it in one process (no process group) as a titanlite DCP checkpoin
 `step-0` (the weights plus the "model_args" description that export reads), and frees it.
 
 Then, with the checkpoint's files in the page cache (they were just written; a first,
-untimed copy makes sure they are read once more), it times one after the other:
+untimed copy makes sure they are read once more), it times, in --repeats turns (default 5):
 
   copy      shutil.copyfile of every file of step-0 (the .distcp files and .metadata) to
             a temporary folder, with an fsync of each copy: the bytes a conversion must
@@ -26,7 +26,10 @@ converter reports VmHWM (its own address space's peak, used for the ratio) and r
 (now the same), its resident memory after its imports, before converting (the baseline),
 and the conversion's time without the fsync.
 
-The last lines are the two ratios of this run:
+Single timings vary several-fold on a shared virtual machine (page cache and fresh
+memory are sometimes slow to get), so copy and convert take turns and the throughput
+ratio is that of the median times; every turn is printed. The last lines are the two
+ratios of this run:
 `throughput ratio convert/copy = X.XX (target >= 0.7)` and
 `peak RSS / largest shard = X.XX (target <= 1.5)`, where the RSS is peak minus baseline.
 Every folder the script made is removed at the end.
@@ -41,6 +44,7 @@ import os
 import resource
 import shutil
 import subprocess
+import statistics
 import sys
 import tempfile
 import time
@@ -184,9 +188,14 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, default=1.2, help="float32 weights to build, in GB (at least 1)")
     parser.add_argument("--max-shard-size", default="300MB", help="export's shard limit, e.g. 300MB or 1GiB")
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="turns of copy then convert; the ratio is of the median times (single runs vary a lot "
+                             "on a shared machine)")
     args = parser.parse_args()
     if args.size_gb < 1:
         parser.error("--size-gb must be at least 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
 
     parent = args.folder or tempfile.gettempdir()
     with tempfile.TemporaryDirectory(prefix="titanlite-convert-bench-", dir=parent) as folder:
@@ -197,45 +206,47 @@ def main() -> int:
 
         copy_folder(step_dir, folder / "warm-copy")  # untimed: reads step-0 once more
         shutil.rmtree(folder / "warm-copy")
-        copy_seconds = copy_folder(step_dir, folder / "copy")
-        shutil.rmtree(folder / "copy")
-        report = _run_self("--child", str(step_dir), str(folder / "hf"), args.max_shard_size)
+        # Copy and convert take turns, so that both meet the machine in the same states.
+        copies, reports = [], []
+        for _ in range(args.repeats):
+            copies.append(copy_folder(step_dir, folder / "copy"))
+            shutil.rmtree(folder / "copy")
+            reports.append(_run_self("--child", str(step_dir), str(folder / "hf"), args.max_shard_size))
+            shutil.rmtree(folder / "hf")
 
-    copy_rate = source_bytes / copy_seconds / 1e9
-    convert_rate = source_bytes / report["convert_fsync_seconds"] / 1e9
-    rss_growth = report["hwm"] - report["baseline_rss"]
     print(
         f"HF export: llama3 {built['params'] / 1e6:.1f} M params (dim {DIM}, {built['n_layers']} blocks, "
         f"vocabulary {VOCAB}), float32 in and out, --max-shard-size {args.max_shard_size}; "
         f"checkpoint written in {built['save_seconds']:.1f} s"
     )
     print(
-        f"torch {report['torch']}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}; "
-        "step-0 in the page cache for both rows (copied once, untimed, before)\n"
+        f"torch {reports[0]['torch']}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}; "
+        f"step-0 in the page cache for every row (copied once, untimed, before); {args.repeats} turns of "
+        f"copy then convert; {source_bytes:,} bytes read, {reports[0]['output_bytes']:,} written by convert\n"
     )
-    print("| what | bytes read | bytes written | seconds | GB/s (bytes read / s) |")
+    print("| turn | copy s (GB/s) | convert s (GB/s) | convert without fsync s | convert peak RSS - baseline |")
     print("|---|---|---|---|---|")
-    print(f"| copy (shutil.copyfile + fsync) | {source_bytes:,} | {source_bytes:,} | {copy_seconds:.2f} | {copy_rate:.2f} |")
-    print(
-        f"| convert (export_to_hf + fsync, own process) | {source_bytes:,} | {report['output_bytes']:,} | "
-        f"{report['convert_fsync_seconds']:.2f} | {convert_rate:.2f} |"
-    )
-    print(
-        f"| convert without the fsync | | | {report['convert_seconds']:.2f} | "
-        f"{source_bytes / report['convert_seconds'] / 1e9:.2f} |"
-    )
+    for turn, (copy_seconds, report) in enumerate(zip(copies, reports), start=1):
+        print(f"| {turn} | {copy_seconds:.2f} ({source_bytes / copy_seconds / 1e9:.2f}) | "
+              f"{report['convert_fsync_seconds']:.2f} ({source_bytes / report['convert_fsync_seconds'] / 1e9:.2f}) | "
+              f"{report['convert_seconds']:.2f} | {report['hwm'] - report['baseline_rss']:,} |")
+    worst = max(reports, key=lambda r: r["hwm"] - r["baseline_rss"])
+    rss_growth = worst["hwm"] - worst["baseline_rss"]
     print()
-    print("| converter memory | bytes |")
+    print("| converter memory (the turn with the largest growth) | bytes |")
     print("|---|---|")
-    print(f"| RSS after imports (baseline) | {report['baseline_rss']:,} |")
-    print(f"| peak RSS (VmHWM) | {report['hwm']:,} |")
-    print(f"| ru_maxrss (for comparison) | {report['peak_rss']:,} |")
+    print(f"| RSS after imports (baseline) | {worst['baseline_rss']:,} |")
+    print(f"| peak RSS (VmHWM) | {worst['hwm']:,} |")
+    print(f"| ru_maxrss (for comparison) | {worst['peak_rss']:,} |")
     print(f"| peak - baseline | {rss_growth:,} |")
-    print(f"| largest output shard ({report['shards']} shards) | {report['largest_shard']:,} |")
+    print(f"| largest output shard ({worst['shards']} shards) | {worst['largest_shard']:,} |")
     print()
-    print(f"throughput ratio convert/copy = {convert_rate / copy_rate:.2f} (target >= {THROUGHPUT_TARGET})")
-    print(f"peak RSS / largest shard = {rss_growth / report['largest_shard']:.2f} (target <= {RSS_TARGET}); "
-          f"raw peak RSS {report['hwm'] / 1e9:.2f} GB = {report['hwm'] / report['largest_shard']:.2f} x largest shard")
+    copy_median = statistics.median(copies)
+    convert_median = statistics.median(r["convert_fsync_seconds"] for r in reports)
+    print(f"throughput ratio convert/copy = {copy_median / convert_median:.2f} (target >= {THROUGHPUT_TARGET}; "
+          f"median seconds of {args.repeats} turns: copy {copy_median:.2f}, convert {convert_median:.2f})")
+    print(f"peak RSS / largest shard = {rss_growth / worst['largest_shard']:.2f} (target <= {RSS_TARGET}); "
+          f"raw peak RSS {worst['hwm'] / 1e9:.2f} GB = {worst['hwm'] / worst['largest_shard']:.2f} x largest shard")
     return 0
 
 

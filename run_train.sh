@@ -8,18 +8,16 @@
 # Environment:
 #   NGPU         processes to start (default: the GPUs nvidia-smi lists, else 2 CPU processes)
 #   LOG_RANK     comma-separated ranks that print their log (default 0)
-#   CONFIG_FILE  TOML config (default ./train_configs/debug_model.toml)
+#   CONFIG_FILE  TOML config (default: this checkout's train_configs/debug_model.toml)
 #   PYTHON       interpreter to use (default python3)
+#
+# The run starts in the caller's folder, as torchtitan's script does: relative paths in the
+# config (dump_folder, hf_assets_path, dataset_path, checkpoint folders) are relative to it.
 set -euo pipefail
 
-# A relative CONFIG_FILE that exists from the caller's folder keeps working after the cd below.
-if [[ -n "${CONFIG_FILE:-}" && "$CONFIG_FILE" != /* && -f "$CONFIG_FILE" ]]; then
-    CONFIG_FILE="$PWD/$CONFIG_FILE"
-fi
-cd "$(dirname "${BASH_SOURCE[0]}")"
-
+checkout="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
-CONFIG_FILE="${CONFIG_FILE:-./train_configs/debug_model.toml}"
+CONFIG_FILE="${CONFIG_FILE:-$checkout/train_configs/debug_model.toml}"
 export LOG_RANK="${LOG_RANK:-0}"
 
 gpu_count=0
@@ -38,8 +36,8 @@ fi
 
 # Checked from / so that the checkout itself (the current folder) does not count as installed.
 if ! (cd / && "$PYTHON" -c "import titanlite") >/dev/null 2>&1; then
-    echo "run_train.sh: titanlite is not installed; installing it with pip install -e ."
-    "$PYTHON" -m pip install -e .
+    echo "run_train.sh: titanlite is not installed; installing it with pip install -e $checkout"
+    "$PYTHON" -m pip install -e "$checkout"
 fi
 
 # --help needs no processes; a run that only validates is done after the preflight.

@@ -20,11 +20,11 @@ def _launcher_env() -> dict[str, str]:
     return env
 
 
-def _run_train(*args: str, timeout: float) -> subprocess.CompletedProcess:
+def _run_train(*args: str, timeout: float, cwd: Path = REPO_ROOT, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [str(RUN_TRAIN), *args],
-        cwd=REPO_ROOT,
-        env=_launcher_env(),
+        cwd=cwd,
+        env={**_launcher_env(), **env},
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -54,6 +54,22 @@ def test_config_mistake_stops_before_torchrun():
         assert torchrun_marker not in output, output
     # The error is the whole output: no rank ever started.
     assert [line for line in output.splitlines() if line.strip()] == error_lines, output
+
+
+
+def test_relative_paths_are_relative_to_where_the_run_starts(tmp_path):
+    """As with torchtitan's script: CONFIG_FILE and the paths inside the config (here the
+    dataset and the dump folder) are found from the caller's folder, not the checkout's."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "notes.txt").write_text("relative paths start where the run starts. " * 200)
+    (tmp_path / "job.toml").write_text(
+        '[job]\ndump_folder = "./outputs"\n'
+        '[training]\ndataset = "text"\ndataset_path = "corpus"\nseq_len = 32\nlocal_batch_size = 2\n'
+        'mixed_precision_param = "float32"\n'
+    )
+    result = _run_train("--training.steps", "2", timeout=300, cwd=tmp_path, CONFIG_FILE="job.toml", NGPU="1")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    assert list((tmp_path / "outputs" / "metrics").glob("*/metrics.jsonl")), sorted(tmp_path.rglob("*"))
 
 
 def test_a_rank_process_ends_with_its_status_after_the_exit_work():

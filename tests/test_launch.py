@@ -74,12 +74,15 @@ def test_relative_paths_are_relative_to_where_the_run_starts(tmp_path):
 
 def test_a_rank_process_ends_with_its_status_after_the_exit_work():
     """train.py's ranks end through exit_process, which skips the interpreter's teardown (where
-    a gloo worker thread can abort a finished run) but not what exiting normally does: the
-    atexit handlers run and buffered output reaches its pipe."""
+    a gloo worker thread can abort a finished run) but not what exiting normally does:
+    running threads finish, the atexit handlers run and buffered output reaches its pipe."""
     script = (
-        "import atexit, sys\n"
+        "import atexit, sys, threading, time\n"
+        "from concurrent.futures import ThreadPoolExecutor\n"
         "from titanlite.parallel import exit_process\n"
         "atexit.register(lambda: print('atexit handler ran'))\n"
+        "ThreadPoolExecutor(1).submit(time.sleep, 0)  # idle worker left running: must not hang the exit\n"
+        "threading.Thread(target=lambda: (time.sleep(0.5), print('thread finished', end=' '))).start()\n"
         "print('buffered', end=' ')\n"
         "sys.stderr.write('stderr buffered')\n"
         "exit_process(3)\n"
@@ -87,5 +90,5 @@ def test_a_rank_process_ends_with_its_status_after_the_exit_work():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 3
-    assert result.stdout == "buffered atexit handler ran\n"
+    assert result.stdout == "buffered thread finished atexit handler ran\n"
     assert result.stderr == "stderr buffered"

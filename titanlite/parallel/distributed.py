@@ -3,6 +3,7 @@
 import atexit
 import os
 import sys
+import threading
 from datetime import timedelta
 from typing import NoReturn
 
@@ -51,11 +52,16 @@ def exit_process(status: int) -> NoReturn:
     the GIL while the interpreter finalizes is ended inside a C++ destructor, which aborts
     the whole process ("terminate called without an active exception", SIGABRT). A run
     that finished would be reported as crashed. So everything normally done at exit is
-    done here while the interpreter is intact (the atexit handlers: logging's flush,
+    done here while the interpreter is intact, in the interpreter's own order: running
+    threads are let finish (threading's shutdown hook, which also stops idle
+    concurrent.futures workers), then the atexit handlers run (logging's flush,
     multiprocessing's reaping of DCP's checkpoint writer process, ...), then the standard
     streams are flushed and the process ends.
     """
     try:
+        join_threads = getattr(threading, "_shutdown", None)  # what Python's exit calls first
+        if join_threads is not None:
+            join_threads()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):

@@ -1,4 +1,5 @@
-"""Hugging Face Llama folders of the tiny test shape, written by transformers itself."""
+"""Hugging Face folders for tests: Llama weights of the tiny test shape written by transformers
+itself, and word-level tokenizers."""
 
 from pathlib import Path
 
@@ -24,3 +25,19 @@ def save_hf_llama(folder: Path, seed: int, **overrides) -> Path:
                 param.uniform_(0.5, 1.5)
     model.save_pretrained(folder, max_shard_size="20KB")
     return folder
+
+
+def write_word_tokenizer(folder: Path, n_words: int, specials: tuple[str, ...] = ()) -> int:
+    """A word-level tokenizer.json with n_words words plus `specials`; returns its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"word{i}": i for i in range(n_words)}
+    vocab["[UNK]"] = n_words
+    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_folders import write_word_tokenizer
 from titanlite.config import ConfigError
 from titanlite.config import torchtitan_keys
 from titanlite.config.manager import _key_types, _toml_value, parse_args, parse_args_with_warnings
@@ -358,28 +359,18 @@ def write_torchtitan_test_assets(root: Path) -> int:
     """What a torchtitan checkout holds under tests/assets for its debug config: a tokenizer
     of 2,000 ids (word-level here, with Llama 3's BOS/EOS) and c4_test, JSON lines with a
     'text' field. Returns the tokenizer's vocabulary size."""
-    import json
-
-    from tokenizers import AddedToken, Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    words = [f"w{i}" for i in range(1997)]
-    tokenizer = Tokenizer(WordLevel(vocab={**{w: i for i, w in enumerate(words)}, "[UNK]": 1997}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens([AddedToken("<|begin_of_text|>", special=True), AddedToken("<|end_of_text|>", special=True)])
     tokenizer_folder = root / "tests" / "assets" / "tokenizer"
-    tokenizer_folder.mkdir(parents=True)
-    tokenizer.save(str(tokenizer_folder / "tokenizer.json"))
+    n_words = 1997  # + [UNK], BOS and EOS = 2,000 ids
+    vocab_size = write_word_tokenizer(tokenizer_folder, n_words, specials=("<|begin_of_text|>", "<|end_of_text|>"))
     (tokenizer_folder / "tokenizer_config.json").write_text(
         json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
     c4_folder = root / "tests" / "assets" / "c4_test"
     c4_folder.mkdir(parents=True)
     with open(c4_folder / "data.json", "w") as data:
         for doc in range(200):
-            text = " ".join(words[(doc * 37 + i * i) % len(words)] for i in range(60))
+            text = " ".join(f"word{(doc * 37 + i * i) % n_words}" for i in range(60))
             data.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{doc}"}) + "\n")
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    return vocab_size
 
 
 def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, quiet_process_state):

@@ -18,27 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.hf_folders import write_word_tokenizer
+
 ERROR_PREFIX = "titanlite: config error:"
 # Keeps any run that wrongly gets past its check short instead of training for 10000 steps.
 SMALL_RUN = ["--training.steps", "1", "--training.seq_len", "16", "--training.local_batch_size", "1"]
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
-
-
-def _write_word_tokenizer(folder: Path, n_words: int, specials: tuple[str, ...] = ()) -> int:
-    """A word-level tokenizer.json with n_words words plus `specials`; returns its vocabulary size."""
-    from tokenizers import AddedToken, Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import Whitespace
-
-    vocab = {f"word{i}": i for i in range(n_words)}
-    vocab["[UNK]"] = n_words
-    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
-    folder.mkdir(parents=True)
-    tokenizer.save(str(folder / "tokenizer.json"))
-    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
 
 
 @dataclass
@@ -62,14 +48,14 @@ def _missing_hf_assets(folder: Path):
 
 
 def _big_tokenizer(folder: Path):
-    vocab_size = _write_word_tokenizer(folder / "big_tokenizer", n_words=2100, specials=("<|end_of_text|>",))
+    vocab_size = write_word_tokenizer(folder / "big_tokenizer", n_words=2100, specials=("<|end_of_text|>",))
     assert vocab_size > 2048
     return ["--model.hf_assets_path", str(folder / "big_tokenizer")], [rf"\b{vocab_size}\b", r"\b2048\b", "debugmodel"]
 
 
 def _tokenizer_without_eos(folder: Path):
     # Fits the debugmodel's 2048 embeddings but has no end-of-document token to pack with.
-    _write_word_tokenizer(folder / "no_eos_tokenizer", n_words=100)
+    write_word_tokenizer(folder / "no_eos_tokenizer", n_words=100)
     return ["--model.hf_assets_path", str(folder / "no_eos_tokenizer")], [re.escape("no_eos_tokenizer"), "(?i)eos"]
 
 

@@ -131,15 +131,11 @@ def _text_field(line: str, file_path: str, line_number: int) -> str:
     return record["text"]
 
 
-def text_file_documents(path: str) -> Iterator[str]:
-    """Documents from .txt files (one per file) and .jsonl/.jsonl.gz files (one per line, 'text')."""
-    file_paths = _list_text_files(path)  # listed now so a bad path fails at the call, not later
+def text_file_documents(path: str, suffixes: tuple[str, ...] = _TEXT_FILE_SUFFIXES) -> Iterator[str]:
+    """Documents from .txt files (one per file) and JSON-lines files (.json, .jsonl, .jsonl.gz:
+    one per line, 'text'), of those whose names end in ``suffixes``."""
+    file_paths = _list_text_files(path, suffixes)  # listed now so a bad path fails at the call, not later
     return _read_text_files(file_paths)
-
-
-def c4_test_documents(path: str) -> Iterator[str]:
-    """The 'text' field of every line of the .json / .jsonl files of a c4_test folder."""
-    return _read_text_files(_list_text_files(path, _C4_TEST_SUFFIXES))
 
 
 def _read_text_files(file_paths: list[str]) -> Iterator[str]:
@@ -204,7 +200,7 @@ def build_documents(dataset: str, dataset_path: str | None, split: str = "train"
         description = f"dataset {dataset} ({hub_path}, {C4_CONFIG_NAME!r}, split {c4_split!r})"
     elif dataset == "c4_test":
         folder = dataset_path or C4_TEST_DEFAULT_PATH
-        open_documents = functools.partial(c4_test_documents, folder)
+        open_documents = functools.partial(text_file_documents, folder, _C4_TEST_SUFFIXES)
         description = f"dataset c4_test at {folder}"
     else:
         raise ValueError(f"dataset {dataset!r}: expected one of {', '.join(DATASETS)}")

@@ -43,7 +43,6 @@ import argparse
 import datetime
 import gc
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -55,10 +54,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from rank_process import end_rank, free_port, torchrun_environment
 from titanlite.checkpoint import CheckpointManager, complete_steps
 from titanlite.config import Checkpoint, parse_args
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs
-from titanlite.parallel import exit_process
 from titanlite.train import Trainer
 
 FLAVOR = "bench134m"
@@ -174,25 +173,14 @@ def measure(folder: str, repeats: int) -> dict:
 
 
 def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, result_file: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        LOG_RANK="",  # the trainer's and the manager's INFO lines would interleave with the table
-    )
+    torchrun_environment(rank, world_size, port, LOG_RANK="")  # INFO lines would interleave with the table
     # The ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     LLAMA3_FLAVORS.setdefault(FLAVOR, MODEL_ARGS)
     report = measure(folder, repeats)
     if rank == 0:
         torch.save(report, result_file)
-    dist.destroy_process_group()
-    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    end_rank()
 
 
 def _summary(rows: list[list[float]]) -> tuple[list[float], list[float] | None]:
@@ -253,7 +241,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="titanlite-ckpt-bench-", dir=parent) as folder:
         result_file = str(Path(folder) / "report.pt")
         mp.start_processes(
-            _worker, args=(args.world_size, _free_port(), folder, args.repeats, result_file),
+            _worker, args=(args.world_size, free_port(), folder, args.repeats, result_file),
             nprocs=args.world_size, start_method="spawn", join=True,
         )
         report = torch.load(result_file, weights_only=True)

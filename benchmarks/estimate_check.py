@@ -28,7 +28,6 @@ do that work), and per-step overheads that small CPU steps do not hide.
 
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput  # noqa: E402  (the runner and models of benchmarks/throughput.py)
 
 from titanlite.estimate import Hardware, estimate_step_time  # noqa: E402
-from titanlite.parallel import exit_process  # noqa: E402
+from rank_process import end_rank, free_port  # noqa: E402
 
 ALL_GATHER_BYTES = 64 * 2**20
 
@@ -77,17 +76,13 @@ def _gather_rank(rank: int, port: int, repeats: int, out: str) -> None:
     if rank == 0:
         # In a 2-rank all-gather each rank sends its half: (n - 1) / n of the whole.
         Path(out).write_text(str((ALL_GATHER_BYTES / 2) / best))
-    dist.destroy_process_group()
-    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
+    end_rank()
 
 
 def gloo_bandwidth(repeats: int = 5) -> float:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "bw")
-        mp.start_processes(_gather_rank, args=(port, repeats, out), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(_gather_rank, args=(free_port(), repeats, out), nprocs=2, start_method="spawn", join=True)
         return float(Path(out).read_text())
 
 

@@ -44,9 +44,7 @@ a temporary folder, removed at the end.
 import argparse
 import datetime
 import json
-import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -58,6 +56,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
+from rank_process import free_port, quiet_every_rank_lines  # noqa: E402
 
 FLAVOR = "bench1b"
 MODEL_ARGS = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
@@ -91,12 +90,6 @@ def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
     return argv
 
 
-def quiet_every_rank_lines() -> None:
-    """Drop the start-up lines every rank prints about itself (LOG_RANK does not reach
-    them), which would land above the table."""
-    logging.getLogger("titanlite.every_rank").addFilter(lambda record: False)
-
-
 def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOG_RANK="")
@@ -109,12 +102,6 @@ def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
 
     quiet_every_rank_lines()
     Trainer(parse_args(argv)).train()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_metrics(dump: Path) -> list[dict]:
@@ -226,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     register_flavor()
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-mfu-") as dump:
         argv = trainer_argv(options, dump)
-        mp.start_processes(_worker, args=(argv, _free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True)
+        mp.start_processes(_worker, args=(argv, free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True)
         summary = summarise(read_metrics(Path(dump)), options.warmup)
     from titanlite.metrics.flops import count_params
 

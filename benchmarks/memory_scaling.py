@@ -48,9 +48,7 @@ Temporary folders are removed at the end.
 import argparse
 import datetime
 import json
-import logging
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -62,7 +60,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
-from titanlite.parallel import exit_process  # noqa: E402
+from rank_process import end_rank, free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
 MODELS = {
     "debug": ("debugmodel", None),
@@ -132,18 +130,8 @@ def estimated(flavor: str, seq_len: int, world_size: int, rank: int) -> int | No
 # --- inside each rank ------------------------------------------------------------------
 
 
-def quiet_every_rank_lines() -> None:
-    """Drop the start-up lines every rank prints about itself (LOG_RANK does not reach
-    them), which would land above the table."""
-    logging.getLogger("titanlite.every_rank").addFilter(lambda record: False)
-
-
 def _rank(rank: int, world_size: int, port: int, model_name: str, seq_len: int, dump: str, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        LOG_RANK="",  # the trainer's start-up lines would drown the table
-    )
+    torchrun_environment(rank, world_size, port, LOG_RANK="")  # the trainer's start-up lines would drown the table
     torch.set_num_threads(1)  # bytes do not depend on threads; 4 ranks share 2 cores
     flavor, args = MODELS[model_name]
     if args is not None:
@@ -171,21 +159,11 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, seq_len: int, 
     trainer.train_step()
     figures["estimate"] = estimated(flavor, seq_len, world_size, rank)
     figures["params"] = sum(p.numel() for p in trainer.model.parameters())
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
-    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
+    end_rank()
 
 
 # --- the driver ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure(model: str, world_size: int, seq_len: int, work: Path) -> list[dict]:
@@ -193,7 +171,7 @@ def measure(model: str, world_size: int, seq_len: int, work: Path) -> list[dict]
     dump = work / f"{model}-{world_size}"
     out_dir = dump / "results"
     out_dir.mkdir(parents=True)
-    mp.start_processes(_rank, args=(world_size, _free_port(), model, seq_len, str(dump), str(out_dir)),
+    mp.start_processes(_rank, args=(world_size, free_port(), model, seq_len, str(dump), str(out_dir)),
                        nprocs=world_size, start_method="spawn", join=True)
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 

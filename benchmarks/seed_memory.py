@@ -31,7 +31,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs, LlamaStateDictAdapter  # noqa: E402
-from titanlite.parallel import exit_process  # noqa: E402
+from rank_process import end_rank, free_port, torchrun_environment  # noqa: E402
 
 DIM, N_HEADS, N_KV_HEADS, VOCAB = 1024, 16, 8, 32000
 
@@ -83,8 +82,7 @@ def write_hf_folder(args: LlamaArgs, folder: Path) -> tuple[int, int]:
 
 
 def _rank(rank: int, world_size: int, port: int, hf_dir: str, args: LlamaArgs, out_dir: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torchrun_environment(rank, world_size, port)
     import torch.distributed as dist
 
     from titanlite.checkpoint.hf import seed_from_hf
@@ -113,20 +111,12 @@ def _rank(rank: int, world_size: int, port: int, hf_dir: str, args: LlamaArgs, o
     own = sum(p.to_local().numel() * p.to_local().element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
               for p in model.parameters())
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"growth": peak - before, "own": own}))
-    if world_size > 1:
-        dist.destroy_process_group()
-    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    end_rank()
 
 
 def measure(world_size: int, hf_dir: Path, args: LlamaArgs) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world_size, _free_port(), str(hf_dir), args, out_dir),
+        mp.start_processes(_rank, args=(world_size, free_port(), str(hf_dir), args, out_dir),
                            nprocs=world_size, start_method="spawn", join=True)
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
 

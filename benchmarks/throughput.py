@@ -72,9 +72,7 @@ removed at the end.
 import argparse
 import datetime
 import json
-import logging
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -88,7 +86,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
-from titanlite.parallel import exit_process  # noqa: E402
+from rank_process import end_rank, free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
 # name -> (llama3 flavor, args to register in the worker or None for a built-in flavor)
 MODELS = {
@@ -169,16 +167,9 @@ def trainer_argv(flavor: str, layout: Layout, compiled: bool, steps: int, seq_le
     return argv + (["--compile.enable"] if compiled else [])
 
 
-def quiet_every_rank_lines() -> None:
-    """Drop the start-up lines every rank prints about itself (LOG_RANK does not reach
-    them), which would land above the table."""
-    logging.getLogger("titanlite.every_rank").addFilter(lambda record: False)
-
-
 def _rank(rank: int, world_size: int, port: int, model: str, argv: list[str], threads: int, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    torchrun_environment(
+        rank, world_size, port,
         LOG_RANK="",  # the trainer's per-step lines would drown the table
         # Inductor's pool of compile workers only competes with the ranks for 2 cores.
         TORCHINDUCTOR_COMPILE_THREADS="1",
@@ -211,23 +202,13 @@ def _rank(rank: int, world_size: int, port: int, model: str, argv: list[str], th
     trainer.train_step = timed_step
     step_start = time.perf_counter()
     records = trainer.train()
-    if world_size > 1:
-        import torch.distributed as dist
-
-        dist.destroy_process_group()
     report = {"params": params, "tps": [r.tokens_per_second for r in records], "steps": [r.step for r in records],
               "step_times": step_times}
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    exit_process(0)  # no interpreter teardown racing gloo's worker threads (see exit_process)
+    end_rank()
 
 
 # --- the driver ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_one(model: str, layout: Layout, compiled: bool, options: argparse.Namespace, batch: int, work: Path) -> Result:
@@ -238,7 +219,7 @@ def run_one(model: str, layout: Layout, compiled: bool, options: argparse.Namesp
     argv = trainer_argv(flavor, layout, compiled, steps, seq_len, batch, str(dump))
     out_dir = dump / "results"
     out_dir.mkdir(parents=True)
-    mp.start_processes(_rank, args=(layout.ranks, _free_port(), model, argv, options.threads, str(out_dir)),
+    mp.start_processes(_rank, args=(layout.ranks, free_port(), model, argv, options.threads, str(out_dir)),
                        nprocs=layout.ranks, start_method="spawn", join=True)
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(layout.ranks)]
     per_rank, steady_steps = [], []

@@ -6,7 +6,8 @@ file or the step (or, by choice, in a loud log line), never in silence or a trac
   (checkpoint.verify_integrity) catches.
 * Write errors: ENOSPC or EIO injected into DCP's filesystem writer during a synchronous and
   an asynchronous save; the partial folder is removed, the earlier checkpoint stays and a
-  new run resumes from it; with continue_on_save_error training goes on.
+  new run resumes from it; with continue_on_save_error training goes on, unless the
+  failed save is the run's final one (last step or stop signal).
 
 Most tests drive a CheckpointManager over a small Linear model in this process; the last
 ones run the trainer's main() on the tiny model.
@@ -319,15 +320,20 @@ def trainer_main():
         signal.signal(sig, handler)
 
 
-def test_trainer_stops_on_a_full_disk_and_the_next_run_resumes(tmp_path, monkeypatch, capsys, trainer_main):
+def _fail_saves_of(monkeypatch, step: int) -> None:
+    """DCP's filesystem writer finds the disk full while writing step-N."""
     real_write_item = dcp_filesystem._write_item
 
-    def write_item(transforms, stream, *args, **kwargs):  # the save of step 4 finds the disk full
-        if ".step-4.partial" in getattr(stream, "name", ""):
+    def write_item(transforms, stream, *args, **kwargs):
+        if f".step-{step}.partial" in getattr(stream, "name", ""):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write_item(transforms, stream, *args, **kwargs)
 
     monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
+
+
+def test_trainer_stops_on_a_full_disk_and_the_next_run_resumes(tmp_path, monkeypatch, capsys, trainer_main):
+    _fail_saves_of(monkeypatch, 4)
     assert trainer_main(tmp_path, "--training.steps", "6") == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert re.fullmatch(r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
@@ -340,3 +346,40 @@ def test_trainer_stops_on_a_full_disk_and_the_next_run_resumes(tmp_path, monkeyp
     output = capsys.readouterr()
     assert f"loaded checkpoint {folder / 'step-2'} (" in output.out + output.err
     assert list(complete_steps(folder)) == [2, 4]
+
+
+@pytest.mark.parametrize("failing_step, status, left", [(2, 0, ["step-4"]), (4, 1, ["step-2"])])
+def test_continue_on_save_error_fails_the_run_only_when_its_last_save_fails(
+        tmp_path, monkeypatch, capsys, trainer_main, failing_step, status, left):
+    """A failed save mid-run is made up for by a later one; a failed last save is not, and
+    an exit status of 0 would tell a job chain that the final state is on disk."""
+    _fail_saves_of(monkeypatch, failing_step)
+    assert trainer_main(tmp_path, "--training.steps", "4", "--checkpoint.continue_on_save_error") == status
+    output = capsys.readouterr()  # the trainer's log goes to stdout, the failure line to stderr
+    assert f"CHECKPOINT NOT SAVED: saving checkpoint step-{failing_step}" in output.out
+    if status:
+        line = output.err.strip().splitlines()[-1]
+        assert re.fullmatch(r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
+                            r"OSError: \[Errno 28\] No space left on device \(its partial folder .*\); the newest "
+                            r"checkpoint on disk is step-2 \(the run's last save: nothing later can make up for it, so "
+                            r"the run fails even with checkpoint.continue_on_save_error\)", line), line
+    assert sorted(entry.name for entry in (tmp_path / "checkpoint").iterdir()) == left
+
+
+@pytest.mark.parametrize("interval, async_mode", [(2, "async"), (10, "disabled")])
+def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save_error(
+        tmp_path, monkeypatch, capsys, trainer_main, interval, async_mode):
+    """The stop arrives at step 2: with interval 2 the save already started (asynchronously)
+    is the final one; with interval 10 the trainer saves step 2 for the stop. Either way
+    it fails, and so does the run."""
+    from titanlite.train import Trainer
+
+    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 2)
+    _fail_saves_of(monkeypatch, 2)
+    assert trainer_main(tmp_path, "--training.steps", "6", "--checkpoint.continue_on_save_error",
+                        "--checkpoint.interval", str(interval), "--checkpoint.async_mode", async_mode) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(r"titanlite: checkpoint error at step 2: saving checkpoint step-2 in \S+ failed .*; the newest "
+                        r"checkpoint on disk is none \(the save on a stop signal: nothing later can make up for it, so "
+                        r"the run fails even with checkpoint.continue_on_save_error\)", line), line
+    assert not list((tmp_path / "checkpoint").iterdir())

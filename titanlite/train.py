@@ -529,12 +529,25 @@ class Trainer(Stateful):
         if saved:
             model_only = last and self.job_config.checkpoint.last_save_model_only
             self.checkpointer.save(self.step, model_only=model_only, sync=last)
+            if last:
+                self._fail_if_not_saved("the run's last save")
         if not last and self._stop_requested():
             logger.warning("stop signal received: saving step %d and exiting", self.step)
-            if not saved:
+            if saved:
+                self.checkpointer.wait()  # the save just started is the final one: settle it
+            else:
                 self.checkpointer.save(self.step, sync=True)
+            self._fail_if_not_saved("the save on a stop signal")
             return True
         return False
+
+    def _fail_if_not_saved(self, which: str) -> None:
+        """continue_on_save_error lets training go on past a failed save, trusting a later
+        one; the run's final save has none after it, so its failure fails the run. An exit
+        status of 0 would tell a scheduler or a job chain that the final state is on disk."""
+        if self.checkpointer.failed_save is not None:
+            raise CheckpointError(f"{self.checkpointer.failed_save} ({which}: nothing later can make up for it, "
+                                  "so the run fails even with checkpoint.continue_on_save_error)")
 
 
 def main(argv: list[str] | None = None) -> int:

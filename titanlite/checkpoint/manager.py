@@ -211,6 +211,9 @@ class CheckpointManager:
         self._in_flight_step = 0
         self._staging: Future | None = None
         self._stager = None
+        # With continue_on_save_error: what went wrong with the newest settled save, None
+        # when it succeeded. The trainer reads it after the run's final save.
+        self.failed_save: str | None = None
         if config.async_mode == "async_with_pinned_mem":
             cuda = torch.cuda.is_available()
             # Kept across saves so its CPU buffers are allocated once and reused. Staging
@@ -315,6 +318,7 @@ class CheckpointManager:
             texts = [None] * dist.get_world_size(self.process_group)
             dist.all_gather_object(texts, text, group=self.process_group)
             text = next((t for t in texts if t is not None), None)
+        self.failed_save = None
         if text is None:
             return
         partial = self.folder / f".step-{step}.partial"
@@ -327,10 +331,9 @@ class CheckpointManager:
         if not self.config.continue_on_save_error:
             raise CheckpointError(message) from error
         newest = next(reversed(complete_steps(self.folder)), None)
-        logger.error(
-            "CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); the newest "
-            "checkpoint on disk is %s", message, "none" if newest is None else f"step-{newest}",
-        )
+        self.failed_save = f"{message}; the newest checkpoint on disk is {'none' if newest is None else f'step-{newest}'}"
+        logger.error("CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); the newest "
+                     "checkpoint on disk is %s", message, "none" if newest is None else f"step-{newest}")
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state; call before changing weights."""

@@ -189,7 +189,7 @@ class Checkpoint:
     """Write a manifest of file sizes and SHA-256 checksums with every checkpoint and verify it before loading."""
 
     continue_on_save_error: bool = False
-    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1."""
+    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1; a failed final save (last step or stop signal) still ends the run with status 1."""
 
 
 @dataclass

@@ -60,3 +60,9 @@ def test_estimate_check_prints_both_layouts_and_the_ratio():
     assert any(line.startswith("| single |") for line in lines) and any(line.startswith("| fsdp2 |") for line in lines)
     assert lines[-1].startswith("measured / predicted tokens/s per rank, FSDP 2 ranks = "), lines
     float(lines[-1].split(" = ")[1].split()[0])
+
+
+def test_resume_seek_prints_both_tokenizers_and_the_bpe_line():
+    lines = _run("resume_seek.py", "--tokens", "200000")
+    assert any(line.startswith("| byte |") for line in lines) and any(line.startswith("| bpe |") for line in lines)
+    assert lines[-1].startswith("bpe fast-forward: ") and lines[-1].endswith(" h to resume after 1e11 tokens"), lines

@@ -331,9 +331,9 @@ class CheckpointManager:
         if not self.config.continue_on_save_error:
             raise CheckpointError(message) from error
         newest = next(reversed(complete_steps(self.folder)), None)
-        self.failed_save = f"{message}; the newest checkpoint on disk is {'none' if newest is None else f'step-{newest}'}"
-        logger.error("CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); the newest "
-                     "checkpoint on disk is %s", message, "none" if newest is None else f"step-{newest}")
+        on_disk = f"the newest checkpoint on disk is {'none' if newest is None else f'step-{newest}'}"
+        self.failed_save = f"{message}; {on_disk}"
+        logger.error("CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); %s", message, on_disk)
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state; call before changing weights."""

@@ -27,8 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
-from titanlite.data import build_documents, build_tokenizer, tokenizer_file
-from titanlite.data.loader import PackedLoader
+from titanlite.data import DataLoader, build_tokenizer, open_windows, stream_warning, tokenizer_file, verify_share
 from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
 from titanlite.metrics.processor import MetricsProcessor
@@ -43,6 +42,7 @@ from titanlite.parallel import (
     compute_context,
     destroy_distributed,
     exit_process,
+    first_error_on_any_rank,
     init_distributed,
     pick_device,
     world_size_from_env,
@@ -100,19 +100,18 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
     return RunPlan(parallel_dims, model_args, global_batch, accumulation)
 
 
-def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):
-    """The tokenizer and the training documents, checked against the model's vocabulary."""
-    training = job_config.training
+def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
+    """The tokenizer and the training windows (prepared data opened, or a raw stream), checked
+    against the model's vocabulary. The built-in corpus is prepared on first use."""
+    training, data = job_config.training, job_config.data
+    hf_assets_path = job_config.model.hf_assets_path
     try:
-        tokenizer = build_tokenizer(job_config.model.hf_assets_path)
-        documents = build_documents(training.dataset, training.dataset_path, split="train")
-        if job_config.validation.enable:
-            build_validation_documents(job_config.validation)  # only to find a bad path now
+        tokenizer = build_tokenizer(hf_assets_path)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if tokenizer.eos_id is None:
         raise ConfigError(
-            f"model.hf_assets_path: the tokenizer at {job_config.model.hf_assets_path} has no EOS token, "
+            f"model.hf_assets_path: the tokenizer at {hf_assets_path} has no EOS token, "
             "which packing needs between documents"
         )
     if tokenizer.vocab_size > vocab_size:
@@ -120,7 +119,16 @@ def load_tokenizer_and_documents(job_config: JobConfig, vocab_size: int):
             f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
             f"{job_config.model.flavor} embeds only {vocab_size}; pick a matching model.flavor or model.hf_assets_path"
         )
-    return tokenizer, documents
+    try:
+        windows = open_windows(
+            training.dataset, training.dataset_path, tokenizer, training.seq_len, hf_assets_path=hf_assets_path,
+            shuffle=data.shuffle, seed=data.seed, cache_folder=data.cache_folder,
+        )
+        if job_config.validation.enable:
+            build_validation_documents(job_config.validation)  # only to find a bad path now
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return tokenizer, windows
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -181,7 +189,7 @@ class Trainer(Stateful):
         # 1. Decide and validate everything before creating a process group or tensor.
         self.plan = plan_run(job_config, world_size_from_env())
         model_spec = get_model_spec(job_config.model.name)
-        self.tokenizer, documents = load_tokenizer_and_documents(job_config, self.plan.model_args.vocab_size)
+        self.tokenizer, windows = load_tokenizer_and_data(job_config, self.plan.model_args.vocab_size)
 
         # 2. Devices and processes.
         self.device = pick_device()
@@ -196,10 +204,7 @@ class Trainer(Stateful):
 
         # 3. Data: every rank reads a disjoint part of each global batch. Data parallelism
         # is the only dimension, so the data-parallel rank is the global rank.
-        self.loader = PackedLoader(
-            documents, self.tokenizer, training.seq_len, training.local_batch_size,
-            dp_rank=self.rank, dp_degree=parallel_dims.dp_degree,
-        )
+        self.loader = self._build_loader(windows)
 
         # 4. Model: built on meta, parallelised, then materialised shard by shard.
         with torch.device("meta"):
@@ -267,6 +272,24 @@ class Trainer(Stateful):
             parallel_dims.world_size, parallel_dims.dp_replicate, parallel_dims.dp_shard, self.device.type,
             self.plan.global_batch_size, training.local_batch_size, parallel_dims.dp_degree,
             self.plan.grad_accum_steps,
+        )
+
+    def _build_loader(self, windows) -> DataLoader:
+        """The loader over ``windows``, once the ranks agree the prepared files are intact."""
+        job_config, dims = self.job_config, self.plan.parallel_dims
+        data = job_config.data
+        if data.verify_checksums:
+            world_size = dist.get_world_size() if dist.is_initialized() else 1
+            error = first_error_on_any_rank(verify_share(windows, self.rank, world_size))
+            if error is not None:
+                raise ConfigError(error)
+        warning = stream_warning(windows, job_config.training.dataset, dims.dp_degree)
+        if warning is not None and self.rank == 0:
+            logger.warning(warning)
+        return DataLoader(
+            windows, job_config.training.local_batch_size, dp_rank=self.rank, dp_degree=dims.dp_degree,
+            prefetch=data.prefetch, pin_memory=self.device.type == "cuda",
+            allow_changed_data=data.allow_changed_data,
         )
 
     def _seed_from_hf(self, model_spec) -> None:
@@ -337,7 +360,8 @@ class Trainer(Stateful):
         for micro_step in range(self.plan.grad_accum_steps):
             self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
-                inputs, labels = (t.to(self.device) for t in self._next_batch())
+                # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
+                inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())
             with self.compute_context:
                 logits = self.model(inputs)
                 loss = self.loss_fn(logits, labels) / global_tokens
@@ -478,6 +502,7 @@ class Trainer(Stateful):
                         break
         finally:
             gc.enable()
+            self.loader.close()
             self.checkpointer.close()
             self.metrics.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
@@ -573,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job_config.job.validate_only:
             plan = plan_run(job_config, world_size_from_env())
-            load_tokenizer_and_documents(job_config, plan.model_args.vocab_size)
+            load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
             print(f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
                   f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)")
             return 0

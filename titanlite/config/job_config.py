@@ -38,11 +38,11 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
-    """Dataset: python_stdlib (built-in, no download), text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), or torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
+    dataset: Literal["prepared", "python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
+    """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None
-    """File or folder for the text dataset, the name or folder given to datasets.load_dataset, or where c4 / c4_test live instead of their default place."""
+    """For prepared: a prepared folder, or a mixture 'FOLDER:WEIGHT,FOLDER:WEIGHT' (weights > 0, normalised); for text: a file or folder; for huggingface: the name or folder given to datasets.load_dataset; for c4 / c4_test: another place than their default. python_stdlib takes none."""
 
     local_batch_size: int = 8
     """Sequences per micro-batch on each data-parallel rank."""
@@ -73,6 +73,27 @@ class Training:
 
     skip_nonfinite_steps: int = 0
     """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at the first."""
+
+
+@dataclass
+class Data:
+    shuffle: bool = True
+    """Shuffle the window order of prepared data (and of python_stdlib) anew every epoch, seeded by data.seed; raw sources are always read in order."""
+
+    seed: int = 0
+    """Seed of the window shuffle: the same seed gives the same global order on every layout."""
+
+    prefetch: int = 2
+    """Micro-batches a background thread reads ahead of the training loop (into pinned memory on CUDA); 0 reads on the training thread."""
+
+    verify_checksums: bool = True
+    """At start-up, check every prepared file's SHA-256 against its manifest (the ranks share the work); sizes are always checked."""
+
+    allow_changed_data: bool = False
+    """Resume from a checkpoint trained on other data (folders, mixture, shuffle, seed, tokenizer) at the same global window count, instead of stopping with an error that names the change."""
+
+    cache_folder: str = "~/.cache/titanlite"
+    """Where python_stdlib is prepared with the run's tokenizer on first use."""
 
 
 @dataclass
@@ -293,6 +314,7 @@ class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
     training: Training = field(default_factory=Training)
+    data: Data = field(default_factory=Data)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     parallelism: Parallelism = field(default_factory=Parallelism)

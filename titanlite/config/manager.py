@@ -447,6 +447,7 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
     ("comm.train_timeout_seconds",                  ">= 1",                    lambda v: v >= 1),
     ("training.skip_nonfinite_steps",               ">= 0",                    lambda v: v >= 0),
+    ("data.prefetch",                               ">= 0",                    lambda v: v >= 0),
 )  # fmt: skip
 
 
@@ -461,18 +462,30 @@ def _check_one_inferred_degree(config: JobConfig) -> None:
         raise ConfigError(f"at most one parallelism degree may be -1, got -1 for {' and '.join(inferred)}")
 
 
+# Datasets that read no path: a path given to one of them would be silently ignored.
+_DATASETS_WITHOUT_PATH = ("python_stdlib",)
+_DATASETS_NEEDING_PATH = ("prepared", "text", "huggingface")
+
+
+def _check_dataset_path(section: str, dataset: str, dataset_path: str | None) -> None:
+    if dataset in _DATASETS_NEEDING_PATH and dataset_path is None:
+        raise ConfigError(f"{section}.dataset_path must be set when {section}.dataset is '{dataset}'")
+    if dataset in _DATASETS_WITHOUT_PATH and dataset_path is not None:
+        raise ConfigError(
+            f"{section}.dataset_path ({dataset_path}) is set, but {section}.dataset '{dataset}' reads no path; "
+            f"unset it, or pick the dataset that reads it (prepared, text, huggingface, c4, c4_test)"
+        )
+
+
 def _check_dataset_has_path(config: JobConfig) -> None:
-    dataset = config.training.dataset
-    if dataset in ("text", "huggingface") and config.training.dataset_path is None:
-        raise ConfigError(f"training.dataset_path must be set when training.dataset is '{dataset}'")
+    _check_dataset_path("training", config.training.dataset, config.training.dataset_path)
 
 
 def _check_validation(config: JobConfig) -> None:
     validation = config.validation
     if not validation.enable:
         return
-    if validation.dataset in ("text", "huggingface") and validation.dataset_path is None:
-        raise ConfigError(f"validation.dataset_path must be set when validation.dataset is '{validation.dataset}'")
+    _check_dataset_path("validation", validation.dataset, validation.dataset_path)
     if validation.seq_len > config.training.seq_len:
         raise ConfigError(
             f"validation.seq_len ({validation.seq_len}) must not exceed training.seq_len ({config.training.seq_len}), "

@@ -2,11 +2,14 @@
 
 Both expose the same small interface that the loader relies on:
 ``encode(text) -> list[int]`` (no special tokens added), ``decode(ids) -> str``,
-``vocab_size``, ``bos_id`` and ``eos_id`` (either may be None for a Hugging Face tokenizer).
+``vocab_size``, ``bos_id`` and ``eos_id`` (either may be None for a Hugging Face tokenizer),
+``encode_batch(texts)`` for many documents at once, and ``fingerprint``: a hash of everything
+that decides the ids, which prepared data records so that it is never read with another tokenizer.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable
@@ -31,9 +34,13 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     vocab_size = 258
+    fingerprint = "byte-utf8-256-257"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(text.encode("utf-8")) for text in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         byte_values = bytes(token_id for token_id in _as_int_list(ids) if 0 <= token_id < 256)
@@ -64,10 +71,18 @@ class HFTokenizer:
         config = _read_tokenizer_config(os.path.join(os.path.dirname(tokenizer_path), "tokenizer_config.json"))
         self.bos_id: int | None = self._find_special_id(config, "bos_token", _WELL_KNOWN_BOS_TOKENS)
         self.eos_id: int | None = self._find_special_id(config, "eos_token", _WELL_KNOWN_EOS_TOKENS)
+        with open(tokenizer_path, "rb") as tokenizer_json:
+            file_hash = hashlib.sha256(tokenizer_json.read()).hexdigest()
+        # The file decides the ids; the config beside it decides BOS/EOS.
+        self.fingerprint = hashlib.sha256(f"{file_hash}/{self.bos_id}/{self.eos_id}".encode()).hexdigest()[:32]
 
     def encode(self, text: str) -> list[int]:
         # Special tokens are added by the loader (BOS/EOS around each document), not here.
         return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # One call into the library for many documents: far less Python per document.
+        return [encoding.ids for encoding in self._tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(_as_int_list(ids), skip_special_tokens=True)

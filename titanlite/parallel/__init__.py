@@ -4,7 +4,7 @@ Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of 
 """
 
 from titanlite.parallel.distributed import (
-    destroy_distributed, exit_process, init_distributed, pick_device, world_size_from_env,
+    destroy_distributed, exit_process, first_error_on_any_rank, init_distributed, pick_device, world_size_from_env,
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
@@ -17,6 +17,7 @@ __all__ = [
     "compute_context",
     "destroy_distributed",
     "exit_process",
+    "first_error_on_any_rank",
     "init_distributed",
     "parallelize_decoder",
     "pick_device",

@@ -38,6 +38,16 @@ def init_distributed(device: torch.device, timeout_seconds: int) -> None:
     )
 
 
+def first_error_on_any_rank(error: str | None) -> str | None:
+    """Gather every rank's error message (None: no error) and return the lowest rank's, the
+    same on every rank, so that all ranks fail together instead of some waiting for the others."""
+    if not dist.is_initialized():
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((message for message in errors if message is not None), None)
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,0 +1,279 @@
+"""Tokenize a dataset once into a prepared folder (see ``prepared.py`` for the format).
+
+    python -m titanlite.data.prepare --dataset text --dataset_path corpus/ \\
+        --hf_assets_path assets/tokenizer --output data/web --workers 16
+
+Any source the trainer reads works (``--dataset`` takes training.dataset's names). The main
+process reads documents in order and hands chunks of them to ``--workers`` processes that
+encode a whole chunk per call; results are written back in submission order, so the output is
+the same bytes whatever the worker count. Everything is written to ``OUTPUT.partial`` and
+renamed to ``OUTPUT`` once the manifest is on disk: an interrupted prepare leaves nothing that
+loads, and running the command again starts that folder afresh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import collections
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import sysconfig
+import time
+
+from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter, fsync_path, token_dtype
+from .sources import DATASETS, _list_text_files, build_documents, stdlib_split_files
+from .tokenizer import build_tokenizer
+
+logger = logging.getLogger("titanlite")
+
+_PARTIAL_SUFFIX = ".partial"
+_PARTIAL_MARK = ".titanlite-prepare"  # only folders holding this are ever deleted by a rerun
+_CHUNK_CHARACTERS = 1 << 20  # text per task: big enough to hide the hand-off, small enough to spread
+_TASKS_PER_WORKER = 4  # tasks in flight per worker: bounds memory however large the source
+
+
+# --------------------------------------------------------------------------- the workers
+
+
+_worker_tokenizer = None
+_worker_typecode = "I"
+
+
+def _start_worker(hf_assets_path: str | None, typecode: str) -> None:
+    global _worker_tokenizer, _worker_typecode
+    # One core per worker: the tokenizers library would otherwise start a thread per core in each.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker_tokenizer = build_tokenizer(hf_assets_path)
+    _worker_typecode = typecode
+
+
+def _encode_chunk(texts: list[str]) -> tuple[bytes, list[int]]:
+    """The framed tokens of ``texts`` (as native-order array bytes) and each document's length."""
+    tokenizer = _worker_tokenizer
+    prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    tokens = array.array(_worker_typecode)
+    lengths = []
+    for ids in tokenizer.encode_batch(texts):
+        tokens.extend(prefix)
+        tokens.extend(ids)
+        tokens.append(tokenizer.eos_id)
+        lengths.append(len(prefix) + len(ids) + 1)
+    return tokens.tobytes(), lengths
+
+
+def _chunks(documents, sizes: list[int]):
+    """Lists of documents of about _CHUNK_CHARACTERS each; appends each chunk's size to ``sizes``."""
+    chunk, characters = [], 0
+    for text in documents:
+        chunk.append(text)
+        characters += len(text)
+        if characters >= _CHUNK_CHARACTERS:
+            sizes.append(characters)
+            yield chunk
+            chunk, characters = [], 0
+    if chunk:
+        sizes.append(characters)
+        yield chunk
+
+
+# --------------------------------------------------------------------------- preparing
+
+
+def source_description(dataset: str, dataset_path: str | None, split: str) -> dict:
+    """What the manifest records as the source (paths absolute, so it says where the text was)."""
+    path = dataset_path
+    if path is not None and os.path.exists(path):
+        path = os.path.abspath(path)
+    return {"dataset": dataset, "dataset_path": path, "split": split}
+
+
+def _source_bytes(dataset: str, dataset_path: str | None, split: str) -> int | None:
+    """Bytes of the source files, for the progress bar's ETA; None when not known up front."""
+    if dataset == "python_stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        return sum(os.path.getsize(os.path.join(root, name)) for name in stdlib_split_files(split))
+    if dataset == "text" or (dataset == "c4_test" and dataset_path):
+        return sum(os.path.getsize(name) for name in _list_text_files(dataset_path))
+    return None
+
+
+def _progress_bar(total: int | None, enabled: bool):
+    if not enabled:
+        return None
+    from huggingface_hub.utils import tqdm  # the tqdm that huggingface_hub already brings
+
+    # disable=None: no bar when stderr is not a terminal (CI logs, batch jobs).
+    return tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=None, dynamic_ncols=True)
+
+
+def _check_output(output: str, source: dict, tokenizer) -> dict | None:
+    """The existing manifest when ``output`` already holds this very preparation; an error
+    when it holds anything else; None when the way is clear."""
+    manifest_path = os.path.join(output, MANIFEST)
+    if os.path.isfile(manifest_path):
+        with open(manifest_path, encoding="utf-8") as manifest_file:
+            manifest = json.load(manifest_file)
+        same = (manifest.get("version") == FORMAT_VERSION and manifest.get("source") == source
+                and manifest.get("tokenizer", {}).get("fingerprint") == tokenizer.fingerprint)
+        if same:
+            return manifest
+        raise ValueError(
+            f"--output {output}: already holds data prepared from {manifest.get('source')} with tokenizer "
+            f"{manifest.get('tokenizer', {}).get('fingerprint')}; choose another folder or delete it"
+        )
+    if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
+        raise ValueError(f"--output {output}: exists and is not a prepared folder; choose another path")
+    return None
+
+
+def _fresh_partial_folder(output: str) -> str:
+    partial = output.rstrip("/") + _PARTIAL_SUFFIX
+    if os.path.exists(partial):
+        if not os.path.isfile(os.path.join(partial, _PARTIAL_MARK)):
+            raise ValueError(f"--output {output}: {partial} exists and was not left by a prepare; move it away")
+        shutil.rmtree(partial)  # an interrupted earlier run: start it again from the beginning
+    os.makedirs(partial)
+    with open(os.path.join(partial, _PARTIAL_MARK), "w") as mark:
+        mark.write("an unfinished titanlite prepare; running it again deletes this folder\n")
+    return partial
+
+
+def prepare(
+    dataset: str,
+    dataset_path: str | None,
+    output: str,
+    hf_assets_path: str | None = None,
+    split: str = "train",
+    workers: int | None = None,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``dataset`` into the prepared folder ``output``; returns its manifest.
+
+    Running it again on a complete folder of the same source and tokenizer returns at once.
+    Errors are one-line ValueErrors naming the argument at fault.
+    """
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise ValueError(f"--workers: expected >= 1, got {workers}")
+    tokenizer = build_tokenizer(hf_assets_path)
+    if tokenizer.eos_id is None:
+        raise ValueError(f"--hf_assets_path {hf_assets_path}: the tokenizer has no EOS token, which packing needs")
+    source = source_description(dataset, dataset_path, split)
+    existing = _check_output(output, source, tokenizer)
+    if existing is not None:
+        return existing
+    documents = build_documents(dataset, dataset_path, split)()
+    partial = _fresh_partial_folder(output)
+    writer = PreparedWriter(partial, tokenizer.vocab_size, shard_tokens)
+    typecode = {"uint16": "H", "uint32": "I"}[token_dtype(tokenizer.vocab_size)]
+    bar = _progress_bar(_source_bytes(dataset, dataset_path, split), progress)
+    started = time.perf_counter()
+    chunk_sizes: list[int] = []
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, initializer=_start_worker, initargs=(hf_assets_path, typecode)) as pool:
+        in_flight: collections.deque = collections.deque()
+
+        def write_oldest() -> None:
+            token_bytes, lengths = in_flight.popleft().get()
+            tokens = array.array(typecode)
+            tokens.frombytes(token_bytes)
+            writer.add(tokens, lengths)
+            if bar is not None:
+                bar.update(chunk_sizes.pop(0))
+                elapsed = time.perf_counter() - started
+                bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
+
+        for chunk in _chunks(documents, chunk_sizes):
+            in_flight.append(pool.apply_async(_encode_chunk, (chunk,)))
+            if len(in_flight) >= workers * _TASKS_PER_WORKER:
+                write_oldest()
+        while in_flight:
+            write_oldest()
+    if bar is not None:
+        bar.close()
+    if writer.document_count == 0:
+        shutil.rmtree(partial)
+        raise ValueError(f"--dataset {dataset} {dataset_path or ''}: the source has no documents".replace("  ", " "))
+    manifest = writer.finish(tokenizer, source)
+    os.remove(os.path.join(partial, _PARTIAL_MARK))
+    if os.path.isdir(output):
+        os.rmdir(output)  # empty, as _check_output made sure
+    os.replace(partial, output)
+    fsync_path(os.path.dirname(os.path.abspath(output)))
+    return manifest
+
+
+# --------------------------------------------------------------------------- the built-in corpus
+
+
+def cached_stdlib(split: str, tokenizer, hf_assets_path: str | None, cache_folder: str) -> str:
+    """The built-in corpus prepared with the run's tokenizer, in ``cache_folder``; prepared on
+    first use. Concurrent callers (the ranks of one node) wait for the first one's work."""
+    root = sysconfig.get_paths()["stdlib"]
+    files = [(name, os.path.getsize(os.path.join(root, name))) for name in stdlib_split_files(split)]
+    key = hashlib.sha256(json.dumps(
+        [FORMAT_VERSION, split, root, sys.version_info[:3], files, tokenizer.fingerprint]
+    ).encode()).hexdigest()[:16]
+    cache_folder = os.path.expanduser(cache_folder)
+    folder = os.path.join(cache_folder, f"python_stdlib-{split}-{key}")
+    if os.path.isfile(os.path.join(folder, MANIFEST)):
+        return folder
+    os.makedirs(cache_folder, exist_ok=True)
+    with open(folder + ".lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        if not os.path.isfile(os.path.join(folder, MANIFEST)):
+            started = time.perf_counter()
+            logger.info("preparing the built-in corpus (python_stdlib %s) once, into %s", split, folder)
+            manifest = prepare("python_stdlib", None, folder, hf_assets_path, split, progress=False)
+            logger.info("prepared %d tokens in %.1f s", manifest["tokens"], time.perf_counter() - started)
+    return folder
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m titanlite.data.prepare",
+        description="Tokenize a dataset once into a prepared folder that training reads through memory maps.",
+    )
+    parser.add_argument("--dataset", choices=[name for name in DATASETS], default="text",
+                        help="the source, named as training.dataset names it (default: text)")
+    parser.add_argument("--dataset_path", help="file or folder (text, c4_test), dataset name or folder (huggingface)")
+    parser.add_argument("--split", default="train", help="split of python_stdlib, huggingface and c4 (default: train)")
+    parser.add_argument("--hf_assets_path", help="the run's model.hf_assets_path (tokenizer.json or its folder); "
+                        "unset: the byte tokenizer")
+    parser.add_argument("--output", required=True, help="the prepared folder to create")
+    parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
+    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
+                        help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        manifest = prepare(args.dataset, args.dataset_path, args.output, args.hf_assets_path, args.split,
+                           args.workers, args.shard_tokens)
+    except ValueError as error:
+        print(f"titanlite.data.prepare: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"titanlite.data.prepare: interrupted; {args.output} was not created", file=sys.stderr)
+        return 130
+    seconds = time.perf_counter() - started
+    print(f"{args.output}: {manifest['tokens']:,} tokens in {manifest['documents']:,} documents, "
+          f"{manifest['dtype']}, {len(manifest['files'])} files ({seconds:.1f} s, "
+          f"{manifest['tokens'] / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())

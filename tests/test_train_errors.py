@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.hf_folders import write_word_tokenizer
+from tests.prepared_data import make_documents, prepare_documents
 
 ERROR_PREFIX = "titanlite: config error:"
 # Keeps any run that wrongly gets past its check short instead of training for 10000 steps.
@@ -64,6 +65,59 @@ def _missing_text_path(folder: Path):
     return ["--training.dataset", "text", "--training.dataset_path", path], [re.escape(path)]
 
 
+def _prepared(folder: Path, name: str = "web", hf_assets_path: str | None = None) -> Path:
+    return prepare_documents(folder / name, make_documents(1, 200), shard_tokens=2000, hf_assets_path=hf_assets_path)
+
+
+def _train_on(spec) -> list[str]:
+    return ["--training.dataset", "prepared", "--training.dataset_path", str(spec)]
+
+
+def _prepared_shard_truncated(folder: Path):
+    data = _prepared(folder)
+    with open(data / "tokens-00001.bin", "r+b") as shard:
+        shard.truncate(10)
+    return _train_on(data), [re.escape(str(data)), "tokens-00001.bin", "truncated"]
+
+
+def _prepared_shard_corrupted(folder: Path):
+    data = _prepared(folder)
+    with open(data / "tokens-00000.bin", "r+b") as shard:
+        shard.seek(100)
+        byte = shard.read(1)
+        shard.seek(100)
+        shard.write(bytes([byte[0] ^ 1]))  # still a valid token id: only the checksum can tell
+    return _train_on(data), [re.escape(str(data)), "tokens-00000.bin", "checksum"]
+
+
+def _prepared_without_manifest(folder: Path):
+    data = _prepared(folder)
+    (data / "manifest.json").unlink()
+    return _train_on(data), [re.escape(str(data)), "manifest.json"]
+
+
+def _prepared_with_another_tokenizer(folder: Path):
+    write_word_tokenizer(folder / "word_tokenizer", n_words=30, specials=("<s>", "</s>"))
+    data = _prepared(folder, hf_assets_path=str(folder / "word_tokenizer"))
+    return _train_on(data), [re.escape(str(data)), "another tokenizer", "byte tokenizer"]
+
+
+def _prepare_interrupted(folder: Path):
+    data = _prepared(folder)
+    data.rename(folder / "web.partial")  # what a killed prepare leaves
+    return _train_on(data), [re.escape(str(data)), r"\.partial"]
+
+
+def _mixture_negative_weight(folder: Path):
+    web, code = _prepared(folder), _prepared(folder, "code")
+    return _train_on(f"{web}:0.5,{code}:-0.5"), ["training.dataset_path", "-0.5", re.escape(str(code))]
+
+
+def _mixture_missing_folder(folder: Path):
+    web, gone = _prepared(folder), folder / "gone"
+    return _train_on(f"{web}:0.5,{gone}:0.5"), [re.escape(str(gone)), "no such prepared folder"]
+
+
 def _text_folder_without_text_files(folder: Path):
     corpus = folder / "corpus"
     (corpus / "sub").mkdir(parents=True)
@@ -106,6 +160,15 @@ ERROR_CASES = [
     Case("tokenizer_without_eos", _tokenizer_without_eos),
     Case("text_dataset_missing_path", _missing_text_path),
     Case("text_dataset_folder_without_text_files", _text_folder_without_text_files),
+    Case("dataset_path_with_python_stdlib", _fixed(["--training.dataset_path", "/nonexistent"],
+                                                   ["training.dataset_path", "/nonexistent", "python_stdlib"])),
+    Case("prepared_shard_truncated", _prepared_shard_truncated),
+    Case("prepared_shard_corrupted", _prepared_shard_corrupted),
+    Case("prepared_without_manifest", _prepared_without_manifest),
+    Case("prepared_with_another_tokenizer", _prepared_with_another_tokenizer),
+    Case("prepare_interrupted", _prepare_interrupted),
+    Case("mixture_negative_weight", _mixture_negative_weight),
+    Case("mixture_missing_folder", _mixture_missing_folder),
 ]
 
 VALIDATE_ONLY_CASE = Case(

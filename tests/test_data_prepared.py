@@ -1,0 +1,460 @@
+"""Prepared data: the format, the global order (shuffle, mixture), the data-parallel split,
+read-ahead, exact resume at any layout, and the prepare command's guarantees.
+
+Every expectation is computed the slow, obvious way (documents framed and concatenated in a
+Python list) and compared with what the memory-mapped reader hands out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.hf_folders import write_word_tokenizer
+from tests.prepared_data import make_documents, prepare_documents, write_jsonl
+from titanlite.data import (
+    ByteTokenizer,
+    DataLoader,
+    PackedLoader,
+    PreparedFolder,
+    build_tokenizer,
+    open_windows,
+    parse_mixture,
+    prepare,
+    stream_warning,
+    verify_share,
+)
+from titanlite.data.build import open_prepared
+from titanlite.data.order import EpochPermutation, Mixture
+from titanlite.data.prepare import main as prepare_main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SEQ_LEN = 15  # windows of 16 tokens
+SHARD_TOKENS = 1000  # small, so that windows straddle shard files
+
+
+def framed_stream(documents: list[str], tokenizer=ByteTokenizer()) -> list[int]:
+    stream = []
+    for text in documents:
+        stream += [tokenizer.bos_id] + tokenizer.encode(text) + [tokenizer.eos_id]
+    return stream
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory) -> dict:
+    """Two prepared folders, "web" and "code", with their documents."""
+    root = tmp_path_factory.mktemp("prepared")
+    out = {}
+    for name, seed, count in (("web", 1, 300), ("code", 2, 120)):
+        documents = make_documents(seed, count)
+        out[name] = (prepare_documents(root / name, documents, SHARD_TOKENS), documents)
+    return out
+
+
+def windows_of(corpora, spec: str, shuffle: bool = True, seed: int = 0, seq_len: int = SEQ_LEN):
+    resolved = ",".join(
+        part.replace(name, str(corpora[name][0])) for part in spec.split(",") for name in (part.split(":")[0],)
+    )
+    return open_prepared(resolved, ByteTokenizer(), "the byte tokenizer", seq_len, shuffle, seed)
+
+
+def loaders(windows_factory, dp_degree: int, local_batch_size: int, prefetch: int = 0) -> list[DataLoader]:
+    return [DataLoader(windows_factory(), local_batch_size, rank, dp_degree, prefetch=prefetch)
+            for rank in range(dp_degree)]
+
+
+def global_batches(rank_loaders: list[DataLoader], steps: int, accumulation: int = 1) -> list[list[list[int]]]:
+    """Per optimizer step, the rows of every micro-batch of every rank, in window order."""
+    batches = []
+    for _ in range(steps):
+        rows = []
+        for _ in range(accumulation):
+            rows += [row for loader in rank_loaders for row in loader.next_batch()[0].tolist()]
+        batches.append(rows)
+    return batches
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def test_prepared_stream_is_the_framed_documents_and_their_starts(corpora):
+    folder_path, documents = corpora["web"]
+    folder = PreparedFolder(str(folder_path))
+    stream = framed_stream(documents)
+    assert (folder.tokens, folder.documents, folder.dtype) == (len(stream), len(documents), "uint16")
+    assert folder.shard_tokens == SHARD_TOKENS and len(folder.file_names) > 4  # several shards of each kind
+    everything = torch.empty(folder.tokens, dtype=torch.int64)
+    folder.copy_tokens(0, everything)
+    assert everything.tolist() == stream
+    lengths = [len(framed_stream([text])) for text in documents]
+    assert folder.document_starts(0, len(documents)) == [sum(lengths[:i]) for i in range(len(documents))]
+    manifest = folder.manifest
+    assert manifest["tokenizer"] == {"fingerprint": ByteTokenizer.fingerprint, "bos_id": 256, "eos_id": 257,
+                                     "vocab_size": 258}
+    assert manifest["source"]["dataset"] == "text"
+    assert verify_share(windows_of(corpora, "web"), 0, 1) is None
+
+
+def test_prepare_writes_the_same_bytes_for_one_and_two_workers(tmp_path):
+    documents = make_documents(5, 400)
+    one = prepare_documents(tmp_path / "one", documents, shard_tokens=3000, workers=1)
+    two = prepare_documents(tmp_path / "two", documents, shard_tokens=3000, workers=2)
+    names = sorted(os.listdir(one))
+    assert names == sorted(os.listdir(two)) and "manifest.json" in names and len(names) > 3
+    for name in names:
+        if name != "manifest.json":
+            assert (one / name).read_bytes() == (two / name).read_bytes(), name
+    # The manifests differ only in where the source text was.
+    manifests = [json.loads((folder / "manifest.json").read_text()) for folder in (one, two)]
+    for manifest in manifests:
+        manifest["source"].pop("dataset_path")
+    assert manifests[0] == manifests[1]
+
+
+def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):
+    vocab_size = write_word_tokenizer(tmp_path / "tokenizer", 70_000, specials=("<s>", "</s>"))
+    tokenizer = build_tokenizer(str(tmp_path / "tokenizer"))
+    documents = ["word1 word65535 word65536", "word69999 word0"]
+    folder = prepare_documents(tmp_path / "big", documents, hf_assets_path=str(tmp_path / "tokenizer"))
+    prepared = PreparedFolder(str(folder))
+    assert prepared.dtype == "uint32" and prepared.tokenizer_info["vocab_size"] == vocab_size
+    tokens = torch.empty(prepared.tokens, dtype=torch.int64)
+    prepared.copy_tokens(0, tokens)
+    assert tokens.tolist() == framed_stream(documents, tokenizer)
+    assert 69_999 in tokens.tolist()
+
+
+# --------------------------------------------------------------------------- the order
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 17, 64, 1000, 4097])
+def test_every_epoch_permutation_is_a_bijection(size):
+    permutation = EpochPermutation(size, seed=3, source=0, epoch=1)
+    assert sorted(permutation(index) for index in range(size)) == list(range(size))
+
+
+def test_shuffled_epochs_visit_every_window_once_in_a_seeded_order(corpora):
+    windows = windows_of(corpora, "web")
+    per_epoch = windows.windows_per_epoch[0]
+    starts = [windows.locate(index)[1] for index in range(3 * per_epoch)]
+    epochs = [starts[e * per_epoch : (e + 1) * per_epoch] for e in range(3)]
+    every_window = [index * (SEQ_LEN + 1) for index in range(per_epoch)]
+    for epoch in epochs:
+        assert sorted(epoch) == every_window  # exactly once each
+    assert epochs[0] != epochs[1] != epochs[2] and epochs[0] != every_window  # a new order every epoch
+    same_seed = windows_of(corpora, "web")
+    assert [same_seed.locate(index)[1] for index in range(3 * per_epoch)] == starts
+    other_seed = windows_of(corpora, "web", seed=1)
+    assert [other_seed.locate(index)[1] for index in range(per_epoch)] != epochs[0]
+    unshuffled = windows_of(corpora, "web", shuffle=False)
+    assert [unshuffled.locate(index)[1] for index in range(2 * per_epoch)] == every_window * 2
+
+
+def test_mixture_proportions_hold_in_every_prefix():
+    mixture = Mixture([Fraction(7, 10), Fraction(2, 10), Fraction(1, 10)])
+    counts = [0, 0, 0]
+    for index in range(20_000):
+        source, taken_before = mixture.locate(index)
+        assert taken_before == counts[source]  # each source's windows are taken in order
+        counts[source] += 1
+        for weight, count in zip(mixture.weights, counts):
+            assert abs(count - (index + 1) * weight) <= 2  # a window or two, at any step
+    assert mixture.counts(20_000) == counts == [14_000, 4_000, 2_000]
+
+
+def test_a_mixture_reads_each_folder_through_its_own_epochs(corpora):
+    windows = windows_of(corpora, "web:0.75,code:0.25")
+    sources = [windows.locate(index) for index in range(4000)]
+    code = [start for source, start in sources if source == 1]
+    assert len(code) == 1000
+    per_epoch = windows.windows_per_epoch[1]
+    first_epoch = code[:per_epoch]
+    assert sorted(first_epoch) == [index * (SEQ_LEN + 1) for index in range(per_epoch)]
+
+
+def test_parse_mixture_accepts_one_folder_or_weighted_folders():
+    assert parse_mixture("/data/web") == [("/data/web", Fraction(1))]
+    assert parse_mixture("/d/web:0.7, /d/code:0.3") == [("/d/web", Fraction(7, 10)), ("/d/code", Fraction(3, 10))]
+    for bad, words in (("/a:0.5,/b:-0.5", ["-0.5", "/b", "> 0"]), ("/a:0.5,/b:x", ["'x'", "/b"]),
+                       ("/a:1,/a:2", ["twice"]), ("/a:1,:2", ["':2'"])):
+        with pytest.raises(ValueError) as error:
+            parse_mixture(bad)
+        assert str(error.value).startswith("training.dataset_path")
+        for word in words:
+            assert word in str(error.value), (word, str(error.value))
+
+
+# --------------------------------------------------------------------------- the loader
+
+
+def test_global_batches_are_identical_at_every_layout_and_with_accumulation(corpora):
+    global_batch, steps = 12, 6
+
+    def factory():
+        return windows_of(corpora, "web:0.6,code:0.4")
+
+    reference = global_batches(loaders(factory, 1, global_batch), steps)
+    for dp_degree in (2, 3, 4):
+        assert global_batches(loaders(factory, dp_degree, global_batch // dp_degree), steps) == reference, dp_degree
+    # dp 2 with 3 micro-batches of 2 windows each per step.
+    assert global_batches(loaders(factory, 2, 2), steps, accumulation=3) == reference
+    # With read-ahead: the same batches.
+    ahead = loaders(factory, 3, 4, prefetch=3)
+    assert global_batches(ahead, steps) == reference
+    for loader in ahead:
+        loader.close()
+    # Rows are windows of the expected tokens: window 0 of the global order, straight from the stream.
+    source, start = factory().locate(0)
+    name = ("web", "code")[source]
+    assert reference[0][0] == framed_stream(corpora[name][1])[start : start + SEQ_LEN]
+
+
+@pytest.mark.parametrize("new_degree,new_batch,accumulation", [(2, 6, 1), (3, 4, 1), (2, 2, 3), (1, 12, 1)])
+def test_resume_at_another_layout_replays_the_same_global_batches(corpora, new_degree, new_batch, accumulation):
+    def factory():
+        return windows_of(corpora, "web:0.6,code:0.4")
+
+    saved_layout = loaders(factory, 4, 3, prefetch=2)
+    global_batches(saved_layout, steps=5)
+    states = [loader.state_dict() for loader in saved_layout]
+    assert all(state == states[0] for state in states)  # one layout-independent state
+    assert states[0]["windows_consumed"] == 60  # what was consumed, not what was read ahead
+    expected = global_batches(saved_layout, steps=4)
+    for loader in saved_layout:
+        loader.close()
+
+    resumed = loaders(factory, new_degree, new_batch, prefetch=1)
+    for loader in resumed:
+        loader.load_state_dict(states[0])
+    assert global_batches(resumed, steps=4, accumulation=accumulation) == expected
+
+
+def test_a_resume_far_into_training_reads_the_windows_found_by_arithmetic(corpora):
+    windows = windows_of(corpora, "web:0.6,code:0.4")
+    loader = DataLoader(windows, 2, 1, 4)
+    state = loader.state_dict()
+    far = 10**11 // (SEQ_LEN + 1)  # a position of 1e11 tokens: thousands of epochs in
+    loader.load_state_dict(state | {"windows_consumed": far})
+    inputs, labels = loader.next_batch()
+    for row, window in enumerate((far + 2, far + 3)):
+        source, start = windows.locate(window)
+        stream = framed_stream(corpora[("web", "code")[source]][1])
+        assert inputs[row].tolist() == stream[start : start + SEQ_LEN]
+        assert labels[row].tolist() == stream[start + 1 : start + SEQ_LEN + 1]
+
+
+def test_a_changed_dataset_is_named_unless_allowed(corpora):
+    def state_of(spec: str, **options) -> dict:
+        loader = DataLoader(windows_of(corpora, spec, **options), 2, 0, 1)
+        loader.next_batch()
+        return loader.state_dict()
+
+    saved = state_of("web:0.6,code:0.4")
+    changes = {
+        "data.seed": windows_of(corpora, "web:0.6,code:0.4", seed=5),
+        "data.shuffle": windows_of(corpora, "web:0.6,code:0.4", shuffle=False),
+        "training.dataset_path weights": windows_of(corpora, "web:0.5,code:0.5"),
+        "training.dataset_path:": windows_of(corpora, "web"),
+    }
+    for named, windows in changes.items():
+        with pytest.raises(ValueError, match=named) as error:
+            DataLoader(windows, 2, 0, 1).load_state_dict(saved)
+        assert "data.allow_changed_data" in str(error.value)
+    allowed = DataLoader(windows_of(corpora, "web:0.6,code:0.4", seed=5), 2, 0, 1, allow_changed_data=True)
+    allowed.load_state_dict(saved)
+    assert allowed.windows_consumed == 2
+
+
+def test_a_corrupted_token_id_fails_the_batch_not_the_embedding(corpora, tmp_path):
+    folder = tmp_path / "web"
+    folder.mkdir()
+    for name in os.listdir(corpora["web"][0]):
+        (folder / name).write_bytes((corpora["web"][0] / name).read_bytes())
+    with open(folder / "tokens-00000.bin", "r+b") as shard:
+        shard.write(b"\xff\xff" * 64)  # id 65535, far beyond the byte tokenizer's 258
+    windows = open_prepared(str(folder), ByteTokenizer(), "the byte tokenizer", SEQ_LEN, False, 0)
+    assert "tokens-00000.bin" in verify_share(windows, 0, 1) and "checksum" in verify_share(windows, 0, 1)
+    with pytest.raises(ValueError, match="65535.*vocabulary"):
+        DataLoader(windows, 2, 0, 1).next_batch()
+
+
+def test_the_ranks_share_the_checksum_work(corpora):
+    windows = windows_of(corpora, "web:1,code:1")
+    files = [name for folder in windows.folders for name in folder.file_names]
+    checked = []
+    for folder in windows.folders:
+        original = folder.verify_checksums
+        folder.verify_checksums = lambda names, original=original: checked.extend(names) or original(names)
+    for rank in range(3):
+        assert verify_share(windows, rank, 3) is None
+    assert sorted(checked) == sorted(files) and len(checked) == len(files)  # each file once over the ranks
+
+
+def test_read_ahead_errors_reach_the_training_thread():
+    def broken_documents():
+        yield "fine"
+        raise ValueError("corpus.jsonl:2: line is not valid JSON")
+
+    loader = DataLoader(PackedLoader(broken_documents, ByteTokenizer(), 8, 1, 0, 1).windows, 1, 0, 1, prefetch=2)
+    with pytest.raises(ValueError, match="corpus.jsonl:2"):
+        for _ in range(10):
+            loader.next_batch()
+    loader.close()
+
+
+# --------------------------------------------------------------------------- raw streams
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self):
+        self.encoded = 0
+
+    def encode(self, text: str) -> list[int]:
+        self.encoded += 1
+        return super().encode(text)
+
+
+def test_a_raw_stream_resumes_from_its_cursor_without_tokenizing_from_the_start():
+    documents = make_documents(9, 500)
+
+    def source():
+        return iter(documents)
+
+    original = PackedLoader(source, CountingTokenizer(), SEQ_LEN, 2, 1, 3)
+    for _ in range(300):
+        original.next_batch()
+    state = original.state_dict()
+    expected = [original.next_batch()[0] for _ in range(3)]
+
+    tokenizer = CountingTokenizer()
+    resumed = PackedLoader(source, tokenizer, SEQ_LEN, 2, 1, 3)
+    resumed.load_state_dict(state)
+    for expected_inputs in expected:
+        assert torch.equal(resumed.next_batch()[0], expected_inputs)
+    epoch, document, _ = json.loads(state["cursor"])
+    assert epoch * len(documents) + document > 150  # far into the data ...
+    assert tokenizer.encoded < 40  # ... yet only the documents around the position were tokenized
+
+
+def test_raw_stream_batches_match_after_a_resume():
+    documents = make_documents(9, 200)
+    original = PackedLoader(lambda: iter(documents), ByteTokenizer(), SEQ_LEN, 3, 0, 2)
+    for _ in range(50):
+        original.next_batch()
+    state = original.state_dict()
+    resumed = PackedLoader(lambda: iter(documents), ByteTokenizer(), SEQ_LEN, 6, 0, 1)  # another layout
+    resumed.load_state_dict(state)
+    rank1 = PackedLoader(lambda: iter(documents), ByteTokenizer(), SEQ_LEN, 3, 1, 2)
+    rank1.load_state_dict(state)
+    for _ in range(5):
+        assert torch.equal(resumed.next_batch()[0], torch.cat([original.next_batch()[0], rank1.next_batch()[0]]))
+
+
+def test_raw_streams_warn_at_large_dp_degrees_and_prepared_data_never(corpora, tmp_path):
+    text = write_jsonl(tmp_path / "corpus" / "a.jsonl", ["one document"])
+    stream = open_windows("text", str(text.parent), ByteTokenizer(), SEQ_LEN, hf_assets_path=None,
+                          shuffle=True, seed=0, cache_folder=str(tmp_path / "cache"))
+    assert stream_warning(stream, "text", 2) is None
+    warning = stream_warning(stream, "text", 8)
+    assert "8" in warning and "python -m titanlite.data.prepare" in warning and "\n" not in warning
+    assert stream_warning(windows_of(corpora, "web"), "prepared", 4096) is None
+
+
+# --------------------------------------------------------------------------- bad prepared folders
+
+
+def copy_of(folder: Path, destination: Path) -> Path:
+    destination.mkdir()
+    for name in os.listdir(folder):
+        (destination / name).write_bytes((folder / name).read_bytes())
+    return destination
+
+
+def test_bad_folders_are_one_line_naming_the_file(corpora, tmp_path):
+    web = corpora["web"][0]
+    truncated = copy_of(web, tmp_path / "truncated")
+    with open(truncated / "tokens-00002.bin", "r+b") as shard:
+        shard.truncate(100)
+    no_manifest = copy_of(web, tmp_path / "no_manifest")
+    (no_manifest / "manifest.json").unlink()
+    cases = {
+        str(truncated): ["tokens-00002.bin", "100 bytes", "expected 2000"],
+        str(no_manifest): ["manifest.json", "python -m titanlite.data.prepare"],
+        str(tmp_path / "nowhere"): ["nowhere", "no such prepared folder"],
+    }
+    for path, words in cases.items():
+        with pytest.raises(ValueError) as error:
+            open_prepared(path, ByteTokenizer(), "the byte tokenizer", SEQ_LEN, True, 0)
+        message = str(error.value)
+        assert message.startswith(f"training.dataset_path {path}:") and "\n" not in message
+        for word in words:
+            assert word in message, (word, message)
+
+
+def test_data_from_another_tokenizer_is_refused(corpora, tmp_path):
+    write_word_tokenizer(tmp_path / "tokenizer", 20, specials=("<s>", "</s>"))
+    words = build_tokenizer(str(tmp_path / "tokenizer"))
+    with pytest.raises(ValueError) as error:
+        open_prepared(str(corpora["web"][0]), words, f"model.hf_assets_path {tmp_path / 'tokenizer'}", SEQ_LEN, True, 0)
+    message = str(error.value)
+    assert "another tokenizer" in message and ByteTokenizer.fingerprint in message and words.fingerprint in message
+    assert "model.hf_assets_path" in message
+
+
+# --------------------------------------------------------------------------- the prepare command
+
+
+def test_prepare_refuses_a_folder_it_did_not_make_and_reruns_in_no_time(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "src" / "a.jsonl", make_documents(4, 50))
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "precious.txt").write_text("keep me")
+    assert prepare_main(["--dataset_path", str(source), "--output", str(occupied), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(occupied) in err[0] and "--output" in err[0]
+    assert (occupied / "precious.txt").read_text() == "keep me"
+
+    out = tmp_path / "out"
+    assert prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "1"]) == 0
+    before = {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)}
+    assert prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "2"]) == 0
+    assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before  # nothing rewritten
+
+
+def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):
+    documents = make_documents(6, 40_000, max_words=60)
+    source = write_jsonl(tmp_path / "src" / "big.jsonl", documents)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "titanlite.data.prepare", "--dataset_path", str(source), "--output", str(out),
+               "--workers", "1", "--shard_tokens", "20000"]
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    partial = Path(str(out) + ".partial")
+    deadline = time.monotonic() + 120
+    while not (partial / "tokens-00003.bin").exists():  # well into the work
+        assert process.poll() is None, "the prepare finished before it could be killed: make the source bigger"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signal.SIGKILL)  # the command and its workers
+    process.wait()
+    assert not out.exists()
+    with pytest.raises(ValueError, match=r"no such prepared folder \(an unfinished prepare left it as \.partial"):
+        PreparedFolder(str(out))
+
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=300)
+    assert not partial.exists()
+    folder = PreparedFolder(str(out))
+    assert folder.verify_checksums() is None and folder.documents == len(documents)
+    clean = prepare_documents(tmp_path / "clean", documents, shard_tokens=20000)
+    for name in folder.file_names:
+        assert (out / name).read_bytes() == (clean / name).read_bytes(), name

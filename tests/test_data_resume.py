@@ -1,0 +1,86 @@
+"""A run on a shuffled mixture of prepared folders, stopped at 4 ranks and resumed at 2 and at
+3, trains on exactly the same token ids and matches the uninterrupted run's losses.
+
+The uninterrupted run is the 4-rank run itself: it trains 6 steps and saves after step 3. Its
+step-3 checkpoint is copied into new dump folders and resumed on 2 ranks (local batch 6) and
+on 3 ranks (local batch 4), so every global batch is 12 windows of 32 + 1 tokens whatever the
+layout. The model is tiny and float32, so losses agree to within 1e-5 (FSDP sums gradients in
+another order at each world size). The ranks are built with the checkpoint-resume tests'
+Session, whose base arguments ARGS overrides where they differ.
+"""
+
+import pytest
+import torch
+
+from tests.multiprocess import run_on_ranks
+from tests.prepared_data import make_documents, prepare_documents
+from tests.test_checkpoint_resume import Session, copy_checkpoint, free_ports, record_batches
+
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 12
+ARGS = [
+    "--model.flavor", "tiny",
+    "--training.seq_len", "32",
+    f"--training.steps={STEPS}",
+    f"--training.global_batch_size={GLOBAL_BATCH}",
+    "--training.mixed_precision_param", "float32",
+    "--optimizer.lr", "3e-3",
+    "--lr_scheduler.warmup_steps", "2",
+    "--activation_checkpoint.mode", "none",
+    "--metrics.log_freq", "1",
+    "--checkpoint.enable",
+    f"--checkpoint.interval={SAVE_AT}",
+    "--comm.init_timeout_seconds", "120",
+    "--training.dataset", "prepared",
+    "--data.seed", "7",
+]  # fmt: skip
+
+
+def train(dump: str, ports: list[int], dataset_path: str, world_size: int) -> dict:
+    session = Session(ports)
+    trainer = session.trainer(ARGS, f"--training.dataset_path={dataset_path}", f"--job.dump_folder={dump}",
+                              f"--training.local_batch_size={GLOBAL_BATCH // world_size}")
+    first_step = trainer.step
+    batches = record_batches(trainer)
+    records = trainer.train()
+    session.end()
+    return {"first_step": first_step, "loss": {r.step: r.loss for r in records}, "batches": batches}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data_resume")
+    web = prepare_documents(root / "web", make_documents(1, 400), shard_tokens=5000)
+    code = prepare_documents(root / "code", make_documents(2, 150), shard_tokens=5000)
+    mixture = f"{web}:0.7,{code}:0.3"
+    out = {4: run_on_ranks(4, train, str(root / "four"), free_ports(2), mixture, 4)}
+    step_folder = root / "four" / "checkpoint" / f"step-{SAVE_AT}"
+    for world_size in (2, 3):
+        dump = copy_checkpoint(str(step_folder), str(root / f"resumed_on_{world_size}"))
+        out[world_size] = run_on_ranks(world_size, train, dump, free_ports(2), mixture, world_size)
+    return out
+
+
+def global_batch(ranks: list[dict], step: int) -> list[tuple]:
+    """The step's windows in global order: rank 0's rows, then rank 1's, ..."""
+    return [row for rank in ranks for row in rank["batches"][step]]
+
+
+def test_the_uninterrupted_run_trains_on_new_windows_every_step(runs):
+    straight = runs[4]
+    assert straight[0]["first_step"] == 0
+    batches = [global_batch(straight, step) for step in range(1, STEPS + 1)]
+    assert all(len(batch) == GLOBAL_BATCH for batch in batches)
+    assert len({row for batch in batches for row in batch}) == STEPS * GLOBAL_BATCH
+    assert len(set(straight[0]["loss"].values())) == STEPS
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resume_at_another_world_size_replays_the_same_token_ids_and_losses(runs, world_size):
+    straight, resumed = runs[4], runs[world_size]
+    assert all(rank["first_step"] == SAVE_AT for rank in resumed)
+    for step in range(SAVE_AT + 1, STEPS + 1):
+        assert global_batch(resumed, step) == global_batch(straight, step), f"step {step}"
+    steps = list(range(SAVE_AT + 1, STEPS + 1))
+    assert sorted(resumed[0]["loss"]) == steps
+    torch.testing.assert_close(torch.tensor([resumed[0]["loss"][s] for s in steps]),
+                               torch.tensor([straight[0]["loss"][s] for s in steps]), rtol=1e-5, atol=0)

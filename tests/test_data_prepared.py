@@ -274,6 +274,16 @@ def test_a_changed_dataset_is_named_unless_allowed(corpora):
     assert allowed.windows_consumed == 2
 
 
+def test_the_same_data_in_another_place_resumes(corpora, tmp_path):
+    loader = DataLoader(windows_of(corpora, "web"), 2, 0, 1)
+    loader.next_batch()
+    expected = loader.next_batch()[0]
+    moved = copy_of(corpora["web"][0], tmp_path / "moved")  # e.g. another mount point
+    resumed = DataLoader(open_prepared(str(moved), ByteTokenizer(), "the byte tokenizer", SEQ_LEN, True, 0), 2, 0, 1)
+    resumed.load_state_dict(loader.state_dict() | {"windows_consumed": 2})
+    assert torch.equal(resumed.next_batch()[0], expected)
+
+
 def test_a_corrupted_token_id_fails_the_batch_not_the_embedding(corpora, tmp_path):
     folder = tmp_path / "web"
     folder.mkdir()

@@ -216,8 +216,9 @@ class PackedLoader(DataLoader):
 
 
 def describe_change(saved: dict | None, current: dict) -> str | None:
-    """One phrase naming what differs between the data a checkpoint was trained on and this run's."""
-    if saved == current:
+    """One phrase naming what differs between the data a checkpoint was trained on and this run's.
+    Prepared folders are the same data wherever they now live: their manifests say what they hold."""
+    if saved is not None and _identity(saved) == _identity(current):
         return None
     if saved is None:
         return "the checkpoint does not say which data it was trained on"
@@ -235,6 +236,13 @@ def describe_change(saved: dict | None, current: dict) -> str | None:
         return (f"model.hf_assets_path: the checkpoint was trained with tokenizer {saved.get('tokenizer')}, "
                 f"this run's is {current.get('tokenizer')}")
     return f"the checkpoint was trained on {_what(saved)}, this run reads {_what(current)}"
+
+
+def _identity(description: dict) -> dict:
+    if description.get("kind") != "prepared":
+        return description
+    sources = [source["manifest_sha256"] for source in description.get("sources", [])]
+    return {**description, "sources": sources}
 
 
 def _what(description: dict) -> str:

@@ -118,6 +118,9 @@ class DataLoader:
         self.local_batch_size = local_batch_size
         self.dp_rank, self.dp_degree = dp_rank, dp_degree
         self.prefetch, self.pin_memory = prefetch, pin_memory
+        # The read-ahead thread pins on this rank's GPU: a new thread's current device is
+        # GPU 0, where pinning would otherwise make a context for every rank of the node.
+        self._cuda_device = torch.cuda.current_device() if pin_memory else None
         self.allow_changed_data = allow_changed_data
         self.windows_consumed = 0  # by the whole data-parallel group, so independent of the layout
         self._cursor = START  # raw streams: a document at or before windows_consumed
@@ -138,7 +141,7 @@ class DataLoader:
         else:
             if self._reader is None:
                 self._reader = _ReadAhead(self._read, self.windows_consumed,
-                                          self.local_batch_size * self.dp_degree, self.prefetch)
+                                          self.local_batch_size * self.dp_degree, self.prefetch, self._cuda_device)
             batch = self._reader.get()
         position, inputs, labels, cursor = batch
         assert position == self.windows_consumed, (position, self.windows_consumed)
@@ -256,14 +259,16 @@ def _what(description: dict) -> str:
 class _ReadAhead:
     """A daemon thread that calls ``read(position)`` for successive positions into a bounded queue."""
 
-    def __init__(self, read, first_position: int, stride: int, depth: int):
+    def __init__(self, read, first_position: int, stride: int, depth: int, cuda_device: int | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(read, first_position, stride),
+        self._thread = threading.Thread(target=self._run, args=(read, first_position, stride, cuda_device),
                                         name="titanlite-data", daemon=True)
         self._thread.start()
 
-    def _run(self, read, position: int, stride: int) -> None:
+    def _run(self, read, position: int, stride: int, cuda_device: int | None) -> None:
+        if cuda_device is not None:
+            torch.cuda.set_device(cuda_device)
         while not self._stopping.is_set():
             try:
                 item = ("batch", read(position))

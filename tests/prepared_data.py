@@ -4,7 +4,7 @@ import json
 import random
 from pathlib import Path
 
-from titanlite.data import prepare
+from titanlite.data.prepare import prepare
 
 WORDS = ("alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu")
 

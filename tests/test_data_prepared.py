@@ -29,13 +29,13 @@ from titanlite.data import (
     build_tokenizer,
     open_windows,
     parse_mixture,
-    prepare,
     stream_warning,
     verify_share,
 )
 from titanlite.data.build import open_prepared
 from titanlite.data.order import EpochPermutation, Mixture
 from titanlite.data.prepare import main as prepare_main
+from titanlite.data.prepare import prepare
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN = 15  # windows of 16 tokens
@@ -436,8 +436,15 @@ def test_prepare_refuses_a_folder_it_did_not_make_and_reruns_in_no_time(tmp_path
     out = tmp_path / "out"
     assert prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "1"]) == 0
     before = {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)}
+    capsys.readouterr()
     assert prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "2"]) == 0
     assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before  # nothing rewritten
+    assert "already prepared" in capsys.readouterr().out
+    # The source grew since: the old folder is not handed out as if it held it.
+    write_jsonl(source, make_documents(4, 51))
+    assert prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "files have changed" in err[0] and str(out) in err[0]
 
 
 def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):

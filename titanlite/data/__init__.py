@@ -1,12 +1,13 @@
 """The data room: tokenizers, document sources, prepared (tokenized-once) data, the global
 window order, and the data-parallel loader that reads ahead and resumes anywhere.
 
-It takes plain arguments and imports nothing else from titanlite.
+It takes plain arguments and imports nothing else from titanlite. The prepare command lives in
+``titanlite.data.prepare``, which the package does not import, so that
+``python -m titanlite.data.prepare`` runs it as a fresh module.
 """
 
 from .build import open_windows, parse_mixture, stream_warning, verify_share
 from .loader import DataLoader, PackedLoader, PreparedWindows
-from .prepare import prepare
 from .prepared import PreparedFolder
 from .sources import build_documents
 from .stream import StreamWindows
@@ -23,5 +24,5 @@ def build_loader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "build_tokenizer", "tokenizer_file", "build_documents", "DataLoader",
     "PackedLoader", "PreparedWindows", "PreparedFolder", "StreamWindows", "build_loader", "open_windows",
-    "parse_mixture", "prepare", "stream_warning", "verify_share",
+    "parse_mixture", "stream_warning", "verify_share",
 ]

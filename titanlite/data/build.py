@@ -15,7 +15,6 @@ import os
 from fractions import Fraction
 
 from .loader import PreparedWindows
-from .prepare import cached_stdlib
 from .prepared import PreparedFolder
 from .sources import build_documents
 from .stream import StreamWindows
@@ -68,6 +67,8 @@ def open_windows(dataset: str, dataset_path: str | None, tokenizer, seq_len: int
             raise ValueError("training.dataset_path: the prepared folder (or FOLDER:WEIGHT,... mixture) is required")
         return open_prepared(dataset_path, tokenizer, tokenizer_label, seq_len, shuffle, seed)
     if dataset == "python_stdlib":
+        from .prepare import cached_stdlib  # here, not at the top: see the package docstring
+
         folder = cached_stdlib(split, tokenizer, hf_assets_path, cache_folder)
         return open_prepared(folder, tokenizer, tokenizer_label, seq_len, shuffle, seed, key="data.cache_folder")
     documents = build_documents(dataset, dataset_path, split)

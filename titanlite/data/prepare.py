@@ -87,22 +87,33 @@ def _chunks(documents, sizes: list[int]):
 # --------------------------------------------------------------------------- preparing
 
 
+def _source_files(dataset: str, dataset_path: str | None, split: str) -> list[tuple[str, str]] | None:
+    """(name relative to the source, full path) of every file a file-based source reads; None for
+    sources that are not files (the Hub)."""
+    if dataset == "python_stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        return [(name, os.path.join(root, name)) for name in stdlib_split_files(split)]
+    if dataset in ("text", "c4_test") and dataset_path:
+        if os.path.isfile(dataset_path):
+            return [(os.path.basename(dataset_path), dataset_path)]
+        return [(os.path.relpath(name, dataset_path), name) for name in _list_text_files(dataset_path)]
+    return None
+
+
 def source_description(dataset: str, dataset_path: str | None, split: str) -> dict:
-    """What the manifest records as the source (paths absolute, so it says where the text was)."""
+    """What the manifest records as the source: where it was (absolute) and, for files, their
+    count, bytes and a hash of their names and sizes, so that a rerun notices changed files."""
     path = dataset_path
     if path is not None and os.path.exists(path):
         path = os.path.abspath(path)
-    return {"dataset": dataset, "dataset_path": path, "split": split}
-
-
-def _source_bytes(dataset: str, dataset_path: str | None, split: str) -> int | None:
-    """Bytes of the source files, for the progress bar's ETA; None when not known up front."""
-    if dataset == "python_stdlib":
-        root = sysconfig.get_paths()["stdlib"]
-        return sum(os.path.getsize(os.path.join(root, name)) for name in stdlib_split_files(split))
-    if dataset == "text" or (dataset == "c4_test" and dataset_path):
-        return sum(os.path.getsize(name) for name in _list_text_files(dataset_path))
-    return None
+    description = {"dataset": dataset, "dataset_path": path, "split": split}
+    files = _source_files(dataset, dataset_path, split)
+    if files is not None:
+        listing = [(name.replace(os.sep, "/"), os.path.getsize(full)) for name, full in files]
+        description["files"] = len(listing)
+        description["bytes"] = sum(size for _, size in listing)
+        description["listing_sha256"] = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    return description
 
 
 def _progress_bar(total: int | None, enabled: bool):
@@ -125,10 +136,12 @@ def _check_output(output: str, source: dict, tokenizer) -> dict | None:
                 and manifest.get("tokenizer", {}).get("fingerprint") == tokenizer.fingerprint)
         if same:
             return manifest
-        raise ValueError(
-            f"--output {output}: already holds data prepared from {manifest.get('source')} with tokenizer "
-            f"{manifest.get('tokenizer', {}).get('fingerprint')}; choose another folder or delete it"
-        )
+        saved = manifest.get("source", {})
+        what = "another tokenizer" if saved == source else (
+            "the same source, whose files have changed since" if saved.get("dataset_path") == source["dataset_path"]
+            else f"another source ({saved.get('dataset')} {saved.get('dataset_path') or ''})".replace(" )", ")"))
+        raise ValueError(f"--output {output}: already holds data prepared from {what}; "
+                         "choose another folder or delete it")
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ValueError(f"--output {output}: exists and is not a prepared folder; choose another path")
     return None
@@ -175,7 +188,7 @@ def prepare(
     partial = _fresh_partial_folder(output)
     writer = PreparedWriter(partial, tokenizer.vocab_size, shard_tokens)
     typecode = {"uint16": "H", "uint32": "I"}[token_dtype(tokenizer.vocab_size)]
-    bar = _progress_bar(_source_bytes(dataset, dataset_path, split), progress)
+    bar = _progress_bar(source.get("bytes"), progress)
     started = time.perf_counter()
     chunk_sizes: list[int] = []
     context = multiprocessing.get_context("fork")
@@ -258,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    already_there = os.path.isfile(os.path.join(args.output, MANIFEST))
     try:
         manifest = prepare(args.dataset, args.dataset_path, args.output, args.hf_assets_path, args.split,
                            args.workers, args.shard_tokens)
@@ -267,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"titanlite.data.prepare: interrupted; {args.output} was not created", file=sys.stderr)
         return 130
+    if already_there:
+        print(f"{args.output}: already prepared from this source with this tokenizer "
+              f"({manifest['tokens']:,} tokens in {manifest['documents']:,} documents); nothing to do")
+        return 0
     seconds = time.perf_counter() - started
     print(f"{args.output}: {manifest['tokens']:,} tokens in {manifest['documents']:,} documents, "
           f"{manifest['dtype']}, {len(manifest['files'])} files ({seconds:.1f} s, "

@@ -1,12 +1,19 @@
-"""How long a resume takes to find its place in the data, against how far training got.
+"""How long a raw stream takes to find its place in the data when a resume has no document
+cursor, against how far training got.
 
     python benchmarks/resume_seek.py                  # about a minute
     python benchmarks/resume_seek.py --tokens 5000000 # quicker, noisier
 
-The loader's checkpointed state is a count of windows, so a resumed run finds its place
-by reading and tokenizing the token stream from its start up to that count (every rank
-does so at the same time). This script loads such a state into a loader (one rank,
-windows of 2048 tokens) and times its first batch, which pays that fast-forward over
+A raw stream (a dataset tokenized as it is read, not prepared) finds window k by tokenizing
+the stream up to it. The loader's checkpointed state carries a document cursor (epoch,
+document, stream position), so a resume normally skips the earlier documents without
+tokenizing them. Without a usable cursor every rank tokenizes the stream from its start up
+to the saved position: the cursor is dropped when a checkpoint of other or undescribed data
+is loaded with data.allow_changed_data, and a state whose cursor is at the start has none.
+This script measures that cost: it takes a real `state_dict()` from a fresh loader (so its
+data description matches and the load is accepted), sets its `windows_consumed` to
+`--tokens` tokens and leaves its cursor at the start, loads it into a new loader (one rank,
+windows of 2048 tokens) and times the first batch, which pays the fast-forward over
 `--tokens` tokens of the default dataset (python_stdlib), with two tokenizers:
 
   byte   titanlite's byte tokenizer (the debug model's)
@@ -14,8 +21,13 @@ windows of 2048 tokens) and times its first batch, which pays that fast-forward 
          300 documents with the `tokenizers` library, as a stand-in for a real subword
          tokenizer (nothing is downloaded)
 
-For each it prints the tokens per second of the fast-forward and the hours a resume would
-spend on it after 1e11 tokens of training (a week on a mid-sized cluster). The last line is
+This is the raw stream's cost without a saved document cursor. Prepared data
+(`python -m titanlite.data.prepare`, training.dataset = "prepared") seeks in O(1): any
+window is found by arithmetic; benchmarks/data_loader.py measures that seek at 1e11 tokens.
+
+For each tokenizer it prints the tokens per second of the fast-forward and the hours a
+resume would spend on it after 1e11 tokens of training (a week on a mid-sized cluster).
+The last line is
 
     bpe fast-forward: X.XX M tokens/s, N h to resume after 1e11 tokens
 """
@@ -51,9 +63,12 @@ def train_bpe(documents, folder: Path) -> HFTokenizer:
 
 def fast_forward_seconds(documents, tokenizer, tokens: int) -> float:
     """Seconds from loading a checkpointed loader state `tokens` into the stream to the
-    first batch after it, on one rank: what a resume pays before its first step."""
+    first batch after it, on one rank: what a resume without a document cursor pays before
+    its first step."""
+    state = PackedLoader(documents, tokenizer, SEQ_LEN, local_batch_size=1, dp_rank=0, dp_degree=1).state_dict()
+    state["windows_consumed"] = tokens // (SEQ_LEN + 1)  # the cursor stays at the start: no skipping
     loader = PackedLoader(documents, tokenizer, SEQ_LEN, local_batch_size=1, dp_rank=0, dp_degree=1)
-    loader.load_state_dict({"windows_consumed": tokens // (SEQ_LEN + 1), "seq_len": SEQ_LEN})
+    loader.load_state_dict(state)
     start = time.perf_counter()
     loader.next_batch()
     return time.perf_counter() - start

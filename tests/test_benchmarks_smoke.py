@@ -66,3 +66,15 @@ def test_resume_seek_prints_both_tokenizers_and_the_bpe_line():
     lines = _run("resume_seek.py", "--tokens", "200000")
     assert any(line.startswith("| byte |") for line in lines) and any(line.startswith("| bpe |") for line in lines)
     assert lines[-1].startswith("bpe fast-forward: ") and lines[-1].endswith(" h to resume after 1e11 tokens"), lines
+
+
+def test_data_loader_quick_prints_the_table_and_both_key_lines():
+    lines = _run("data_loader.py", "--quick")
+    for degree in (1, 8, 64, 512, 4096):
+        assert any(line.startswith(f"| loader tokens/s, rank 0 of dp {degree} |") for line in lines), lines
+    assert any(line.startswith("| BPE 8k: prepare / baseline |") for line in lines), lines
+    ratio_line, seek_line = lines[-2:]
+    assert ratio_line.startswith("loader tokens/s dp4096/dp1 = ") and ratio_line.endswith(" (target >= 0.9)"), lines
+    assert seek_line.startswith("resume seek at 1e11 tokens = ") and seek_line.endswith(" ms (target <= 10)"), lines
+    float(ratio_line.split(" = ")[1].split()[0])
+    float(seek_line.split(" = ")[1].split()[0])

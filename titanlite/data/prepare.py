@@ -69,19 +69,17 @@ def _encode_chunk(texts: list[str]) -> tuple[bytes, list[int]]:
     return tokens.tobytes(), lengths
 
 
-def _chunks(documents, sizes: list[int]):
-    """Lists of documents of about _CHUNK_CHARACTERS each; appends each chunk's size to ``sizes``."""
+def _chunks(documents):
+    """(documents, their characters): lists of documents of about _CHUNK_CHARACTERS each."""
     chunk, characters = [], 0
     for text in documents:
         chunk.append(text)
         characters += len(text)
         if characters >= _CHUNK_CHARACTERS:
-            sizes.append(characters)
-            yield chunk
+            yield chunk, characters
             chunk, characters = [], 0
     if chunk:
-        sizes.append(characters)
-        yield chunk
+        yield chunk, characters
 
 
 # --------------------------------------------------------------------------- preparing
@@ -190,23 +188,23 @@ def prepare(
     typecode = {"uint16": "H", "uint32": "I"}[token_dtype(tokenizer.vocab_size)]
     bar = _progress_bar(source.get("bytes"), progress)
     started = time.perf_counter()
-    chunk_sizes: list[int] = []
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=_start_worker, initargs=(hf_assets_path, typecode)) as pool:
-        in_flight: collections.deque = collections.deque()
+        in_flight: collections.deque = collections.deque()  # (characters, pending result), in order
 
         def write_oldest() -> None:
-            token_bytes, lengths = in_flight.popleft().get()
+            characters, pending = in_flight.popleft()
+            token_bytes, lengths = pending.get()
             tokens = array.array(typecode)
             tokens.frombytes(token_bytes)
             writer.add(tokens, lengths)
             if bar is not None:
-                bar.update(chunk_sizes.pop(0))
+                bar.update(characters)
                 elapsed = time.perf_counter() - started
                 bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
 
-        for chunk in _chunks(documents, chunk_sizes):
-            in_flight.append(pool.apply_async(_encode_chunk, (chunk,)))
+        for chunk, characters in _chunks(documents):
+            in_flight.append((characters, pool.apply_async(_encode_chunk, (chunk,))))
             if len(in_flight) >= workers * _TASKS_PER_WORKER:
                 write_oldest()
         while in_flight:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from fractions import Fraction
 from pathlib import Path
 
@@ -118,6 +119,28 @@ def test_prepare_writes_the_same_bytes_for_one_and_two_workers(tmp_path):
     for manifest in manifests:
         manifest["source"].pop("dataset_path")
     assert manifests[0] == manifests[1]
+
+
+def test_prepare_reads_torchtitans_c4_test_layout_and_hugging_face_datasets(tmp_path, monkeypatch):
+    records = [{"text": text, "url": "https://example.com", "timestamp": "2019"} for text in make_documents(3, 30)]
+    c4_test = tmp_path / "c4_test"
+    c4_test.mkdir()
+    (c4_test / "c4_sample.json").write_text("".join(json.dumps(record) + "\n" for record in records))
+    prepare("c4_test", str(c4_test), str(tmp_path / "from_c4_test"), workers=1, progress=False)
+
+    def load_dataset(path, name, split, streaming):  # a local dataset, as datasets would stream it
+        assert (path, split, streaming) == (str(tmp_path / "hf_dataset"), "train", True)
+        return iter(records)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    prepare("huggingface", str(tmp_path / "hf_dataset"), str(tmp_path / "from_hf"), workers=2, progress=False)
+    expected = framed_stream([record["text"] for record in records])
+    for name in ("from_c4_test", "from_hf"):
+        folder = PreparedFolder(str(tmp_path / name))
+        tokens = torch.empty(folder.tokens, dtype=torch.int64)
+        folder.copy_tokens(0, tokens)
+        assert tokens.tolist() == expected, name
+    assert PreparedFolder(str(tmp_path / "from_hf")).manifest["source"]["dataset"] == "huggingface"
 
 
 def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path):

@@ -156,9 +156,13 @@ def _fresh_partial_folder(output: str) -> str:
         if not os.path.isfile(os.path.join(partial, _PARTIAL_MARK)):
             raise ValueError(f"--output {output}: {partial} exists and was not left by a prepare; move it away")
         shutil.rmtree(partial)  # an interrupted earlier run: start it again from the beginning
-    os.makedirs(partial)
-    with open(os.path.join(partial, _PARTIAL_MARK), "w") as mark:
+    # Made with its mark under another name and renamed: a .partial folder always has the mark,
+    # so a prepare killed at any moment never leaves one that a rerun must refuse to delete.
+    staging = f"{partial}.{os.getpid()}"
+    os.makedirs(staging)
+    with open(os.path.join(staging, _PARTIAL_MARK), "w") as mark:
         mark.write("an unfinished titanlite prepare; running it again deletes this folder\n")
+    os.replace(staging, partial)
     return partial
 
 

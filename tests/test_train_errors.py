@@ -5,7 +5,9 @@ status 2 and a single ``titanlite: config error: ...`` line on stderr that names
 offending key, path or value, before it writes anything. The parser's own checks are
 covered in test_config.py. Starting Python with torch costs seconds, so one
 module-scoped fixture runs every case (two at a time, one per core) and the tests
-check the outcomes afterwards.
+check the outcomes afterwards. Bad training data found before any process group exists
+(truncated or manifest-less folders, another tokenizer, bad mixtures) goes through
+``main()`` in this process instead, with the same checks.
 """
 
 import os
@@ -20,6 +22,7 @@ import pytest
 
 from tests.hf_folders import write_word_tokenizer
 from tests.prepared_data import make_documents, prepare_documents
+from titanlite.train import main
 
 ERROR_PREFIX = "titanlite: config error:"
 # Keeps any run that wrongly gets past its check short instead of training for 10000 steps.
@@ -160,10 +163,17 @@ ERROR_CASES = [
     Case("tokenizer_without_eos", _tokenizer_without_eos),
     Case("text_dataset_missing_path", _missing_text_path),
     Case("text_dataset_folder_without_text_files", _text_folder_without_text_files),
+    # The one bad-data case that needs every step of start-up: the checksums are checked
+    # after the process group would be made. The others follow, checked in this process.
+    Case("prepared_shard_corrupted", _prepared_shard_corrupted),
+]
+
+# Bad training data, found before any process group or file exists: run through main() in
+# this process (a second each instead of a Python start), with the same checks.
+DATA_ERROR_CASES = [
     Case("dataset_path_with_python_stdlib", _fixed(["--training.dataset_path", "/nonexistent"],
                                                    ["training.dataset_path", "/nonexistent", "python_stdlib"])),
     Case("prepared_shard_truncated", _prepared_shard_truncated),
-    Case("prepared_shard_corrupted", _prepared_shard_corrupted),
     Case("prepared_without_manifest", _prepared_without_manifest),
     Case("prepared_with_another_tokenizer", _prepared_with_another_tokenizer),
     Case("prepare_interrupted", _prepare_interrupted),
@@ -235,6 +245,25 @@ def test_trainer_reports_one_config_error_line(outcomes, name):
         assert re.search(pattern, line), f"{pattern!r} not in: {line}"
     assert not outcome.dump_folder.exists()
     assert outcome.files_after == outcome.files_before  # nothing written anywhere in the run's folder
+
+
+@pytest.mark.parametrize("case", DATA_ERROR_CASES, ids=[case.name for case in DATA_ERROR_CASES])
+def test_bad_training_data_is_one_config_error_line(case, tmp_path, capsys, monkeypatch):
+    for key in DISTRIBUTED_ENV:
+        monkeypatch.delenv(key, raising=False)
+    folder = tmp_path / case.name
+    folder.mkdir()
+    args, must_name = case.setup(folder)
+    before = _listing(folder)
+    capsys.readouterr()
+    status = main(["--job.dump_folder", str(folder / "dump")] + SMALL_RUN + args)
+    out, err = capsys.readouterr()
+    assert status == 2 and "Traceback" not in out + err, (status, out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), err
+    for pattern in must_name:
+        assert re.search(pattern, lines[0]), f"{pattern!r} not in: {lines[0]}"
+    assert _listing(folder) == before  # nothing written anywhere in the run's folder
 
 
 def test_validate_only_accepts_hsdp_and_writes_nothing(outcomes):

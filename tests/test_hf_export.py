@@ -23,6 +23,7 @@ from titanlite.checkpoint.hf import _titanlite_names
 from titanlite.data.tokenizer import HFTokenizer
 from titanlite.models.llama import LlamaArgs, Transformer
 from tests.multiprocess import TINY
+from tests.prepared_data import make_documents, write_jsonl
 from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +96,12 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_with_tokenizer(tokenizer_dir, tmp_path_factory):
-    return train_tiny(tmp_path_factory.mktemp("run"), ["--model.hf_assets_path", str(tokenizer_dir)])
+    # A small raw corpus: the default python_stdlib would first be prepared whole with this
+    # tokenizer (tens of seconds on a new machine) for a run that reads a few windows.
+    corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", make_documents(7, 200))
+    return train_tiny(tmp_path_factory.mktemp("run"), ["--model.hf_assets_path", str(tokenizer_dir),
+                                                       "--training.dataset", "text",
+                                                       "--training.dataset_path", str(corpus)])
 
 
 def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, tmp_path):

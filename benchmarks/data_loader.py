@@ -130,6 +130,7 @@ def seek_seconds(paths: list[Path], weights: tuple[Fraction, ...], batch: int,
         inputs, _ = loader.next_batch()
         done = time.perf_counter()
         assert inputs.shape == (batch, SEQ_LEN) and loader.windows_consumed == state["windows_consumed"] + batch
+        loader.close()  # no read-ahead thread left running into the timings (and forks) that follow
         opens.append(opened - start)
         seeks.append(done - opened)
     return opens, seeks

@@ -7,6 +7,7 @@ Python list) and compared with what the memory-mapped reader hands out.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from tests.hf_folders import write_word_tokenizer
-from tests.prepared_data import make_documents, prepare_documents, write_jsonl
+from tests.prepared_data import exit_abruptly, make_documents, prepare_documents, write_jsonl
 from titanlite.data import (
     ByteTokenizer,
     DataLoader,
@@ -35,6 +36,7 @@ from titanlite.data import (
 )
 from titanlite.data.build import open_prepared
 from titanlite.data.order import EpochPermutation, Mixture
+import titanlite.data.prepare as prepare_module
 from titanlite.data.prepare import main as prepare_main
 from titanlite.data.prepare import prepare
 
@@ -498,3 +500,30 @@ def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_pat
     clean = prepare_documents(tmp_path / "clean", documents, shard_tokens=20000)
     for name in folder.file_names:
         assert (out / name).read_bytes() == (clean / name).read_bytes(), name
+
+
+def test_a_worker_that_dies_mid_prepare_ends_the_command_with_one_line(tmp_path, monkeypatch, capsys):
+    # A worker lost to the kernel's out-of-memory killer must end the command, not hang it.
+    source = write_jsonl(tmp_path / "src" / "part.jsonl", make_documents(7, 50))
+    out = tmp_path / "out"
+    argv = ["--dataset_path", str(source), "--output", str(out), "--workers", "2"]
+    monkeypatch.setattr(prepare_module, "_encode_chunk", exit_abruptly)  # what each worker is asked to run
+    assert prepare_main(argv) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "a worker process died" in lines[0] and str(out) in lines[0], lines
+    assert not out.exists()
+    monkeypatch.undo()
+    assert prepare_main(argv) == 0 and PreparedFolder(str(out)).documents == 50
+
+
+def test_a_dropped_loader_stops_its_read_ahead_thread(corpora):
+    # A loader nobody closed must not leave a thread behind: a process that later starts
+    # workers (prepare, the checkpoint writer) would carry it along.
+    loader = DataLoader(windows_of(corpora, "web"), 2, 0, 1, prefetch=2)
+    loader.next_batch()
+    thread = loader._reader._thread
+    assert thread.is_alive()
+    del loader
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()

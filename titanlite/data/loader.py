@@ -22,6 +22,7 @@ import json
 import logging
 import queue
 import threading
+import weakref
 from fractions import Fraction
 
 import torch
@@ -257,24 +258,32 @@ def _what(description: dict) -> str:
 
 
 class _ReadAhead:
-    """A daemon thread that calls ``read(position)`` for successive positions into a bounded queue."""
+    """A daemon thread that calls ``read(position)`` for successive positions into a bounded queue.
+
+    The thread holds its loader only weakly: a loader dropped without ``close()`` is collected,
+    and its thread ends instead of living on beside the training thread."""
 
     def __init__(self, read, first_position: int, stride: int, depth: int, cuda_device: int | None = None):
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(read, first_position, stride, cuda_device),
-                                        name="titanlite-data", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(weakref.WeakMethod(read), first_position, stride, cuda_device),
+            name="titanlite-data", daemon=True)
         self._thread.start()
 
-    def _run(self, read, position: int, stride: int, cuda_device: int | None) -> None:
+    def _run(self, read_ref, position: int, stride: int, cuda_device: int | None) -> None:
         if cuda_device is not None:
             torch.cuda.set_device(cuda_device)
         while not self._stopping.is_set():
+            read = read_ref()
+            if read is None:
+                return  # the loader is gone
             try:
                 item = ("batch", read(position))
             except BaseException as error:  # handed to the training thread, which raises it
                 item = ("error", error)
-            while not self._stopping.is_set():
+            del read  # no strong reference while waiting for room in the queue
+            while not self._stopping.is_set() and read_ref() is not None:
                 try:
                     self._queue.put(item, timeout=0.1)
                     break

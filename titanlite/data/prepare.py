@@ -9,6 +9,9 @@ encode a whole chunk per call; results are written back in submission order, so 
 the same bytes whatever the worker count. Everything is written to ``OUTPUT.partial`` and
 renamed to ``OUTPUT`` once the manifest is on disk: an interrupted prepare leaves nothing that
 loads, and running the command again starts that folder afresh.
+
+The workers are started by a fork server, as ``spawn`` would, so a script that calls
+``prepare(..., workers=2)`` needs the usual ``if __name__ == "__main__":`` guard.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import array
 import collections
+import concurrent.futures
 import contextlib
 import fcntl
 import hashlib
@@ -58,10 +62,14 @@ def _start_worker(hf_assets_path: str | None, typecode: str) -> None:
 
 
 def _encode_chunk(texts: list[str]) -> tuple[bytes, list[int]]:
+    """In a worker: ``frame_documents`` with the worker's tokenizer."""
+    return frame_documents(_worker_tokenizer, _worker_typecode, texts)
+
+
+def frame_documents(tokenizer, typecode: str, texts: list[str]) -> tuple[bytes, list[int]]:
     """The framed tokens of ``texts`` (as native-order array bytes) and each document's length."""
-    tokenizer = _worker_tokenizer
     prefix = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    tokens = array.array(_worker_typecode)
+    tokens = array.array(typecode)
     lengths = []
     for ids in tokenizer.encode_batch(texts):
         tokens.extend(prefix)
@@ -166,6 +174,32 @@ def _fresh_partial_folder(output: str) -> str:
     return partial
 
 
+def _encoded_chunks(documents, tokenizer, typecode: str, hf_assets_path: str | None, workers: int):
+    """(characters, framed token bytes, document lengths) of each chunk, in the source's order.
+
+    One worker encodes here. More are processes started by a fork server, never forked from
+    this process: a trainer (or a test run) has other threads, and a child forked while one of
+    them holds a lock waits for it forever."""
+    if workers == 1:
+        for chunk, characters in _chunks(documents):
+            yield (characters, *frame_documents(tokenizer, typecode, chunk))
+        return
+    # The server imports this module once; each worker is then a cheap fork of it. A worker
+    # that dies (killed, out of memory) breaks the pool with an error instead of a wait forever.
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    with concurrent.futures.ProcessPoolExecutor(workers, context, _start_worker, (hf_assets_path, typecode)) as pool:
+        in_flight: collections.deque = collections.deque()  # (characters, future), in order
+        for chunk, characters in _chunks(documents):
+            in_flight.append((characters, pool.submit(_encode_chunk, chunk)))
+            if len(in_flight) >= workers * _TASKS_PER_WORKER:
+                characters, future = in_flight.popleft()
+                yield (characters, *future.result())
+        while in_flight:
+            characters, future = in_flight.popleft()
+            yield (characters, *future.result())
+
+
 def prepare(
     dataset: str,
     dataset_path: str | None,
@@ -197,27 +231,14 @@ def prepare(
     typecode = {"uint16": "H", "uint32": "I"}[token_dtype(tokenizer.vocab_size)]
     bar = _progress_bar(source.get("bytes"), progress)
     started = time.perf_counter()
-    context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_start_worker, initargs=(hf_assets_path, typecode)) as pool:
-        in_flight: collections.deque = collections.deque()  # (characters, pending result), in order
-
-        def write_oldest() -> None:
-            characters, pending = in_flight.popleft()
-            token_bytes, lengths = pending.get()
-            tokens = array.array(typecode)
-            tokens.frombytes(token_bytes)
-            writer.add(tokens, lengths)
-            if bar is not None:
-                bar.update(characters)
-                elapsed = time.perf_counter() - started
-                bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
-
-        for chunk, characters in _chunks(documents):
-            in_flight.append((characters, pool.apply_async(_encode_chunk, (chunk,))))
-            if len(in_flight) >= workers * _TASKS_PER_WORKER:
-                write_oldest()
-        while in_flight:
-            write_oldest()
+    for characters, token_bytes, lengths in _encoded_chunks(documents, tokenizer, typecode, hf_assets_path, workers):
+        tokens = array.array(typecode)
+        tokens.frombytes(token_bytes)
+        writer.add(tokens, lengths)
+        if bar is not None:
+            bar.update(characters)
+            elapsed = time.perf_counter() - started
+            bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
     if bar is not None:
         bar.close()
     if writer.document_count == 0:
@@ -253,7 +274,9 @@ def cached_stdlib(split: str, tokenizer, hf_assets_path: str | None, cache_folde
         if not os.path.isfile(os.path.join(folder, MANIFEST)):
             started = time.perf_counter()
             logger.info("preparing the built-in corpus (python_stdlib %s) once, into %s", split, folder)
-            manifest = prepare("python_stdlib", None, folder, hf_assets_path, split, progress=False)
+            # One worker, in this process: a training process starts no worker processes, and
+            # the corpus takes seconds (the Hugging Face tokenizer batches across cores itself).
+            manifest = prepare("python_stdlib", None, folder, hf_assets_path, split, workers=1, progress=False)
             logger.info("prepared %d tokens in %.1f s", manifest["tokens"], time.perf_counter() - started)
     return folder
 
@@ -288,6 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"titanlite.data.prepare: interrupted; {args.output} was not created", file=sys.stderr)
         return 130
+    except concurrent.futures.process.BrokenProcessPool:
+        print(f"titanlite.data.prepare: a worker process died (killed, or out of memory?); {args.output} "
+              "was not created; run the command again, with fewer --workers if memory is short", file=sys.stderr)
+        return 1
     if already_there:
         print(f"{args.output}: already prepared from this source with this tokenizer "
               f"({manifest['tokens']:,} tokens in {manifest['documents']:,} documents); nothing to do")

@@ -65,6 +65,12 @@ class DataError(RuntimeError):
 _COLLECTIVE_FAILURE_MARKS = ("gloo", "NCCL", "Timed out waiting", "Connection closed by peer", "Connection reset")
 
 
+# Steps between the host's reads of what the device decided (the steps' non-finite flags)
+# and of the ranks' stop signals; they are also read at every log step and save point.
+# Between reads the CPU queues work ahead of the GPU instead of waiting for it each step.
+SYNC_EVERY = 10
+
+
 def is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(mark in str(error) for mark in _COLLECTIVE_FAILURE_MARKS)
 
@@ -227,6 +233,8 @@ class Trainer(Stateful):
         self.step = 0
         self.tokens_seen = 0
         self.nonfinite_in_a_row = 0
+        # (step, non-finite flag, gradient norm, loss share) of the steps the host has not read yet.
+        self._unread_steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
         # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
         states = {
@@ -372,19 +380,31 @@ class Trainer(Stateful):
             loss_share += loss.detach()
 
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
-        update = self._finite_or_skip(grad_norm, loss_share)
+        # A NaN/inf anywhere reaches the global norm, which every rank holds alike after its
+        # all-reduce, so all ranks skip the same steps without another collective.
+        nonfinite = ~torch.isfinite(grad_norm)
         # An async save may still be copying the weights; they must not change under it.
         self.checkpointer.wait_for_staging()
-        if update:
-            self.optimizer.step()
-            self.phase_memory.mark("optimizer")
+        self._update_unless(nonfinite)
+        self.phase_memory.mark("optimizer")
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
-        if self.ema is not None and update:
-            self.ema.update()
+        if self.ema is not None:
+            self.ema.update(skip=nonfinite)
         self.step += 1
         self.tokens_seen += global_tokens
+        self._unread_steps.append((self.step, nonfinite, grad_norm, loss_share))
         return loss_share, grad_norm
+
+    def _update_unless(self, nonfinite: torch.Tensor) -> None:
+        """Apply the optimizer's update unless ``nonfinite`` (a flag on the device) is set."""
+        if self.optimizer.defaults.get("fused"):
+            # The fused kernel reads the flag on the device and then leaves the weights, the
+            # moments and the step count alone: the host does not wait for the norm.
+            self.optimizer.found_inf = nonfinite.float()
+            self.optimizer.step()
+        elif not nonfinite.item():  # the other kernels cannot skip by themselves: one wait per step
+            self.optimizer.step()
 
     # --- train_state, signals -----------------------------------------------------------
 
@@ -430,12 +450,17 @@ class Trainer(Stateful):
         signal.signal(signal.SIGINT, remember)
 
     def _stop_requested(self) -> bool:
-        """Whether any rank got a stop signal; all ranks must agree to save together."""
+        """Whether any rank got a stop signal; all ranks must agree to save together, so
+        with several ranks they compare flags every SYNC_EVERY steps and at save points."""
         if not self.job_config.checkpoint.enable:
             return False
+        if not dist.is_initialized():
+            return self._stop_signal is not None
+        due = self.step % SYNC_EVERY == 0 or self.checkpointer.should_save(self.step, self.job_config.training.steps)
+        if not due:
+            return False
         flag = torch.tensor([0 if self._stop_signal is None else 1])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
         return bool(flag.item())
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -446,26 +471,32 @@ class Trainer(Stateful):
         except ValueError as error:
             raise DataError(str(error)) from error
 
-    def _finite_or_skip(self, grad_norm: torch.Tensor, loss_share: torch.Tensor) -> bool:
-        """Whether to apply this step's update. A NaN/inf anywhere reaches the global
-        gradient norm, which every rank holds alike after its all-reduce, so all ranks
-        decide the same without another collective. Reading it waits for the device once
-        per step: the price of never applying a non-finite update."""
-        norm = grad_norm.item()
-        if math.isfinite(norm):
-            self.nonfinite_in_a_row = 0
-            return True
-        step = self.step + 1
-        what = f"gradient norm {norm}, this rank's loss share {loss_share.item()}"
-        if self.nonfinite_in_a_row < self.job_config.training.skip_nonfinite_steps:
-            self.nonfinite_in_a_row += 1
-            logger.warning("step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)", step, what,
-                           self.nonfinite_in_a_row, self.job_config.training.skip_nonfinite_steps)
-            return False
-        raise NonFiniteError(
-            f"step {step}: {what}; stopped before applying it, so every checkpoint holds finite weights "
-            "(training.skip_nonfinite_steps skips such steps instead)"
-        )
+    def _read_unread_steps(self) -> None:
+        """Read the flags of the steps since the last read (one wait for the device) and act
+        on them in order: warn about each skipped step, or stop at the first one past
+        training.skip_nonfinite_steps in a row. Called before every log line and save, so a
+        checkpoint never follows a step that should have stopped the run."""
+        if not self._unread_steps:
+            return
+        steps = [step for step, *_ in self._unread_steps]
+        flags, norms, shares = (torch.stack(column).tolist() for column in zip(*(u[1:] for u in self._unread_steps)))
+        self._unread_steps = []
+        limit = self.job_config.training.skip_nonfinite_steps
+        for step, nonfinite, norm, share in zip(steps, flags, norms, shares):
+            if not nonfinite:
+                self.nonfinite_in_a_row = 0
+                continue
+            what = f"gradient norm {norm}, this rank's loss share {share}"
+            if self.nonfinite_in_a_row < limit:
+                self.nonfinite_in_a_row += 1
+                logger.warning("step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)", step,
+                               what, self.nonfinite_in_a_row, limit)
+                continue
+            later = "" if step == self.step else f"; found at step {self.step}, and no step after it was saved"
+            raise NonFiniteError(
+                f"step {step}: {what}; its update was not applied, so every checkpoint holds finite weights"
+                f"{later} (training.skip_nonfinite_steps skips such steps instead)"
+            )
 
     def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
         """The loss over the global batch, and the largest of the ranks' own mean losses.
@@ -528,7 +559,10 @@ class Trainer(Stateful):
             self.dtype_probe.report()
             self.dtype_probe = None
         self.phase_memory.end_step(self.step)
-        if not (self.step == 1 or self.step % log_freq == 0 or self.step == training.steps):
+        log_due = self.step == 1 or self.step % log_freq == 0 or self.step == training.steps
+        if log_due or self.step % SYNC_EVERY == 0:
+            self._read_unread_steps()
+        if not log_due:
             return None
         # Reading the numbers waits for the device, so the window's time ends after it.
         loss, max_loss = self.global_loss(loss_share)
@@ -551,12 +585,15 @@ class Trainer(Stateful):
         training = self.job_config.training
         last = self.step == training.steps
         saved = self.checkpointer.should_save(self.step, training.steps)
+        stop = not last and self._stop_requested()
+        if saved or stop:
+            self._read_unread_steps()  # a step that should have stopped the run is never saved
         if saved:
             model_only = last and self.job_config.checkpoint.last_save_model_only
             self.checkpointer.save(self.step, model_only=model_only, sync=last)
             if last:
                 self._fail_if_not_saved("the run's last save")
-        if not last and self._stop_requested():
+        if stop:
             logger.warning("stop signal received: saving step %d and exiting", self.step)
             if saved:
                 self.checkpointer.wait()  # the save just started is the final one: settle it

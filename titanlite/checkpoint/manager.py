@@ -269,6 +269,11 @@ class CheckpointManager:
         # one; a single process without a group writes from a thread instead.
         in_process = self.config.async_mode == "async_with_pinned_mem" and self.process_group is not None
         checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
+        if self._stager is not None and torch.cuda.is_available():
+            # The stager copies from a thread on a CUDA stream of its own, which does not wait
+            # for the compute stream: without this the copy could read weights and moments
+            # the optimizer step is still writing. A save point may wait for the device.
+            torch.cuda.current_stream().synchronize()
         try:
             response = dcp.async_save(
                 state, storage_writer=writer, process_group=self.process_group,

@@ -19,6 +19,8 @@ class EMA(Stateful):
         # Detached views that share storage with the parameters: they see every update.
         self.weights = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
         self.averages = {name: tensor.detach().clone() for name, tensor in self.weights.items()}
+        self._average_list = list(self.averages.values())
+        self._weight_list = [self.weights[name] for name in self.averages]
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -27,9 +29,13 @@ class EMA(Stateful):
             average.copy_(self.weights[name])
 
     @torch.no_grad()
-    def update(self) -> None:
-        for name, average in self.averages.items():
-            average.lerp_(self.weights[name], 1.0 - self.decay)
+    def update(self, skip: torch.Tensor | None = None) -> None:
+        """One step of the average, as a single foreach update over the local shards; none
+        where ``skip`` (a flag on the device, read there) is set."""
+        weight = 1.0 - self.decay
+        if skip is not None:
+            weight = (~skip).to(torch.float32) * weight  # 0 on a skipped step: the average stays
+        torch._foreach_lerp_(self._average_list, self._weight_list, weight)
 
     def state_dict(self) -> dict:
         return self.averages

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.multiprocess import TINY, run_on_ranks
 from titanlite.config import parse_args
+from titanlite.models.llama.model import Attention
 from titanlite.parallel import clip_grad_norm_
 from titanlite.train import Trainer
 
@@ -216,3 +217,48 @@ def test_bf16_compute_with_fp32_master_weights(world_size):
     assert torch.isfinite(torch.tensor([report["loss"], report["grad_norm"]])).all()
     # bf16 compute stays close to the float32 reference's first step.
     assert report["loss"] == pytest.approx(reference()["loss"][0], rel=2e-2)
+
+
+# --- the RoPE tables stay float32 on every layout -------------------------------------
+
+
+def rope_table_dtypes(extra_args: list[str]) -> dict:
+    """Train one bf16 step; report every dtype the blocks' attention saw for x, cos and sin,
+    recomputation in backward included."""
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--training.mixed_precision_param=bfloat16"]))
+    seen = {"x": set(), "cos": set(), "sin": set()}
+
+    def record_dtypes(module, args):
+        x, cos, sin = args
+        for key, tensor in zip(seen, (x, cos, sin)):
+            seen[key].add(str(tensor.dtype))
+
+    attentions = [m for m in trainer.model.modules() if isinstance(m, Attention)]
+    for attention in attentions:
+        attention.register_forward_pre_hook(record_dtypes)
+    trainer.train_step()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {"n_attentions": len(attentions), **{key: sorted(dtypes) for key, dtypes in seen.items()}}
+
+
+ROPE_LAYOUTS = {
+    "single": (1, [f"--training.local_batch_size={GLOBAL_BATCH}"]),
+    "fsdp2": (2, ["--training.local_batch_size=4"]),
+    "fsdp2_cpu_offload": (2, ["--training.local_batch_size=4", "--training.enable_cpu_offload"]),
+    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
+}
+
+
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+def test_rope_tables_reach_attention_in_float32(layout):
+    # FSDP casts a block's floating-point forward arguments to the param dtype unless told
+    # not to; the tables are such arguments, and bf16 keeps 8 significant bits of each value.
+    world_size, extra = ROPE_LAYOUTS[layout]
+    for report in run_on_ranks(world_size, rope_table_dtypes, extra):
+        assert report["n_attentions"] == TINY.n_layers
+        assert report["cos"] == report["sin"] == ["torch.float32"]
+        if world_size > 1:
+            # bf16 compute still reaches attention without that cast: the hidden state is
+            # bf16 from the embedding on, whose weight FSDP gathers in bf16.
+            assert report["x"] == ["torch.bfloat16"]

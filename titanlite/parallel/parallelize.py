@@ -79,7 +79,13 @@ def apply_fsdp(
     cpu_offload: bool,
 ) -> None:
     """One FSDP unit per block plus the root (embeddings, final norm, output)."""
-    options = {"mesh": mesh, "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
+    # No cast of forward arguments: a block's arguments are the hidden state and the RoPE
+    # cos/sin tables, and the tables must stay float32 as in a single process (bf16 keeps
+    # 8 significant bits of each value). The hidden state needs no cast: the embedding
+    # weight is gathered in param_dtype, so the first block already gets it in that
+    # dtype, and every block returns it in that dtype. The root's only input is token ids.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    options = {"mesh": mesh, "mp_policy": policy}
     if cpu_offload:
         # Pinned host memory makes the copies to the GPU asynchronous; it needs CUDA.
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())

@@ -175,6 +175,13 @@ CASES = [
     Case("global_batch_does_not_divide_one_rank", ["--training.global_batch_size", "5"],
          r"training\.global_batch_size \(5\) must be a multiple of training\.local_batch_size \(2\)"),
     Case("cpu_offload_on_one_rank", ["--training.enable_cpu_offload"], r"training\.enable_cpu_offload needs FSDP"),
+    # A rank that surely cannot fit: said before any process group or tensor exists.
+    Case("batch_beyond_memory", ["--job.validate_only", "--training.local_batch_size", "99999999999999999999999"],
+         r"training\.local_batch_size 99999999999999999999999 \(x seq_len \d+\): one rank needs at least .* GiB "
+         r"\(weights and Adam state .*, logits .*\), more than the host's memory / 1 rank\(s\) on this node holds"),
+    Case("model_beyond_memory", ["--job.validate_only", "--model.flavor", "405B"],
+         r"model llama3 405B on 2 shard\(s\): one rank needs at least [\d,.]+ GiB .*; shard over more ranks",
+         env={"WORLD_SIZE": "2"}),
     # Data and tokenizer.
     Case("text_dataset_without_path", ["--training.dataset", "text"], r"training\.dataset_path must be set when training\.dataset is 'text'"),
     Case("dataset_path_missing", ["--training.dataset", "text", "--training.dataset_path", f"{T}/corpus"],

@@ -28,6 +28,7 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState,
 from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
 from titanlite.data import DataLoader, build_tokenizer, open_windows, stream_warning, tokenizer_file, verify_share
+from titanlite.estimate import device_memory_bytes, step_floor_bytes
 from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
 from titanlite.metrics.processor import MetricsProcessor
@@ -103,7 +104,37 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
         global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_memory_floor(job_config, parallel_dims, model_args)
     return RunPlan(parallel_dims, model_args, global_batch, accumulation)
+
+
+def check_memory_floor(job_config: JobConfig, parallel_dims: ParallelDims, model_args) -> None:
+    """Refuse a run whose rank surely cannot fit in its device (the host's memory on CPU):
+    told now in one line, instead of by the out-of-memory killer after start-up."""
+    training = job_config.training
+    with torch.device("meta"):
+        model = get_model_spec(job_config.model.name).model_cls(model_args)
+    compute_bytes = torch.empty((), dtype=DTYPES[training.mixed_precision_param]).element_size()
+    floor = step_floor_bytes(model, model_args.vocab_size, parallel_dims.dp_shard, training.local_batch_size,
+                             training.seq_len, compute_bytes, training.enable_cpu_offload)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
+    available, what = device_memory_bytes(device_type, ranks_per_node)
+    needed = sum(floor.values())
+    if needed <= available:
+        return
+    def gib(size: int) -> str:
+        return f"{size / 2**30:,.1f} GiB" if size < 2**50 else f"{size / 2**30:.2e} GiB"
+
+    parts = ", ".join(f"{name} {gib(size)}" for name, size in floor.items())
+    if floor["logits"] >= floor["weights and Adam state"]:
+        key = f"training.local_batch_size {training.local_batch_size} (x seq_len {training.seq_len})"
+        fix = "lower training.local_batch_size (training.global_batch_size keeps the batch through accumulation)"
+    else:
+        key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s)"
+        fix = "shard over more ranks (parallelism.data_parallel_shard_degree) or offload (training.enable_cpu_offload)"
+    raise ConfigError(f"{key}: one rank needs at least {gib(needed)} ({parts}), more than {what} holds "
+                      f"({gib(available)}); {fix}. scripts/estimate.py estimates the whole step")
 
 
 def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):

@@ -52,6 +52,7 @@ Choices to know about:
 import contextlib
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -192,6 +193,30 @@ def exact_model_state_bytes(
         count += 1
     step_bytes = count * torch.empty((), dtype=torch.float32).element_size()
     return ModelStateBytes(padded_bytes, padded_bytes, 2 * local_bytes + step_bytes)
+
+
+def device_memory_bytes(device_type: str, ranks_per_node: int) -> tuple[int, str]:
+    """(bytes one rank can use, what they are): the local GPU's capacity, or on CPU the
+    host's physical memory split between the node's ranks."""
+    if device_type == "cuda":
+        properties = torch.cuda.get_device_properties(0)
+        return properties.total_memory, f"the GPU ({properties.name})"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(ranks_per_node, 1), f"the host's memory / {ranks_per_node} rank(s) on this node"
+
+
+def step_floor_bytes(model: nn.Module, vocab_size: int, shards: int, local_batch_size: int, seq_len: int,
+                     compute_bytes: int, cpu_offload: bool) -> dict[str, int]:
+    """What one rank surely holds at once during a step, by arithmetic on Python ints (no
+    tensor is made, so any batch size is safe to ask about): the sharded weights and Adam
+    state (unless offloaded), and the logits in the compute dtype beside the float32
+    log-probabilities the loss keeps for backward. The real peak is higher (activations,
+    gradients, all-gathered units); scripts/estimate.py simulates it."""
+    state = exact_model_state_bytes(model, shards)
+    return {
+        "weights and Adam state": 0 if cpu_offload else state.parameters + state.optimizer_state,
+        "logits": local_batch_size * seq_len * vocab_size * (compute_bytes + 4),
+    }
 
 
 # --- the training step and its tracker ------------------------------------------------------

@@ -49,6 +49,14 @@ def test_gpu_mfu_skips_without_a_gpu_or_runs_briefly_with_one():
         assert _run("gpu_mfu.py") == ["no GPU: skipped"]
 
 
+def test_gpu_check_skips_without_a_gpu_or_passes_with_one():
+    if torch.cuda.is_available():
+        lines = _run("gpu_check.py", timeout=900)
+        assert lines[-1].endswith("checks passed"), lines
+    else:
+        assert _run("gpu_check.py") == ["no GPU: skipped"]
+
+
 def test_gpu_mfu_dry_run_on_cpu_goes_through_the_whole_script():
     lines = _run("gpu_mfu.py", "--cpu-dry-run")
     assert any(line.startswith("| measured (trainer metrics) |") for line in lines), lines

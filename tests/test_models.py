@@ -9,7 +9,7 @@ import torch
 
 from titanlite.config import ConfigError, parse_args
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
-from titanlite.models.llama.model import apply_rope, rope_frequencies, rope_tables
+from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
 from titanlite.registry import get_model_args, get_model_spec
 from titanlite.train import plan_run
 
@@ -232,6 +232,58 @@ def test_gqa_equals_attention_with_repeated_kv_heads():
     mha.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(mha(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+def grouped_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out in float64, query head h reading key/value head h // group."""
+    group = q.shape[1] // k.shape[1]
+    kv_head = torch.arange(q.shape[1]) // group
+    q, k, v = q.double(), k.double()[:, kv_head], v.double()[:, kv_head]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    seq_len = q.shape[2]
+    future = torch.ones(seq_len, seq_len, dtype=torch.bool).triu(diagonal=1)
+    return scores.masked_fill(future, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_causal_attention_matches_the_grouped_definition(dtype, kv_heads):
+    # float32 with grouped heads takes the copied-heads path, bf16 SDPA's own grouping;
+    # both must pair each query head with the same key/value head.
+    generator = torch.Generator().manual_seed(kv_heads)
+    q = torch.randn(2, 4, 12, 16, generator=generator).to(dtype)
+    k, v = (torch.randn(2, kv_heads, 12, 16, generator=generator).to(dtype) for _ in range(2))
+    out = causal_attention(q, k, v)
+    assert out.dtype == dtype and out.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out.double(), grouped_attention_reference(q, k, v), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16_autocast"])
+def test_float32_gives_sdpa_one_key_value_head_per_query_head(monkeypatch, precision):
+    # Given fewer key/value heads than query heads (enable_gqa), SDPA on a GPU has no fused
+    # kernel for float32 and falls back to one that stores every [seq, seq] score matrix.
+    # Which kernel runs can only be seen on a GPU; here the arguments SDPA gets are checked.
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording_sdpa(q, k, v, **kwargs):
+        calls.append((q.dtype, q.shape[1], k.shape[1], v.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    assert SMALL.kv_heads < SMALL.n_heads
+    model = build_real(SMALL)
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16))
+    bf16 = precision == "bf16_autocast"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        model(tokens)
+    assert len(calls) == SMALL.n_layers
+    if bf16:  # SDPA's own grouping, with no copies of k and v
+        expected = (torch.bfloat16, SMALL.n_heads, SMALL.kv_heads, SMALL.kv_heads, True)
+    else:
+        expected = (torch.float32, SMALL.n_heads, SMALL.n_heads, SMALL.n_heads, False)
+    assert calls == [expected] * SMALL.n_layers
 
 
 # ---------------------------------------------------------------------------

@@ -79,6 +79,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --- Attention ----------------------------------------------------------------------
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention of q [batch, n_heads, seq, head_dim] over k and v, which have
+    n_heads or fewer heads; query head h reads key/value head h // (n_heads / kv_heads)."""
+    grouped = k.shape[1] != q.shape[1]
+    if grouped and q.dtype not in (torch.float16, torch.bfloat16):
+        # On GPUs only the flash kernel shares key/value heads between query heads
+        # without copying them, and it runs in 16 bits only. In other dtypes the fused
+        # kernel left (memory-efficient) needs one key/value head per query head; given
+        # fewer, SDPA falls back to the math kernel, which stores the [seq, seq] scores
+        # of every head. Copying k and v to every query head costs 2 * head_dim numbers
+        # per position and head instead of seq.
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        grouped = False
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
+
+
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads: n_heads queries share kv_heads keys/values."""
 
@@ -96,14 +113,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, self.kv_heads, self.head_dim)
         v = self.wv(x).view(batch, seq_len, self.kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # scaled_dot_product_attention wants [batch, heads, seq, head_dim].
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            is_causal=True,
-            enable_gqa=self.kv_heads != self.n_heads,
-        )
+        # Attention wants [batch, heads, seq, head_dim].
+        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_std: float, generator: torch.Generator) -> None:

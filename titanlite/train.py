@@ -104,14 +104,13 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
         global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    check_memory_floor(job_config, parallel_dims, model_args)
     return RunPlan(parallel_dims, model_args, global_batch, accumulation)
 
 
-def check_memory_floor(job_config: JobConfig, parallel_dims: ParallelDims, model_args) -> None:
-    """Refuse a run whose rank surely cannot fit in its device (the host's memory on CPU):
-    told now in one line, instead of by the out-of-memory killer after start-up."""
-    training = job_config.training
+def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
+    """Refuse a run whose rank surely cannot fit in this machine's device (the host's memory
+    on CPU): told in one line before start-up, instead of by the out-of-memory killer."""
+    training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
     with torch.device("meta"):
         model = get_model_spec(job_config.model.name).model_cls(model_args)
     compute_bytes = torch.empty((), dtype=DTYPES[training.mixed_precision_param]).element_size()
@@ -225,6 +224,7 @@ class Trainer(Stateful):
 
         # 1. Decide and validate everything before creating a process group or tensor.
         self.plan = plan_run(job_config, world_size_from_env())
+        check_memory_floor(job_config, self.plan)
         model_spec = get_model_spec(job_config.model.name)
         self.tokenizer, windows = load_tokenizer_and_data(job_config, self.plan.model_args.vocab_size)
 
@@ -666,6 +666,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if job_config.job.validate_only:
             plan = plan_run(job_config, world_size_from_env())
+            check_memory_floor(job_config, plan)
             load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
             print(f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
                   f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)")

@@ -46,6 +46,7 @@ from titanlite.parallel import (
     first_error_on_any_rank,
     init_distributed,
     pick_device,
+    use_collective_timeout,
     world_size_from_env,
 )
 from titanlite.registry import get_model_args, get_model_spec
@@ -237,7 +238,8 @@ class Trainer(Stateful):
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
         parallel_dims = self.plan.parallel_dims
-        mesh = parallel_dims.build_mesh(self.device.type)
+        mesh = parallel_dims.build_mesh(self.device.type, timedelta(seconds=job_config.comm.init_timeout_seconds))
+        self.mesh = mesh  # its groups get the train timeout after the first step
 
         # 3. Data: every rank reads a disjoint part of each global batch. Data parallelism
         # is the only dimension, so the data-parallel rank is the global rank.
@@ -574,9 +576,7 @@ class Trainer(Stateful):
         """Start-up (compiles, first all-gathers, loading) may be slow; after the first
         step a collective that waits longer than train_timeout_seconds means a dead or
         stuck rank, and failing beats hanging until the job's wall-clock limit."""
-        if dist.is_initialized():
-            timeout = timedelta(seconds=self.job_config.comm.train_timeout_seconds)
-            dist.distributed_c10d._set_pg_timeout(timeout)  # the default group; checkpoint saves keep theirs
+        use_collective_timeout(self.mesh, self.job_config.comm.train_timeout_seconds)  # checkpoint saves keep theirs
 
     def _one_step(self, log_freq: int) -> StepRecord | None:
         """Train one step; log it when it is due and return what was logged."""

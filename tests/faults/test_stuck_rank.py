@@ -1,5 +1,6 @@
 """A rank that hangs after the first step: the others give up within
-comm.train_timeout_seconds with one clear line, instead of waiting forever."""
+comm.train_timeout_seconds with one clear line, instead of waiting forever. Under HSDP
+the others wait in the mesh's own groups (shard and replicate), not the default one."""
 
 import os
 import socket
@@ -8,10 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
-# Both ranks run the real entry point; rank 1 stops answering during step 3.
+# Every rank runs the real entry point; rank 1 stops answering during step 3, after noting
+# the time it stopped in the dump folder.
 LAUNCHER = """
 import os, sys, time
+from pathlib import Path
 from tests.multiprocess import register_tiny_flavor
 from titanlite import train
 from titanlite.parallel import exit_process
@@ -19,16 +24,31 @@ register_tiny_flavor()
 step = train.Trainer.train_step
 def maybe_hang(self):
     if os.environ["RANK"] == "1" and self.step == 2:
+        mark = Path(self.job_config.job.dump_folder, ".hang-started")
+        mark.write_text(str(time.time()))
+        mark.rename(mark.with_name("hang-started"))  # whole, for the test polling it
         time.sleep(600)
     return step(self)
 train.Trainer.train_step = maybe_hang
 exit_process(train.main(sys.argv[1:]))
 """
+TRAIN_TIMEOUT = 5
 ARGS = [
     "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
     "--training.steps", "6", "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none", "--comm.train_timeout_seconds", "5",
+    "--activation_checkpoint.mode", "none", "--comm.train_timeout_seconds", str(TRAIN_TIMEOUT),
 ]
+# Layout -> (world size, extra arguments).
+LAYOUTS = {
+    "fsdp2": (2, []),
+    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+}
+# Start-up of the ranks, before the hang, may be slow on a busy machine.
+START_LIMIT = 240
+# After the hang: the train timeout, then the failing rank's exit, on a 2-core machine
+# shared with other jobs. PyTorch's default timeout, which the ranks would otherwise
+# wait out, is 30 minutes.
+SLACK = 40
 
 
 def free_port() -> int:
@@ -37,25 +57,58 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path):
-    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", LAUNCHER, *ARGS, "--job.dump_folder", str(tmp_path)], cwd=REPO,
-                         env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in range(2)
-    ]
+def launch(rank: int, env: dict[str, str], args: list[str], logs: Path) -> subprocess.Popen:
+    """One rank, as torchrun starts it; its output goes to files (a full pipe would stall it)."""
+    with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
+        return subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], cwd=REPO,
+                                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out, stderr=err)
+
+
+def wait_for_hang(mark: Path, ranks: list[subprocess.Popen], logs: Path) -> float:
+    """The time the stuck rank stopped answering, once it has."""
+    deadline = time.monotonic() + START_LIMIT
+    while not mark.exists():
+        failed = [rank for rank, process in enumerate(ranks) if process.poll() is not None]
+        assert not failed, f"rank(s) {failed} ended before the hang: {(logs / f'rank{failed[0]}.err').read_text()}"
+        assert time.monotonic() < deadline, "no rank reached the hang"
+        time.sleep(0.2)
+    return float(mark.read_text())
+
+
+def ends_by(process: subprocess.Popen, deadline: float) -> bool:
+    """Whether ``process`` has ended by the wall-clock time ``deadline``."""
     try:
-        start = time.monotonic()
-        _, stderr = ranks[0].communicate(timeout=240)
-        waited = time.monotonic() - start
-        assert ranks[0].returncode == 1, stderr
-        errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
-        assert len(errors) == 1, stderr
-        assert errors[0].startswith("titanlite: rank 0: a collective failed after step 2 (did another rank die or hang?")
-        assert ranks[1].poll() is None  # the stuck rank is still stuck: rank 0 did not wait for it
-        print(f"rank 0 gave up {waited:.1f} s after start")
+        process.wait(timeout=max(1.0, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout):
+    world_size, layout_args = LAYOUTS[layout]
+    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    dump_folder, logs = tmp_path / "dump", tmp_path / "logs"
+    logs.mkdir()
+    dump_folder.mkdir()
+    args = [*ARGS, *layout_args, "--job.dump_folder", str(dump_folder)]
+    ranks = [launch(rank, env, args, logs) for rank in range(world_size)]
+    try:
+        hang_started = wait_for_hang(dump_folder / "hang-started", ranks, logs)
+        for rank in (rank for rank in range(world_size) if rank != 1):
+            ended = ends_by(ranks[rank], hang_started + TRAIN_TIMEOUT + SLACK)
+            assert ended, f"rank {rank} still waits {time.time() - hang_started:.0f} s after rank 1 stopped"
+            print(f"rank {rank} gave up {time.time() - hang_started:.1f} s after rank 1 stopped")
+            stderr = (logs / f"rank{rank}.err").read_text()
+            assert ranks[rank].returncode == 1, stderr
+            errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
+            assert len(errors) == 1, stderr
+            assert errors[0].startswith(
+                f"titanlite: rank {rank}: a collective failed after step 2 (did another rank die or hang?"), errors[0]
+            assert "flight recorder" not in errors[0]  # gloo: no NCCL recorder, and no folder for it
+        assert ranks[1].poll() is None  # the stuck rank is still stuck: the others did not wait for it
+        assert not (dump_folder / "comm_traces").exists()
     finally:
         for process in ranks:
             process.kill()

@@ -4,7 +4,8 @@ Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of 
 """
 
 from titanlite.parallel.distributed import (
-    destroy_distributed, exit_process, first_error_on_any_rank, init_distributed, pick_device, world_size_from_env,
+    destroy_distributed, exit_process, first_error_on_any_rank, init_distributed, pick_device, use_collective_timeout,
+    world_size_from_env,
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
@@ -21,5 +22,6 @@ __all__ = [
     "init_distributed",
     "parallelize_decoder",
     "pick_device",
+    "use_collective_timeout",
     "world_size_from_env",
 ]

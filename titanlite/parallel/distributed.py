@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def world_size_from_env() -> int:
@@ -36,6 +37,18 @@ def init_distributed(device: torch.device, timeout_seconds: int) -> None:
         timeout=timedelta(seconds=timeout_seconds),
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def use_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:
+    """Give every group the training talks over, the default one and each of ``mesh``'s,
+    this timeout for the collectives started from now on. Other groups (the checkpoint
+    manager's) keep theirs."""
+    if not dist.is_initialized():
+        return
+    timeout = timedelta(seconds=seconds)
+    # FSDP's mesh group is the default group itself; setting it twice changes nothing.
+    for group in [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def first_error_on_any_rank(error: str | None) -> str | None:

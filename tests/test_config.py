@@ -227,6 +227,7 @@ MALFORMED_INPUTS = [
     ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"], ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
     ("zero log_freq", None, ["--metrics.log_freq=0"], ["metrics.log_freq"]),
     ("zero init timeout", None, ["--comm.init_timeout_seconds=0"], ["comm.init_timeout_seconds"]),
+    ("negative trace buffer", None, ["--comm.trace_buf_size=-1"], ["comm.trace_buf_size", ">= 0"]),
     ("text dataset without path", None, ["--training.dataset", "text"], ["training.dataset_path", "'text'"]),
     ("huggingface dataset path unset", '[training]\ndataset = "huggingface"\ndataset_path = "c4"\n', ["--training.dataset_path=none"], ["training.dataset_path"]),
 ]  # fmt: skip

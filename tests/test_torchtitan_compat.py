@@ -148,6 +148,15 @@ def test_ignored_keys_take_any_value(key, tmp_path, capsys):
     assert len(warnings) == 1, warnings
 
 
+def test_flight_recorder_keys_are_read_without_a_warning(tmp_path, capsys):
+    path = tmp_path / "comm.toml"
+    path.write_text('[comm]\ntrace_buf_size = 64\nsave_traces_folder = "fr"\nsave_traces_file_prefix = "r"\n')
+    capsys.readouterr()
+    comm = parse_args(["--job.config_file", str(path)]).comm
+    assert (comm.trace_buf_size, comm.save_traces_folder, comm.save_traces_file_prefix) == (64, "fr", "r")
+    assert capsys.readouterr().err == ""
+
+
 def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
     path = tmp_path / "typo.toml"
     path.write_text("[quantize.linear.float8]\nrecipe = \"rowwise\"\n")
@@ -391,7 +400,7 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
     expected = {"print_args", "use_for_integration_test", "converters", "tensor_parallel_degree",
                 "context_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
                 "expert_parallel_degree", "expert_tensor_parallel_degree", "enable_fsdp_float8_all_gather",
-                "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns", "trace_buf_size", "enable"}
+                "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns", "enable"}
     named = {re.search(r"\] (\w+) = ", line).group(1) for line in warnings}
     assert named == expected and len(warnings) == len(expected), warnings
     assert "Traceback" not in err

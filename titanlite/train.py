@@ -231,9 +231,14 @@ class Trainer(Stateful):
 
         # 2. Devices and processes.
         self.device = pick_device()
-        init_distributed(self.device, job_config.comm.init_timeout_seconds)
+        self.flight_recorder_dump = init_distributed(self.device, job_config.comm, job_config.job.dump_folder)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         setup_logging(self.rank)
+        if self.flight_recorder_dump is not None:
+            # NCCL's watchdog may end the process on a timeout before any error reaches
+            # Python, so the place is said up front too.
+            logger.info("NCCL flight recorder on: a collective timeout writes this rank's record to %s",
+                        self.flight_recorder_dump)
         torch.manual_seed(job_config.debug.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -690,8 +695,10 @@ def main(argv: list[str] | None = None) -> int:
         if not is_collective_failure(error):
             raise
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        dump = trainer.flight_recorder_dump
+        where = "" if dump is None else f"; NCCL flight recorder dump: {dump}"
         return fail(f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another "
-                    f"rank die or hang? see its log): {first_line[:300]}", 1)
+                    f"rank die or hang? see its log): {first_line[:300]}{where}", 1)
     finally:
         destroy_distributed()
     return 0

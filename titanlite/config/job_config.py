@@ -299,6 +299,15 @@ class Comm:
     train_timeout_seconds: int = 100
     """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others instead of hanging them)."""
 
+    trace_buf_size: int = 20000
+    """GPU runs: collective events PyTorch's NCCL flight recorder keeps per rank and writes to save_traces_folder when a collective times out; 0 turns it off. TORCH_NCCL_* variables already set in the environment win."""
+
+    save_traces_folder: str = "comm_traces"
+    """Folder under job.dump_folder that receives the flight recorder's dumps, one file per rank."""
+
+    save_traces_file_prefix: str = "rank_"
+    """A flight-recorder dump's file name before the rank number."""
+
 
 @dataclass
 class Debug:

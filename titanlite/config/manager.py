@@ -446,6 +446,7 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("profiling.profile_freq",                      ">= 1",                    lambda v: v >= 1),
     ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
     ("comm.train_timeout_seconds",                  ">= 1",                    lambda v: v >= 1),
+    ("comm.trace_buf_size",                         ">= 0",                    lambda v: v >= 0),
     ("training.skip_nonfinite_steps",               ">= 0",                    lambda v: v >= 0),
     ("data.prefetch",                               ">= 0",                    lambda v: v >= 0),
 )  # fmt: skip

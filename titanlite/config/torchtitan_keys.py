@@ -171,9 +171,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "quantize.grouped_mm.mx.recipe_name": _ignore("mxfp8"),
     "quantize.grouped_mm.mx.fqns": _ignore([]),
     # [comm]
-    "comm.trace_buf_size": _ignore(20000),
-    "comm.save_traces_folder": _ignore("comm_traces"),
-    "comm.save_traces_file_prefix": _ignore("rank_"),
     "comm.mode": _only_default(
         "default", "titanlite has no fake or local-tensor backends; use --job.validate_only for a dry run"),
     # [memory_estimation]
@@ -228,7 +225,8 @@ SHARED_KEYS = (
     "checkpoint.load_step", "checkpoint.exclude_from_loading",
     "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option",
     "compile.enable", "compile.components",
-    "comm.init_timeout_seconds", "comm.train_timeout_seconds",
+    "comm.init_timeout_seconds", "comm.train_timeout_seconds", "comm.trace_buf_size",
+    "comm.save_traces_folder", "comm.save_traces_file_prefix",
     "validation.enable", "validation.dataset", "validation.dataset_path",
     "validation.local_batch_size", "validation.seq_len", "validation.freq", "validation.steps",
     "debug.seed", "debug.deterministic",

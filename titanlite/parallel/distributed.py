@@ -11,6 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titanlite.config import Comm
+from titanlite.parallel.flight_recorder import start_flight_recorder
+
 
 def world_size_from_env() -> int:
     """The world size torchrun announces (1 when started without it)."""
@@ -26,17 +29,22 @@ def pick_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, timeout_seconds: int) -> None:
+def init_distributed(device: torch.device, comm: Comm, dump_folder: str) -> str | None:
     """Join the process group when launched with more than one rank: NCCL for GPUs,
-    gloo for CPUs (and for CPU tensors on GPU machines, which checkpointing uses)."""
+    gloo for CPUs (and for CPU tensors on GPU machines, which checkpointing uses).
+
+    Return the file this rank's NCCL flight recorder writes when a collective times out,
+    or None (one rank, CPUs, or the recorder off)."""
     if world_size_from_env() == 1:
-        return
-    backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+        return None
+    cuda = device.type == "cuda"
+    dump_prefix = start_flight_recorder(comm, dump_folder) if cuda else None  # NCCL reads it at start-up
     dist.init_process_group(
-        backend=backend,
-        timeout=timedelta(seconds=timeout_seconds),
-        device_id=device if device.type == "cuda" else None,
+        backend="cuda:nccl,cpu:gloo" if cuda else "gloo",
+        timeout=timedelta(seconds=comm.init_timeout_seconds),
+        device_id=device if cuda else None,
     )
+    return None if dump_prefix is None else f"{dump_prefix}{dist.get_rank()}"
 
 
 def use_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:

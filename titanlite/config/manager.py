@@ -436,6 +436,7 @@ RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
     ("checkpoint.keep_every",                       ">= 0",                    lambda v: v >= 0),
     ("checkpoint.load_step",                        "-1 or >= 0",              lambda v: v >= -1),
     ("checkpoint.exclude_from_loading",             f"a subset of {', '.join(CHECKPOINT_PARTS)}", lambda v: set(v) <= set(CHECKPOINT_PARTS)),
+    ("checkpoint.stop_save_seconds",                "in [1, 65535]",           lambda v: 1 <= v <= 65535),
     ("ema.decay",                                   "in [0, 1)",               lambda v: 0 <= v < 1),
     ("metrics.log_freq",                            ">= 1",                    lambda v: v >= 1),
     ("metrics.peak_tflops",                         ">= 0",                    lambda v: v >= 0),
@@ -596,6 +597,14 @@ def parse_args_or_exit(argv: list[str] | None = None) -> JobConfig:
     except ConfigError as error:
         print(f"titanlite: config error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def value_text(config: JobConfig, dotted_key: str) -> str:
+    """One key's value written as on the command line (300, true, model,loss, none), for
+    launch scripts that read a setting with `python -m titanlite.config --get KEY`."""
+    if dotted_key not in _key_types():
+        raise _unknown_name_error(f"key '{dotted_key}'", "for --get", _closest_key(dotted_key))
+    return _show_default(_get(config, dotted_key))
 
 
 def _show_default(value: Any) -> str:

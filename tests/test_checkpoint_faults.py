@@ -8,6 +8,8 @@ file or the step (or, by choice, in a loud log line), never in silence or a trac
   an asynchronous save; the partial folder is removed, the earlier checkpoint stays and a
   new run resumes from it; with continue_on_save_error training goes on, unless the
   failed save is the run's final one (last step or stop signal).
+* The save on a stop signal: a save still being written is waited for and is the last one
+  (the resume from it is exact); one that fails is replaced by a save of the stop's step.
 
 Most tests drive a CheckpointManager over a small Linear model in this process; the last
 ones run the trainer's main() on the tiny model.
@@ -369,9 +371,9 @@ def test_continue_on_save_error_fails_the_run_only_when_its_last_save_fails(
 @pytest.mark.parametrize("interval, async_mode", [(2, "async"), (10, "disabled")])
 def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save_error(
         tmp_path, monkeypatch, capsys, trainer_main, interval, async_mode):
-    """The stop arrives at step 2: with interval 2 the save already started (asynchronously)
-    is the final one; with interval 10 the trainer saves step 2 for the stop. Either way
-    it fails, and so does the run."""
+    """The stop arrives at step 2: with interval 2 a save point, where the stop saves step 2
+    itself (synchronously, instead of the asynchronous interval save); with interval 10 an
+    ordinary step. Either way the save fails, and so does the run."""
     from titanlite.train import Trainer
 
     monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 2)
@@ -383,3 +385,88 @@ def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save
                         r"checkpoint on disk is none \(the save on a stop signal: nothing later can make up for it, so "
                         r"the run fails even with checkpoint.continue_on_save_error\)", line), line
     assert not list((tmp_path / "checkpoint").iterdir())
+
+
+def _weights_and_moments(step_folder: Path, tmp_path: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    single_file = tmp_path / f"{step_folder.parent.parent.name}-{step_folder.name}.pt"
+    dcp_to_torch_save(str(step_folder), str(single_file))
+    state = torch.load(single_file, weights_only=False)
+    return {"optimizer": state.pop("optimizer")["state"], **{k: v for k, v in state.items() if "." in k}}
+
+
+@pytest.mark.parametrize("written_at_the_stop", [False, True])
+def test_a_stop_waits_for_a_save_still_being_written_and_the_resume_is_exact(
+        tmp_path, monkeypatch, capsys, trainer_main, written_at_the_stop):
+    """The stop arrives at step 3 while the asynchronous save of step 2 is in flight. Still
+    being written (its data held back until the stop has decided), it becomes the last save
+    and step 3 is not written; already on disk, the stop saves step 3. Either way a resume
+    to step 4 ends with the weights and moments of a run that was never stopped."""
+    import threading
+
+    from titanlite.train import Trainer
+
+    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 3)
+    real_write_item, real_save_at_stop = dcp_filesystem._write_item, CheckpointManager.save_at_stop
+    real_on_any_rank = CheckpointManager._on_any_rank
+    looked = threading.Event()
+
+    def write_item(transforms, stream, *args, **kwargs):
+        if written_at_the_stop and ".step-2.partial" in getattr(stream, "name", ""):
+            assert looked.wait(timeout=60), "the stop never looked at the save in flight"
+        return real_write_item(transforms, stream, *args, **kwargs)
+
+    def on_any_rank(manager, flag):
+        answer = real_on_any_rank(manager, flag)
+        looked.set()  # the stop has seen step-2 unwritten: let its write go on
+        return answer
+
+    def save_at_stop(manager, step):
+        if not written_at_the_stop:
+            manager.wait()  # step-2 reaches the disk before the stop looks at it
+        real_save_at_stop(manager, step)
+
+    monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
+    monkeypatch.setattr(CheckpointManager, "_on_any_rank", on_any_rank)
+    monkeypatch.setattr(CheckpointManager, "save_at_stop", save_at_stop)
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    assert trainer_main(run, "--training.steps", "4", "--checkpoint.async_mode", "async") == 0
+    out = capsys.readouterr().out
+    last = 2 if written_at_the_stop else 3
+    if written_at_the_stop:
+        assert "stop signal received at step 3: the save of step 2, still being written, is the last one" in out, out
+    else:
+        assert "stop signal received: saving step 3 and exiting" in out, out
+    assert sorted(entry.name for entry in (run / "checkpoint").iterdir()) == sorted({"step-2", f"step-{last}"})
+
+    monkeypatch.undo()
+    assert trainer_main(run, "--training.steps", "4") == 0
+    assert f"loaded checkpoint {run / 'checkpoint' / f'step-{last}'} (" in capsys.readouterr().out
+    assert trainer_main(reference, "--training.steps", "4") == 0
+    resumed = _weights_and_moments(run / "checkpoint" / "step-4", tmp_path)
+    uninterrupted = _weights_and_moments(reference / "checkpoint" / "step-4", tmp_path)
+    assert resumed.keys() == uninterrupted.keys() and len(resumed) > 2
+    for name, value in uninterrupted.items():
+        if name == "optimizer":
+            for weight, moments in value.items():
+                for moment, tensor in moments.items():
+                    assert torch.equal(resumed[name][weight][moment], tensor), (weight, moment)
+        else:
+            assert torch.equal(resumed[name], value), name
+
+
+def test_a_failed_save_in_flight_at_a_stop_is_replaced_by_a_save_of_the_stop_step(
+        tmp_path, monkeypatch, capsys, trainer_main):
+    """As when a stop signal kills the writer processes of async_with_pinned_mem: the save of
+    step 2, in flight at the stop at step 3, fails; the stop saves step 3 instead and the
+    run ends with status 0, with its final state on disk."""
+    from titanlite.train import Trainer
+
+    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 3)
+    _fail_saves_of(monkeypatch, 2)
+    assert trainer_main(tmp_path, "--training.steps", "6", "--checkpoint.async_mode", "async") == 0
+    out = capsys.readouterr().out
+    assert re.search(r"saving checkpoint step-2 in \S+ failed on rank 0: OSError: \[Errno 28\] .*; saving step 3 for "
+                     r"the stop instead", out), out
+    assert sorted(entry.name for entry in (tmp_path / "checkpoint").iterdir()) == ["step-3"]

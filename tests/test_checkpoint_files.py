@@ -480,18 +480,27 @@ def _worker_logs(log_dir: Path, rank: int) -> str:
     return "".join(path.read_text() for path in files)
 
 
-def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_path):
-    long_run = ["--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+def _stopped_torchrun_run(tmp_path: Path, *args: str) -> tuple[Path, Path, dict, int, str, int]:
+    """Train on 2 ranks under torchrun with `args` until SIGTERM, sent to torchrun once step 3
+    is logged, and check that every worker exited 0. Returns the dump folder, the log folder,
+    the environment, torchrun's status, the output and the step logged before the signal."""
     dump, logs, exits = tmp_path / "run", tmp_path / "logs", tmp_path / "exits"
     exits.mkdir()
     env = dict(_env(), EXIT_DIR=str(exits))
-    returncode, output, signalled_after = _signal_after_step(_torchrun_command(dump, logs, *long_run), env, after_step=3)
+    returncode, output, signalled_after = _signal_after_step(_torchrun_command(dump, logs, *args), env, after_step=3)
     assert signalled_after is not None, _describe(returncode, output)
-
-    # Every worker finished the step it was in, saved it, and exited 0 without a traceback.
     assert sorted(path.name for path in exits.iterdir()) == ["rank-0", "rank-1"], _describe(returncode, output)
     for rank in (0, 1):
         assert (exits / f"rank-{rank}").read_text().strip() == "0", _describe(returncode, output)
+    return dump, logs, env, returncode, output, signalled_after
+
+
+def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_path):
+    long_run = ["--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "1000"]
+    dump, logs, env, returncode, output, signalled_after = _stopped_torchrun_run(tmp_path, *long_run)
+
+    # Every worker finished the step it was in, saved it, and exited 0 without a traceback.
+    for rank in (0, 1):
         worker_output = _worker_logs(logs, rank)
         assert "Traceback" not in worker_output, worker_output[-4000:]
     stops = [int(step) for step in STOP_LINE.findall(output)]
@@ -540,6 +549,21 @@ def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_pa
     assert [interrupted[step] for step in range(1, saved + 1)] == [reference[step] for step in range(1, saved + 1)]
 
 
+def test_sigterm_with_async_with_pinned_mem_still_saves_and_exits_0(tmp_path):
+    """torchrun passes SIGTERM to each worker's process group (Slurm to every process of the
+    step), so DCP's writer processes of async_with_pinned_mem die with any save they were
+    writing. The stop saves in the rank processes instead: every rank exits 0 with a
+    complete checkpoint no older than the last save begun before the signal."""
+    dump, _, _, returncode, output, signalled_after = _stopped_torchrun_run(
+        tmp_path, "--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "2",
+        "--checkpoint.async_mode", "async_with_pinned_mem",
+    )
+    assert output.count("stop signal received") == 2, _describe(returncode, output)
+    steps = list(complete_steps(dump / "checkpoint"))
+    assert steps and steps[-1] >= signalled_after - signalled_after % 2, _describe(returncode, output)
+    assert _load_everything(dump / "checkpoint" / f"step-{steps[-1]}")["train_state.step"] == steps[-1]
+
+
 def test_sigterm_on_a_single_process_saves_and_exits_0(tmp_path):
     dump = tmp_path / "run"
     command = _train_command(dump, "--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "1000")
@@ -554,3 +578,5 @@ def test_sigterm_on_a_single_process_saves_and_exits_0(tmp_path):
     folder = dump / "checkpoint"
     assert list(complete_steps(folder)) == [saved]
     assert _load_everything(folder / f"step-{saved}")["train_state.step"] == saved
+    # How long the stop took, against the time the launchers would give it.
+    assert re.search(r"stop signal: saved \d+\.\d s after it, of the 300 s the launchers give", output), output

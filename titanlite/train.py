@@ -293,6 +293,7 @@ class Trainer(Stateful):
         if self.ema is not None and loaded and "ema" not in loaded:
             self.ema.restart()  # average the loaded weights, not the random ones
         self._stop_signal = None
+        self._stop_signal_at: float | None = None  # time.monotonic() at the first stop signal
         if job_config.checkpoint.enable:
             self._save_on_signals()
 
@@ -482,6 +483,8 @@ class Trainer(Stateful):
         step, save, and exit cleanly instead of dying mid-step."""
 
         def remember(signum, frame):
+            if self._stop_signal is None:
+                self._stop_signal_at = time.monotonic()
             self._stop_signal = signum
 
         signal.signal(signal.SIGTERM, remember)
@@ -617,27 +620,37 @@ class Trainer(Stateful):
             self.metrics.log_validation(self.step, result["loss"])
 
     def _save_or_stop(self) -> bool:
-        """Save when due; on a stop signal save (if not just done) and say stop."""
+        """Save when due; on a stop signal save in the quickest way and say stop."""
         training = self.job_config.training
         last = self.step == training.steps
         saved = self.checkpointer.should_save(self.step, training.steps)
         stop = not last and self._stop_requested()
         if saved or stop:
             self._read_unread_steps()  # a step that should have stopped the run is never saved
-        if saved:
+        if saved and not stop:  # a stop saves its own way: no interval save to wait for
             model_only = last and self.job_config.checkpoint.last_save_model_only
             self.checkpointer.save(self.step, model_only=model_only, sync=last)
             if last:
                 self._fail_if_not_saved("the run's last save")
         if stop:
-            logger.warning("stop signal received: saving step %d and exiting", self.step)
-            if saved:
-                self.checkpointer.wait()  # the save just started is the final one: settle it
-            else:
-                self.checkpointer.save(self.step, sync=True)
+            self.checkpointer.save_at_stop(self.step)  # waits for a save still in flight, or saves this step
             self._fail_if_not_saved("the save on a stop signal")
+            self._report_stop_time()
             return True
         return False
+
+    def _report_stop_time(self) -> None:
+        """Say how much of the launchers' grace after a stop signal the stop used, the figure
+        to size checkpoint.stop_save_seconds by."""
+        if self._stop_signal_at is None:  # the signal reached other ranks only
+            return
+        took, grace = time.monotonic() - self._stop_signal_at, self.job_config.checkpoint.stop_save_seconds
+        # A shared filesystem's write speed varies from save to save: ask for room to spare.
+        tight = took > grace / 2
+        (logger.warning if tight else logger.info)(
+            "stop signal: saved %.1f s after it, of the %d s the launchers give (checkpoint.stop_save_seconds)%s",
+            took, grace, "; raise it to leave room" if tight else "",
+        )
 
     def _fail_if_not_saved(self, which: str) -> None:
         """continue_on_save_error lets training go on past a failed save, trusting a later

@@ -209,6 +209,8 @@ class CheckpointManager:
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlite-checkpoint")
         self._in_flight: Future | None = None
         self._in_flight_step = 0
+        # The newest step whose save succeeded (on every rank), for the save on a stop signal.
+        self._saved_step: int | None = None
         self._staging: Future | None = None
         self._stager = None
         # With continue_on_save_error: what went wrong with the newest settled save, None
@@ -289,6 +291,48 @@ class CheckpointManager:
         self._in_flight = self._writes.submit(self._publish_when_written, upload, partial, final)
         self._in_flight_step = step
 
+    def save_at_stop(self, step: int) -> None:
+        """The save on a stop signal after `step`: the quickest that leaves a full checkpoint
+        to resume from exactly, since the launcher kills the ranks checkpoint.stop_save_seconds
+        after the signal. Every rank must call it.
+
+        A save of an earlier step still being written on some rank is waited for and is the
+        last one: writing this step after it would take a whole write longer, while the steps
+        trained since it began, fewer than that write lasts, are trained again after a resume
+        with the same result. Otherwise the save issued for this step is waited for, or this
+        step is saved synchronously. A save in flight that fails is replaced by a synchronous
+        save of this step (a stop signal also reaches the writer processes of
+        async_with_pinned_mem, which then die with the save they were writing)."""
+        in_flight = self._in_flight
+        if in_flight is not None and self._in_flight_step != step and self._on_any_rank(not in_flight.done()):
+            last = self._in_flight_step
+            logger.warning("stop signal received at step %d: the save of step %d, still being written, is the last "
+                           "one (a resume trains steps %d to %d again, to the same result); exiting",
+                           step, last, last + 1, step)
+        else:
+            last = step
+            logger.warning("stop signal received: saving step %d and exiting", step)
+        try:
+            self.wait()
+        except CheckpointError as error:
+            failure = str(error)
+        else:
+            failure = self.failed_save  # with continue_on_save_error
+        if self._saved_step == last:
+            return
+        if failure is not None:
+            logger.warning("%s; saving step %d for the stop instead", failure, step)
+        self.save(step, sync=True)
+
+    def _on_any_rank(self, flag: bool) -> bool:
+        """Whether `flag` holds on any rank. Over the default group: a save in flight may be
+        using the checkpoint group from its background thread."""
+        if self.process_group is None:
+            return flag
+        value = torch.tensor([int(flag)])
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return bool(value.item())
+
     def _publish_when_written(self, upload: Future, partial: Path, final: Path) -> None:
         upload.result()
         self._publish(partial, final)
@@ -325,6 +369,7 @@ class CheckpointManager:
             text = next((t for t in texts if t is not None), None)
         self.failed_save = None
         if text is None:
+            self._saved_step = step
             return
         partial = self.folder / f".step-{step}.partial"
         if self.rank == 0:

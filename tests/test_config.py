@@ -226,8 +226,7 @@ MALFORMED_INPUTS = [
     ("degree zero", None, ["--parallelism.data_parallel_replicate_degree=0"], ["parallelism.data_parallel_replicate_degree"]),
     ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"], ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
     ("zero log_freq", None, ["--metrics.log_freq=0"], ["metrics.log_freq"]),
-    ("stop save time past Slurm's limit", None, ["--checkpoint.stop_save_seconds=65536"], ["checkpoint.stop_save_seconds", "[1, 65535]"]),
-    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [], ["checkpoint.stop_save_seconds", "got 0"]),
+    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [], ["checkpoint.stop_save_seconds", ">= 1", "got 0"]),
     ("zero init timeout", None, ["--comm.init_timeout_seconds=0"], ["comm.init_timeout_seconds"]),
     ("negative trace buffer", None, ["--comm.trace_buf_size=-1"], ["comm.trace_buf_size", ">= 0"]),
     ("text dataset without path", None, ["--training.dataset", "text"], ["training.dataset_path", "'text'"]),
@@ -381,7 +380,7 @@ def test_dry_run_get_prints_one_resolved_value(tmp_path):
                                                "'checkpoint.stop_save_seconds'?"),
     (["--get"], "--get needs a key, e.g. --get checkpoint.stop_save_seconds"),
     (["--get", "checkpoint.stop_save_seconds", "--checkpoint.stop_save_seconds", "0"],
-     "checkpoint.stop_save_seconds must be in [1, 65535], got 0"),
+     "checkpoint.stop_save_seconds must be >= 1, got 0"),
 ], ids=["unknown key", "no key", "bad config"])
 def test_dry_run_get_mistakes_are_one_line(tmp_path, args, message):
     result = run_dry_run(args, cwd=tmp_path)

@@ -213,7 +213,7 @@ class Checkpoint:
     """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1; a failed final save (last step or stop signal) still ends the run with status 1."""
 
     stop_save_seconds: int = 300
-    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks) and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before SIGKILL), and the Slurm script asks for SIGTERM this long before the time limit. At most 65535 (Slurm's limit)."""
+    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks) and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before SIGKILL), and the Slurm script sends the run SIGTERM this long before the job's time limit."""
 
 
 @dataclass

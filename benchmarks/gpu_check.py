@@ -206,7 +206,7 @@ def _compare_checkpoint(folder: Path, reference: dict) -> dict:
            "target": "bit-identical"}
     with tempfile.TemporaryDirectory() as scratch:
         dcp_to_torch_save(str(folder / f"step-{SAVE_STEP}"), f"{scratch}/state.pt")
-        saved = _flatten(torch.load(f"{scratch}/state.pt", weights_only=False))
+        saved = _flatten(torch.load(f"{scratch}/state.pt", weights_only=True))
     tensors = [key for key, value in reference.items() if isinstance(value, torch.Tensor)]
     differing = [key for key in tensors if key not in saved or not torch.equal(saved[key].cpu(), reference[key])]
     row.update(result=f"{len(tensors) - len(differing)} of {len(tensors)} tensors equal"

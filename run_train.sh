@@ -11,6 +11,10 @@
 #   CONFIG_FILE  TOML config (default: this checkout's train_configs/debug_model.toml)
 #   PYTHON       interpreter to use (default python3)
 #
+# Also set for the ranks: PYTORCH_ALLOC_CONF=expandable_segments:True, unless PYTORCH_ALLOC_CONF,
+# PYTORCH_CUDA_ALLOC_CONF or PYTORCH_HIP_ALLOC_CONF is set (even empty). After a SIGTERM,
+# torchrun gives the ranks checkpoint.stop_save_seconds to save before it kills them.
+#
 # The run starts in the caller's folder, as torchtitan's script does: relative paths in the
 # config (dump_folder, hf_assets_path, dataset_path, checkpoint folders) are relative to it.
 set -euo pipefail
@@ -66,5 +70,21 @@ fi
 
 # The preflight has shown the config's warnings; the ranks need not repeat them.
 export TITANLITE_CONFIG_WARNINGS_SHOWN=1
+
+# On SIGTERM torchrun passes the signal on to the ranks and SIGKILLs those still running
+# after its shutdown timeout (30 s unless told otherwise), too short for the ranks to save a
+# large model. The time comes from the resolved config, file and command line alike.
+stop_save_seconds="$("$PYTHON" -m titanlite.config --job.config_file "$CONFIG_FILE" "$@" --get checkpoint.stop_save_seconds)"
+
+# With expandable segments the CUDA caching allocator maps memory into segments that grow,
+# instead of one cudaMalloc per large request, so memory freed by one size of tensor serves
+# other sizes: less fragmentation, fewer out-of-memory errors with memory still free.
+# A setting of the user's own, in this variable or the older device-specific ones, is kept
+# (even an empty one, the way to opt out); on machines without CUDA it has no effect.
+if [[ -z "${PYTORCH_ALLOC_CONF+set}${PYTORCH_CUDA_ALLOC_CONF+set}${PYTORCH_HIP_ALLOC_CONF+set}" ]]; then
+    export PYTORCH_ALLOC_CONF="expandable_segments:True"
+fi
+
 exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
+    --shutdown-timeout "$stop_save_seconds" \
     -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"

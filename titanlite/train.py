@@ -9,7 +9,6 @@ and is imported by nobody.
 
 import dataclasses
 import gc
-import math
 import logging
 import os
 import signal
@@ -243,8 +242,11 @@ class Trainer(Stateful):
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
         parallel_dims = self.plan.parallel_dims
-        mesh = parallel_dims.build_mesh(self.device.type, timedelta(seconds=job_config.comm.init_timeout_seconds))
-        self.mesh = mesh  # its groups get the train timeout after the first step
+        mesh = parallel_dims.build_mesh(self.device.type)
+        # init_device_mesh makes HSDP's and DDP's sub-groups with PyTorch's default timeout
+        # (30 min on gloo, 10 on NCCL): they get the run's, here and after the first step.
+        use_collective_timeout(mesh, job_config.comm.init_timeout_seconds)
+        self.mesh = mesh
 
         # 3. Data: every rank reads a disjoint part of each global batch. Data parallelism
         # is the only dimension, so the data-parallel rank is the global rank.

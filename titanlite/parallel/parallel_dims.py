@@ -1,11 +1,8 @@
 """The data-parallel layout: how many replicas, how many shards each, and the mesh."""
 
 from dataclasses import dataclass
-from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass(frozen=True)
@@ -62,25 +59,12 @@ class ParallelDims:
             return "FSDP"
         return "DDP" if self.dp_shard == 1 else "HSDP"
 
-    def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh | None:
-        """The mesh FSDP shards over: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP.
-
-        FSDP's mesh is the default process group itself. HSDP's and DDP's groups are made
-        here with ``timeout`` (None: PyTorch's default, 30 min on gloo, 10 on NCCL), since
-        init_device_mesh gives its sub-groups no way to take the run's timeout.
-        """
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The mesh FSDP shards over: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
         if self.world_size == 1:
             return None
         if self.dp_replicate == 1:
-            return DeviceMesh.from_group(dist.group.WORLD, device_type, mesh_dim_names=("dp_shard",))
-        # Ranks fill the grid row by row: a row shares one replica's shards, a column
-        # holds the same shard of every replica.
-        grid = torch.arange(self.world_size).view(self.dp_replicate, self.dp_shard)
-        # Every rank takes part in creating every group, one dimension after the other. The
-        # descriptions name the groups in NCCL's logs and flight-recorder dumps.
-        replicate_group, _ = dist.new_subgroups_by_enumeration(
-            grid.t().tolist(), timeout=timeout, group_desc="mesh_dp_replicate")
-        shard_group, _ = dist.new_subgroups_by_enumeration(grid.tolist(), timeout=timeout, group_desc="mesh_dp_shard")
-        return DeviceMesh.from_group(
-            [replicate_group, shard_group], device_type, mesh=grid, mesh_dim_names=("dp_replicate", "dp_shard")
+            return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+        return init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
         )

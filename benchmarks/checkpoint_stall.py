@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rank_process import end_rank, free_port, torchrun_environment
 from torch.distributed.tensor import DTensor
 
-from rank_process import end_rank, free_port, torchrun_environment
 from titanlite.checkpoint import CheckpointManager, complete_steps
 from titanlite.config import Checkpoint, parse_args
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs
@@ -69,14 +69,22 @@ TARGET = 0.05
 
 def trainer_args(dump_folder: str) -> list[str]:
     return [
-        "--model.flavor", FLAVOR,
-        "--job.dump_folder", dump_folder,
-        "--training.seq_len", "32",
-        "--training.local_batch_size", "1",
-        "--training.steps", "1000",
-        "--training.mixed_precision_param", "float32",
-        "--activation_checkpoint.mode", "none",
-        "--lr_scheduler.warmup_steps", "2",
+        "--model.flavor",
+        FLAVOR,
+        "--job.dump_folder",
+        dump_folder,
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        "1000",
+        "--training.mixed_precision_param",
+        "float32",
+        "--activation_checkpoint.mode",
+        "none",
+        "--lr_scheduler.warmup_steps",
+        "2",
     ]
 
 
@@ -116,8 +124,7 @@ def measure(folder: str, repeats: int) -> dict:
         collected = {name: state.state_dict() for name, state in states.items()}
         collect_seconds.append(time.perf_counter() - start)
     local_bytes = sum(
-        (t.to_local() if isinstance(t, DTensor) else t).nbytes
-        for part in collected.values() for t in _tensors(part)
+        (t.to_local() if isinstance(t, DTensor) else t).nbytes for part in collected.values() for t in _tensors(part)
     )
     del collected
     plain_steps = []
@@ -162,7 +169,11 @@ def measure(folder: str, repeats: int) -> dict:
             written = time.perf_counter()
             staging_wait = sum(staging_waits)
             slowdown = stepped - returned - plain_step
-            rows.append(_max_over_ranks([returned - start, staging_wait, returned - start + staging_wait, slowdown, written - start]))
+            rows.append(
+                _max_over_ranks(
+                    [returned - start, staging_wait, returned - start + staging_wait, slowdown, written - start]
+                )
+            )
         manager.close()
         report["timings"][mode] = rows
         if trainer.rank == 0:
@@ -241,8 +252,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="titanlite-ckpt-bench-", dir=parent) as folder:
         result_file = str(Path(folder) / "report.pt")
         mp.start_processes(
-            _worker, args=(args.world_size, free_port(), folder, args.repeats, result_file),
-            nprocs=args.world_size, start_method="spawn", join=True,
+            _worker,
+            args=(args.world_size, free_port(), folder, args.repeats, result_file),
+            nprocs=args.world_size,
+            start_method="spawn",
+            join=True,
         )
         report = torch.load(result_file, weights_only=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))

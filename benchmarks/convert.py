@@ -43,8 +43,8 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -109,19 +109,23 @@ def convert_child(step_dir: str, out_dir: str, max_shard_size: str) -> None:
         _fsync_file(path)
     synced = time.perf_counter()
     shards = [p for p in outputs if p.suffix == ".safetensors"]
-    print(json.dumps({
-        "torch": torch.__version__,
-        "hwm": _hwm_bytes(),
-        "baseline_rss": baseline,
-        "baseline_peak": baseline_peak,
-        "peak_rss": _peak_rss_bytes(),
-        "convert_seconds": converted - start,
-        "convert_fsync_seconds": synced - start,
-        "shards": len(shards),
-        "largest_shard": max(p.stat().st_size for p in shards),
-        "shard_bytes": sum(p.stat().st_size for p in shards),
-        "output_bytes": sum(p.stat().st_size for p in outputs),
-    }))
+    print(
+        json.dumps(
+            {
+                "torch": torch.__version__,
+                "hwm": _hwm_bytes(),
+                "baseline_rss": baseline,
+                "baseline_peak": baseline_peak,
+                "peak_rss": _peak_rss_bytes(),
+                "convert_seconds": converted - start,
+                "convert_fsync_seconds": synced - start,
+                "shards": len(shards),
+                "largest_shard": max(p.stat().st_size for p in shards),
+                "shard_bytes": sum(p.stat().st_size for p in shards),
+                "output_bytes": sum(p.stat().st_size for p in outputs),
+            }
+        )
+    )
 
 
 # --- the parent ------------------------------------------------------------------------
@@ -188,9 +192,13 @@ def main() -> int:
     parser.add_argument("--size-gb", type=float, default=1.2, help="float32 weights to build, in GB (at least 1)")
     parser.add_argument("--max-shard-size", default="300MB", help="export's shard limit, e.g. 300MB or 1GiB")
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="turns of copy then convert; the ratio is of the median times (single runs vary a lot "
-                             "on a shared machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="turns of copy then convert; the ratio is of the median times (single runs vary a lot "
+        "on a shared machine)",
+    )
     args = parser.parse_args()
     if args.size_gb < 1:
         parser.error("--size-gb must be at least 1")
@@ -227,9 +235,11 @@ def main() -> int:
     print("| turn | copy s (GB/s) | convert s (GB/s) | convert without fsync s | convert peak RSS - baseline |")
     print("|---|---|---|---|---|")
     for turn, (copy_seconds, report) in enumerate(zip(copies, reports), start=1):
-        print(f"| {turn} | {copy_seconds:.2f} ({source_bytes / copy_seconds / 1e9:.2f}) | "
-              f"{report['convert_fsync_seconds']:.2f} ({source_bytes / report['convert_fsync_seconds'] / 1e9:.2f}) | "
-              f"{report['convert_seconds']:.2f} | {report['hwm'] - report['baseline_rss']:,} |")
+        print(
+            f"| {turn} | {copy_seconds:.2f} ({source_bytes / copy_seconds / 1e9:.2f}) | "
+            f"{report['convert_fsync_seconds']:.2f} ({source_bytes / report['convert_fsync_seconds'] / 1e9:.2f}) | "
+            f"{report['convert_seconds']:.2f} | {report['hwm'] - report['baseline_rss']:,} |"
+        )
     worst = max(reports, key=lambda r: r["hwm"] - r["baseline_rss"])
     rss_growth = worst["hwm"] - worst["baseline_rss"]
     print()
@@ -243,10 +253,14 @@ def main() -> int:
     print()
     copy_median = statistics.median(copies)
     convert_median = statistics.median(r["convert_fsync_seconds"] for r in reports)
-    print(f"throughput ratio convert/copy = {copy_median / convert_median:.2f} (target >= {THROUGHPUT_TARGET}; "
-          f"median seconds of {args.repeats} turns: copy {copy_median:.2f}, convert {convert_median:.2f})")
-    print(f"peak RSS / largest shard = {rss_growth / worst['largest_shard']:.2f} (target <= {RSS_TARGET}); "
-          f"raw peak RSS {worst['hwm'] / 1e9:.2f} GB = {worst['hwm'] / worst['largest_shard']:.2f} x largest shard")
+    print(
+        f"throughput ratio convert/copy = {copy_median / convert_median:.2f} (target >= {THROUGHPUT_TARGET}; "
+        f"median seconds of {args.repeats} turns: copy {copy_median:.2f}, convert {convert_median:.2f})"
+    )
+    print(
+        f"peak RSS / largest shard = {rss_growth / worst['largest_shard']:.2f} (target <= {RSS_TARGET}); "
+        f"raw peak RSS {worst['hwm'] / 1e9:.2f} GB = {worst['hwm'] / worst['largest_shard']:.2f} x largest shard"
+    )
     return 0
 
 

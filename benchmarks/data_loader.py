@@ -88,8 +88,9 @@ def median_and_range(values: list[float]) -> tuple[float, float, float]:
 # --------------------------------------------------------------------------- 1. loader tokens/s
 
 
-def loader_tokens_per_second(windows: PreparedWindows, batch: int, degrees: tuple[int, ...], batches: int,
-                             warmup: int, rounds: int) -> dict[int, list[float]]:
+def loader_tokens_per_second(
+    windows: PreparedWindows, batch: int, degrees: tuple[int, ...], batches: int, warmup: int, rounds: int
+) -> dict[int, list[float]]:
     """Rank 0's tokens/s per dp degree, one figure per round; the degrees take turns."""
     rates: dict[int, list[float]] = {dp: [] for dp in degrees}
     for round_index in range(rounds):
@@ -114,8 +115,9 @@ def open_windows(paths: list[Path], weights: tuple[Fraction, ...]) -> PreparedWi
     return PreparedWindows(folders, list(weights), SEQ_LEN, shuffle=True, seed=0)
 
 
-def seek_seconds(paths: list[Path], weights: tuple[Fraction, ...], batch: int,
-                 repeats: int) -> tuple[list[float], list[float]]:
+def seek_seconds(
+    paths: list[Path], weights: tuple[Fraction, ...], batch: int, repeats: int
+) -> tuple[list[float], list[float]]:
     """(seconds to open the folders, seconds from a new loader to its first batch at 1e11 tokens) per repeat."""
     reference = DataLoader(open_windows(paths, weights), local_batch_size=batch, dp_rank=0, dp_degree=1)
     state = reference.state_dict()  # the data description and cursor of this very data
@@ -199,8 +201,14 @@ def parallel_encode_seconds(tokenizer_path: Path, documents: list[str], processe
 
 def prepare_seconds(jsonl_path: Path, tokenizer_folder: Path, output: Path) -> tuple[int, float]:
     start = time.perf_counter()
-    manifest = prepare("text", str(jsonl_path), str(output), hf_assets_path=str(tokenizer_folder),
-                       workers=os.cpu_count(), progress=False)
+    manifest = prepare(
+        "text",
+        str(jsonl_path),
+        str(output),
+        hf_assets_path=str(tokenizer_folder),
+        workers=os.cpu_count(),
+        progress=False,
+    )
     return manifest["tokens"], time.perf_counter() - start
 
 
@@ -215,8 +223,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, help="rounds over the degrees (default 7; quick 2)")
     parser.add_argument("--seek-repeats", type=int, help="resume seeks per data set (default 11; quick 3)")
     parser.add_argument("--prepare-rounds", type=int, help="baseline/prepare turns (default 3; quick 1)")
-    parser.add_argument("--documents", type=int,
-                        help="python_stdlib train documents to prepare with the BPE (default all; quick 150)")
+    parser.add_argument(
+        "--documents", type=int, help="python_stdlib train documents to prepare with the BPE (default all; quick 150)"
+    )
     args = parser.parse_args()
     batches = args.batches or (50 if args.quick else 1000)
     rounds = args.rounds or (2 if args.quick else 7)
@@ -227,9 +236,11 @@ def main() -> int:
 
     load_before = os.getloadavg()
     now = datetime.datetime.now(datetime.timezone.utc)
-    print(f"titanlite data loader, {now:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"Python {sys.version.split()[0]}; load average {load_before[0]:.2f} {load_before[1]:.2f} "
-          f"{load_before[2]:.2f} before{' (--quick)' if args.quick else ''}")
+    print(
+        f"titanlite data loader, {now:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Python {sys.version.split()[0]}; load average {load_before[0]:.2f} {load_before[1]:.2f} "
+        f"{load_before[2]:.2f} before{' (--quick)' if args.quick else ''}"
+    )
     started = time.perf_counter()
     rows = []
     with tempfile.TemporaryDirectory(prefix="titanlite-data-loader-") as temporary:
@@ -238,44 +249,73 @@ def main() -> int:
         # The byte-tokenized data for the loader and the seek.
         train_path, validation_path = work / "stdlib-train", work / "stdlib-validation"
         seconds = time.perf_counter()
-        train = prepare("python_stdlib", None, str(train_path), split="train", shard_tokens=SHARD_TOKENS,
-                        progress=False)
-        prepare("python_stdlib", None, str(validation_path), split="validation", shard_tokens=SHARD_TOKENS,
-                progress=False)
+        train = prepare(
+            "python_stdlib", None, str(train_path), split="train", shard_tokens=SHARD_TOKENS, progress=False
+        )
+        prepare(
+            "python_stdlib", None, str(validation_path), split="validation", shard_tokens=SHARD_TOKENS, progress=False
+        )
         seconds = time.perf_counter() - seconds
         windows = open_windows([train_path], (Fraction(1),))
         shards = sum(entry["name"].startswith("tokens-") for entry in train["files"])
-        print(f"data: python_stdlib train, byte tokenizer, {train['tokens']:,} tokens in {shards} shard files, "
-              f"{windows.windows_per_epoch[0]:,} windows of {SEQ_LEN + 1} per epoch, shuffled (both splits "
-              f"prepared in {seconds:.1f} s); local batch {args.batch}")
+        print(
+            f"data: python_stdlib train, byte tokenizer, {train['tokens']:,} tokens in {shards} shard files, "
+            f"{windows.windows_per_epoch[0]:,} windows of {SEQ_LEN + 1} per epoch, shuffled (both splits "
+            f"prepared in {seconds:.1f} s); local batch {args.batch}"
+        )
 
         # 1. Loader tokens/s per degree.
         rates = loader_tokens_per_second(windows, args.batch, DEGREES, batches, warmup, rounds)
         medians = {dp: statistics.median(values) for dp, values in rates.items()}
         for dp in DEGREES:
             middle, low, high = median_and_range(rates[dp])
-            rows.append((f"loader tokens/s, rank 0 of dp {dp}", f"{middle / 1e6:.1f} M", "",
-                         f"median of {rounds} rounds of {batches} batches ({low / 1e6:.1f}–{high / 1e6:.1f} M)"))
+            rows.append(
+                (
+                    f"loader tokens/s, rank 0 of dp {dp}",
+                    f"{middle / 1e6:.1f} M",
+                    "",
+                    f"median of {rounds} rounds of {batches} batches ({low / 1e6:.1f}–{high / 1e6:.1f} M)",
+                )
+            )
         ratio = medians[DEGREES[-1]] / medians[DEGREES[0]]
         rows.append((f"loader tokens/s dp{DEGREES[-1]} / dp{DEGREES[0]}", f"{ratio:.2f}", ">= 0.9", "ratio of medians"))
         per_rank = medians[1]
-        rows.append(("tokens/s per rank (rank 0, dp 1)", f"{per_rank / 1e6:.1f} M", ">= 20 M",
-                     f"{per_rank / (SEQ_LEN + 1) / args.batch:,.0f} batches/s of {args.batch} x {SEQ_LEN + 1}"))
+        rows.append(
+            (
+                "tokens/s per rank (rank 0, dp 1)",
+                f"{per_rank / 1e6:.1f} M",
+                ">= 20 M",
+                f"{per_rank / (SEQ_LEN + 1) / args.batch:,.0f} batches/s of {args.batch} x {SEQ_LEN + 1}",
+            )
+        )
 
         # 2. Resume seek.
         seek_results = {}
-        for label, paths, weights in (("one folder", [train_path], (Fraction(1),)),
-                                      ("mixture 3:1 of two folders", [train_path, validation_path],
-                                       MIXTURE_WEIGHTS)):
+        for label, paths, weights in (
+            ("one folder", [train_path], (Fraction(1),)),
+            ("mixture 3:1 of two folders", [train_path, validation_path], MIXTURE_WEIGHTS),
+        ):
             opens, seeks = seek_seconds(paths, weights, args.batch, seek_repeats)
             middle, low, high = median_and_range(seeks)
             seek_results[label] = middle
             target = "<= 10 ms" if label.startswith("mixture") else ""
-            rows.append((f"resume seek at 1e11 tokens, {label}", f"{middle * 1e3:.2f} ms", target,
-                         f"new loader + load_state_dict + first batch; median of {seek_repeats} "
-                         f"({low * 1e3:.2f}–{high * 1e3:.2f} ms)"))
-            rows.append((f"opening the prepared folders, {label}", f"{statistics.median(opens) * 1e3:.2f} ms", "",
-                         "manifest read and hashed, shard sizes checked; not in the seek"))
+            rows.append(
+                (
+                    f"resume seek at 1e11 tokens, {label}",
+                    f"{middle * 1e3:.2f} ms",
+                    target,
+                    f"new loader + load_state_dict + first batch; median of {seek_repeats} "
+                    f"({low * 1e3:.2f}–{high * 1e3:.2f} ms)",
+                )
+            )
+            rows.append(
+                (
+                    f"opening the prepared folders, {label}",
+                    f"{statistics.median(opens) * 1e3:.2f} ms",
+                    "",
+                    "manifest read and hashed, shard sizes checked; not in the seek",
+                )
+            )
 
         # 3. Prepare throughput with an 8k BPE.
         documents = list(build_documents("python_stdlib", None, "train")())
@@ -297,25 +337,52 @@ def main() -> int:
             prepared_tokens, seconds = prepare_seconds(jsonl_path, bpe_folder, work / f"bpe-prepared-{turn}")
             prepare_rates.append(prepared_tokens / seconds)
             if not prepared_tokens == parallel_tokens == tokens:
-                raise AssertionError(f"token counts differ: encode loop {tokens}, {cores} processes "
-                                     f"{parallel_tokens}, prepare {prepared_tokens}")
+                raise AssertionError(
+                    f"token counts differ: encode loop {tokens}, {cores} processes "
+                    f"{parallel_tokens}, prepare {prepared_tokens}"
+                )
         baseline, low, high = median_and_range(baseline_rates)
-        rows.append(("BPE 8k: encode loop, 1 process (baseline)", f"{baseline / 1e6:.3f} M tokens/s", "",
-                     f"{len(documents)} documents, {tokens:,} tokens; median of {prepare_rounds} "
-                     f"({low / 1e6:.3f}–{high / 1e6:.3f})"))
+        rows.append(
+            (
+                "BPE 8k: encode loop, 1 process (baseline)",
+                f"{baseline / 1e6:.3f} M tokens/s",
+                "",
+                f"{len(documents)} documents, {tokens:,} tokens; median of {prepare_rounds} "
+                f"({low / 1e6:.3f}–{high / 1e6:.3f})",
+            )
+        )
         parallel, low, high = median_and_range(parallel_rates)
-        rows.append((f"BPE 8k: encode loop in {cores} processes at once", f"{parallel / 1e6:.3f} M tokens/s", "",
-                     f"what {cores} cores give this work here; median of {prepare_rounds} "
-                     f"({low / 1e6:.3f}–{high / 1e6:.3f})"))
+        rows.append(
+            (
+                f"BPE 8k: encode loop in {cores} processes at once",
+                f"{parallel / 1e6:.3f} M tokens/s",
+                "",
+                f"what {cores} cores give this work here; median of {prepare_rounds} "
+                f"({low / 1e6:.3f}–{high / 1e6:.3f})",
+            )
+        )
         prepared, low, high = median_and_range(prepare_rates)
-        rows.append((f"BPE 8k: prepare, {cores} workers", f"{prepared / 1e6:.3f} M tokens/s", "",
-                     f"reads the file, writes shards + SHA-256; median of {prepare_rounds} "
-                     f"({low / 1e6:.3f}–{high / 1e6:.3f})"))
+        rows.append(
+            (
+                f"BPE 8k: prepare, {cores} workers",
+                f"{prepared / 1e6:.3f} M tokens/s",
+                "",
+                f"reads the file, writes shards + SHA-256; median of {prepare_rounds} "
+                f"({low / 1e6:.3f}–{high / 1e6:.3f})",
+            )
+        )
         prepare_ratio = prepared / baseline
-        rows.append(("BPE 8k: prepare / baseline", f"{prepare_ratio:.2f}", f">= 1.6 on {cores} cores",
-                     "ratio of medians"))
-        rows.append((f"BPE 8k: {cores} processes / baseline", f"{parallel / baseline:.2f}", "",
-                     "reference: the cores' scaling at the time"))
+        rows.append(
+            ("BPE 8k: prepare / baseline", f"{prepare_ratio:.2f}", f">= 1.6 on {cores} cores", "ratio of medians")
+        )
+        rows.append(
+            (
+                f"BPE 8k: {cores} processes / baseline",
+                f"{parallel / baseline:.2f}",
+                "",
+                "reference: the cores' scaling at the time",
+            )
+        )
 
     print()
     print("| figure | result | target | how |")
@@ -324,11 +391,15 @@ def main() -> int:
         print("| " + " | ".join(row) + " |")
     print()
     load_after = os.getloadavg()
-    print(f"{time.perf_counter() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
-          f"{load_after[2]:.2f} after")
+    print(
+        f"{time.perf_counter() - started:.0f} s; load average {load_after[0]:.2f} {load_after[1]:.2f} "
+        f"{load_after[2]:.2f} after"
+    )
     print(f"tokens/s per rank (rank 0, dp 1) = {per_rank / 1e6:.1f} M (target >= 20 M)")
-    print(f"prepare with an 8k BPE, {cores} workers / 1-process encode loop = {prepare_ratio:.2f} (target >= 1.6; "
-          f"the encode loop in {cores} processes at once gives {parallel / baseline:.2f})")
+    print(
+        f"prepare with an 8k BPE, {cores} workers / 1-process encode loop = {prepare_ratio:.2f} (target >= 1.6; "
+        f"the encode loop in {cores} processes at once gives {parallel / baseline:.2f})"
+    )
     print(f"loader tokens/s dp{DEGREES[-1]}/dp{DEGREES[0]} = {ratio:.2f} (target >= 0.9)")
     print(f"resume seek at 1e11 tokens = {seek_results['mixture 3:1 of two folders'] * 1e3:.1f} ms (target <= 10)")
     return 0

@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import throughput  # noqa: E402  (the runner and models of benchmarks/throughput.py)
+from rank_process import end_rank, free_port  # noqa: E402
 
 from titanlite.estimate import Hardware, estimate_step_time  # noqa: E402
-from rank_process import end_rank, free_port  # noqa: E402
 
 ALL_GATHER_BYTES = 64 * 2**20
 
@@ -92,9 +92,16 @@ def predict(model: str, layout: throughput.Layout, hardware: Hardware, seq_len: 
     flavor, args = throughput.MODELS[model]
     model_args = args if args is not None else LLAMA3_FLAVORS[flavor]
     return estimate_step_time(
-        model_args, seq_len=seq_len, local_batch_size=batch, hardware=hardware,
-        dp_replicate=layout.replicate, dp_shard=layout.shard, world_size=layout.ranks,
-        param_dtype="float32", reduce_dtype="float32", ac_mode="none",
+        model_args,
+        seq_len=seq_len,
+        local_batch_size=batch,
+        hardware=hardware,
+        dp_replicate=layout.replicate,
+        dp_shard=layout.shard,
+        world_size=layout.ranks,
+        param_dtype="float32",
+        reduce_dtype="float32",
+        ac_mode="none",
     )
 
 
@@ -105,12 +112,22 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is left out (default 4)")
     options = parser.parse_args()
     peak, link = matmul_flops(), gloo_bandwidth()
-    hardware = Hardware(name="cpu-core", peak_flops=peak, memory_bytes=24 * 2**30, intra_node_bw=link,
-                        inter_node_bw=link, gpus_per_node=2)
-    print(f"titanlite estimate check, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before")
-    print(f"measured: one thread {peak / 1e9:.1f} GFLOP/s on a 2048^3 float32 matmul; gloo all-gather "
-          f"{link / 1e9:.2f} GB/s per rank per direction")
+    hardware = Hardware(
+        name="cpu-core",
+        peak_flops=peak,
+        memory_bytes=24 * 2**30,
+        intra_node_bw=link,
+        inter_node_bw=link,
+        gpus_per_node=2,
+    )
+    print(
+        f"titanlite estimate check, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before"
+    )
+    print(
+        f"measured: one thread {peak / 1e9:.1f} GFLOP/s on a 2048^3 float32 matmul; gloo all-gather "
+        f"{link / 1e9:.2f} GB/s per rank per direction"
+    )
     runner = argparse.Namespace(steps=options.steps, warmup=1, seq_len=options.seq_len, threads=1)
     batch = 1
     rows = []
@@ -121,19 +138,24 @@ def main() -> int:
             predicted = predict(options.model, layout, hardware, options.seq_len, batch)
             rows.append((name, predicted, measured))
     print()
-    print("| layout | predicted compute s | predicted comm s | predicted step s | measured step s | "
-          "predicted tok/s/rank | measured tok/s/rank | measured / predicted |")
+    print(
+        "| layout | predicted compute s | predicted comm s | predicted step s | measured step s | "
+        "predicted tok/s/rank | measured tok/s/rank | measured / predicted |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, predicted, measured in rows:
         measured_tps = min(measured.per_rank_tps)
-        print(f"| {name} | {predicted.compute_s:.3f} | {predicted.comm_s:.3f} | {predicted.step_s:.3f} | "
-              f"{measured.step_seconds:.3f} | {predicted.tokens_per_second_per_device:,.0f} | {measured_tps:,.0f} | "
-              f"{measured_tps / predicted.tokens_per_second_per_device:.2f} |")
+        print(
+            f"| {name} | {predicted.compute_s:.3f} | {predicted.comm_s:.3f} | {predicted.step_s:.3f} | "
+            f"{measured.step_seconds:.3f} | {predicted.tokens_per_second_per_device:,.0f} | {measured_tps:,.0f} | "
+            f"{measured_tps / predicted.tokens_per_second_per_device:.2f} |"
+        )
     print(f"\nload average {os.getloadavg()[0]:.2f} after")
     name, predicted, measured = rows[-1]
     ratio = min(measured.per_rank_tps) / predicted.tokens_per_second_per_device
-    print(f"measured / predicted tokens/s per rank, FSDP 2 ranks = {ratio:.2f} "
-          f"(verdict predicted: {predicted.verdict})")
+    print(
+        f"measured / predicted tokens/s per rank, FSDP 2 ranks = {ratio:.2f} (verdict predicted: {predicted.verdict})"
+    )
     return 0
 
 

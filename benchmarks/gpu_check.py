@@ -45,12 +45,21 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 from rank_process import free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
+
 FLAVOR = "check1b"
-MODEL_ARGS = LlamaArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-                       ffn_dim_multiplier=1.5, rope_theta=500000.0)
+MODEL_ARGS = LlamaArgs(
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    vocab_size=128256,
+    multiple_of=1024,
+    ffn_dim_multiplier=1.5,
+    rope_theta=500000.0,
+)
 MFU_TARGET, MEMORY_TOLERANCE = 45.0, 0.10
 SAVE_STEP = 7
 MFU, MAX_ACTIVE, TPS = "mfu(%)", "memory/max_active(GiB)", "throughput(tps)"
@@ -63,21 +72,36 @@ def register_flavor() -> None:
 def trainer_argv(dump: str, compiled: bool, dry_run: bool) -> list[str]:
     steps, log_freq = (20, 5) if compiled else (12, 4)
     argv = [
-        "--model.flavor", "debugmodel" if dry_run else FLAVOR,
-        "--job.dump_folder", dump,
-        "--training.seq_len", "128" if dry_run else "8192",
-        "--training.local_batch_size", "1",
-        "--training.steps", str(steps),
-        "--training.mixed_precision_param", "bfloat16",
-        "--activation_checkpoint.mode", "selective",
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", str(log_freq),
+        "--model.flavor",
+        "debugmodel" if dry_run else FLAVOR,
+        "--job.dump_folder",
+        dump,
+        "--training.seq_len",
+        "128" if dry_run else "8192",
+        "--training.local_batch_size",
+        "1",
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        str(log_freq),
     ]
     if compiled and not dry_run:
         argv += ["--compile.enable", "--compile.components", "model,loss"]
     if compiled:
-        argv += ["--checkpoint.enable", "--checkpoint.interval", str(SAVE_STEP), "--checkpoint.async_mode",
-                 "async_with_pinned_mem", "--ema.enable"]
+        argv += [
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            str(SAVE_STEP),
+            "--checkpoint.async_mode",
+            "async_with_pinned_mem",
+            "--ema.enable",
+        ]
     if dry_run:
         argv += ["--metrics.peak_tflops", "1"]
     return argv
@@ -89,8 +113,10 @@ def trainer_argv(dump: str, compiled: bool, dry_run: bool) -> list[str]:
 def sdpa_rows(device: torch.device) -> list[dict]:
     """Run one GQA attention layer at seq 8192 in bf16 and fp32 with the math backend off."""
     if device.type != "cuda":
-        return [{"check": f"SDPA kernel, {name}", "result": "n/a (CPU)", "target": "flash or efficient", "ok": True}
-                for name in ("bf16", "fp32")]
+        return [
+            {"check": f"SDPA kernel, {name}", "result": "n/a (CPU)", "target": "flash or efficient", "ok": True}
+            for name in ("bf16", "fp32")
+        ]
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,14 +132,19 @@ def sdpa_rows(device: torch.device) -> list[dict]:
         tokens = torch.randint(0, 256, (1, 8192), device=device)
         row = {"check": f"SDPA kernel, {name}", "target": "flash or efficient, never math"}
         try:
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                              SDPBackend.CUDNN_ATTENTION]), torch.no_grad(), profile(
-                    activities=[ProfilerActivity.CUDA]) as prof:
+            with (
+                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]),
+                torch.no_grad(),
+                profile(activities=[ProfilerActivity.CUDA]) as prof,
+            ):
                 model(tokens)
                 torch.cuda.synchronize()
             kernels = {event.name for event in prof.events() if event.device_type.name == "CUDA"}
-            attention = sorted(k for k in kernels if any(mark in k.lower() for mark in ("flash", "fmha", "efficient",
-                                                                                         "cudnn", "attention")))
+            attention = sorted(
+                k
+                for k in kernels
+                if any(mark in k.lower() for mark in ("flash", "fmha", "efficient", "cudnn", "attention"))
+            )
             row.update(result=(attention[0][:60] if attention else "no attention kernel named"), ok=bool(attention))
         except RuntimeError as error:  # no fused kernel takes this layout
             row.update(result=f"needs math: {str(error).splitlines()[0][:80]}", ok=False)
@@ -151,8 +182,13 @@ def training_rows(argv: list[str], compiled: bool, device: torch.device) -> tupl
     reference: dict = {}
 
     def quiet(step: int) -> bool:
-        return not (step == 1 or step % log_freq == 0 or step == last or step % SYNC_EVERY == 0
-                    or trainer.checkpointer.should_save(step, last))
+        return not (
+            step == 1
+            or step % log_freq == 0
+            or step == last
+            or step % SYNC_EVERY == 0
+            or trainer.checkpointer.should_save(step, last)
+        )
 
     one_step = trainer._one_step
 
@@ -187,12 +223,24 @@ def training_rows(argv: list[str], compiled: bool, device: torch.device) -> tupl
     steady = [r for r in records if r["step"] > (10 if compiled else 4)]
     mode = "compiled" if compiled else "eager"
     mfu = statistics.median(r[MFU] for r in steady) if steady and all(MFU in r for r in steady) else None
-    rows = [{"check": f"MFU, 1B seq 8192, {mode}", "result": "n/a" if mfu is None else f"{mfu:.1f}%",
-             "target": f">= {MFU_TARGET:.0f}%" if compiled else "(reference)",
-             "ok": mfu is not None and (mfu >= MFU_TARGET or not compiled or device.type != "cuda")}]
-    rows.append({"check": f"host syncs in quiet steps, {mode}",
-                 "result": "n/a (CPU)" if device.type != "cuda" else f"{len(syncs)}" + (f" ({syncs[0][:50]})" if syncs else ""),
-                 "target": "0", "ok": not syncs})
+    rows = [
+        {
+            "check": f"MFU, 1B seq 8192, {mode}",
+            "result": "n/a" if mfu is None else f"{mfu:.1f}%",
+            "target": f">= {MFU_TARGET:.0f}%" if compiled else "(reference)",
+            "ok": mfu is not None and (mfu >= MFU_TARGET or not compiled or device.type != "cuda"),
+        }
+    ]
+    rows.append(
+        {
+            "check": f"host syncs in quiet steps, {mode}",
+            "result": "n/a (CPU)"
+            if device.type != "cuda"
+            else f"{len(syncs)}" + (f" ({syncs[0][:50]})" if syncs else ""),
+            "target": "0",
+            "ok": not syncs,
+        }
+    )
     measured = max((r[MAX_ACTIVE] for r in steady if MAX_ACTIVE in r), default=None)
     if compiled:
         rows.append(_compare_checkpoint(Path(job_config.job.dump_folder) / job_config.checkpoint.folder, reference))
@@ -202,15 +250,20 @@ def training_rows(argv: list[str], compiled: bool, device: torch.device) -> tupl
 def _compare_checkpoint(folder: Path, reference: dict) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    row = {"check": f"async_with_pinned_mem save of step {SAVE_STEP} vs its synchronous copy",
-           "target": "bit-identical"}
+    row = {
+        "check": f"async_with_pinned_mem save of step {SAVE_STEP} vs its synchronous copy",
+        "target": "bit-identical",
+    }
     with tempfile.TemporaryDirectory() as scratch:
         dcp_to_torch_save(str(folder / f"step-{SAVE_STEP}"), f"{scratch}/state.pt")
         saved = _flatten(torch.load(f"{scratch}/state.pt", weights_only=True))
     tensors = [key for key, value in reference.items() if isinstance(value, torch.Tensor)]
     differing = [key for key in tensors if key not in saved or not torch.equal(saved[key].cpu(), reference[key])]
-    row.update(result=f"{len(tensors) - len(differing)} of {len(tensors)} tensors equal"
-               + (f" (first differing: {differing[0]})" if differing else ""), ok=bool(tensors) and not differing)
+    row.update(
+        result=f"{len(tensors) - len(differing)} of {len(tensors)} tensors equal"
+        + (f" (first differing: {differing[0]})" if differing else ""),
+        ok=bool(tensors) and not differing,
+    )
     return row
 
 
@@ -252,8 +305,11 @@ def memory_row(dry_run: bool, measured_gib: float | None) -> dict:
     if measured_gib is None:
         return {**row, "result": f"estimate {predicted:.2f} GiB; nothing measured", "ok": dry_run}
     ratio = measured_gib / predicted
-    return {**row, "result": f"{measured_gib:.2f} vs {predicted:.2f} GiB = {ratio:.2f}",
-            "ok": dry_run or abs(ratio - 1) <= MEMORY_TOLERANCE}
+    return {
+        **row,
+        "result": f"{measured_gib:.2f} vs {predicted:.2f} GiB = {ratio:.2f}",
+        "ok": dry_run or abs(ratio - 1) <= MEMORY_TOLERANCE,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -267,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     register_flavor()
     with tempfile.TemporaryDirectory() as scratch:
         out = f"{scratch}/rows.json"
-        mp.start_processes(_worker, args=(free_port(), options.cpu_dry_run, out), nprocs=1, start_method="spawn",
-                           join=True)
+        mp.start_processes(
+            _worker, args=(free_port(), options.cpu_dry_run, out), nprocs=1, start_method="spawn", join=True
+        )
         result = json.loads(Path(out).read_text())
     rows = result["rows"] + [memory_row(options.cpu_dry_run, result.get("max_active_gib"))]
     print(f"titanlite GPU check on {device_name}, torch {torch.__version__}")
@@ -276,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"| {row['check']} | {row['result']} | {row['target']} | {'yes' if row['ok'] else 'NO'} |")
     failed = [row["check"] for row in rows if not row["ok"]]
-    print(f"{len(rows) - len(failed)} of {len(rows)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(
+        f"{len(rows) - len(failed)} of {len(rows)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else "")
+    )
     return 1 if failed else 0
 
 

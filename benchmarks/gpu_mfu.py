@@ -55,14 +55,27 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 from rank_process import free_port, quiet_every_rank_lines  # noqa: E402
 
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
+
 FLAVOR = "bench1b"
-MODEL_ARGS = LlamaArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=8, vocab_size=128256, multiple_of=1024,
-                       ffn_dim_multiplier=1.5, rope_theta=500000.0)
+MODEL_ARGS = LlamaArgs(
+    dim=2048,
+    n_layers=16,
+    n_heads=16,
+    n_kv_heads=8,
+    vocab_size=128256,
+    multiple_of=1024,
+    ffn_dim_multiplier=1.5,
+    rope_theta=500000.0,
+)
 TPS, TFLOPS, MFU, STEP_TIME, MAX_ACTIVE = (
-    "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)", "memory/max_active(GiB)"
+    "throughput(tps)",
+    "tflops",
+    "mfu(%)",
+    "time_metrics/end_to_end(s)",
+    "memory/max_active(GiB)",
 )
 
 
@@ -72,18 +85,29 @@ def register_flavor() -> None:
 
 def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
     argv = [
-        "--model.flavor", "debugmodel" if options.cpu_dry_run else FLAVOR,
-        "--job.dump_folder", dump,
-        "--training.seq_len", str(options.seq_len),
-        "--training.local_batch_size", str(options.batch),
-        "--training.steps", str(options.steps),
-        "--training.mixed_precision_param", "bfloat16",
-        "--activation_checkpoint.mode", "selective",
-        "--activation_checkpoint.selective_ac_option", options.ac_option,
+        "--model.flavor",
+        "debugmodel" if options.cpu_dry_run else FLAVOR,
+        "--job.dump_folder",
+        dump,
+        "--training.seq_len",
+        str(options.seq_len),
+        "--training.local_batch_size",
+        str(options.batch),
+        "--training.steps",
+        str(options.steps),
+        "--training.mixed_precision_param",
+        "bfloat16",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.selective_ac_option",
+        options.ac_option,
         "--compile.enable",
-        "--compile.components", "model,loss",
-        "--lr_scheduler.warmup_steps", "5",
-        "--metrics.log_freq", "1",
+        "--compile.components",
+        "model,loss",
+        "--lr_scheduler.warmup_steps",
+        "5",
+        "--metrics.log_freq",
+        "1",
     ]
     if options.peak_tflops:
         argv += ["--metrics.peak_tflops", str(options.peak_tflops)]
@@ -91,8 +115,15 @@ def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
 
 
 def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOG_RANK="")
+    os.environ.update(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LOG_RANK="",
+    )
     if cpu_only:  # the dry run stays on the CPU even where a GPU exists
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     register_flavor()  # spawned workers start with the built-in flavor table
@@ -161,18 +192,24 @@ def _fmt(value, pattern: str) -> str:
 
 def print_report(options, device_name: str, params: int, summary: dict, predicted, why: str | None) -> None:
     print(f"titanlite GPU MFU, {datetime.date.today()}, torch {torch.__version__}, {device_name}")
-    print(f"llama3 {'debugmodel (CPU dry run)' if options.cpu_dry_run else FLAVOR}, {params / 1e6:,.1f} M params; "
-          f"seq {options.seq_len} x local batch {options.batch}; bf16 autocast, compile (model, loss), "
-          f"selective AC ({options.ac_option}); median of steps {summary['steps'][0]}..{summary['steps'][1]}\n")
+    print(
+        f"llama3 {'debugmodel (CPU dry run)' if options.cpu_dry_run else FLAVOR}, {params / 1e6:,.1f} M params; "
+        f"seq {options.seq_len} x local batch {options.batch}; bf16 autocast, compile (model, loss), "
+        f"selective AC ({options.ac_option}); median of steps {summary['steps'][0]}..{summary['steps'][1]}\n"
+    )
     print("| source | tokens/s | TFLOPs | MFU % | step s | max active GiB |")
     print("|---|---|---|---|---|---|")
-    print(f"| measured (trainer metrics) | {summary[TPS]:,.0f} | {summary[TFLOPS]:.1f} | {_fmt(summary[MFU], '.1f')} | "
-          f"{summary[STEP_TIME]:.3f} | {_fmt(summary[MAX_ACTIVE], '.1f')} |")
+    print(
+        f"| measured (trainer metrics) | {summary[TPS]:,.0f} | {summary[TFLOPS]:.1f} | {_fmt(summary[MFU], '.1f')} | "
+        f"{summary[STEP_TIME]:.3f} | {_fmt(summary[MAX_ACTIVE], '.1f')} |"
+    )
     if predicted is not None:
-        print(f"| estimator ({predicted.hardware.name}, efficiency {predicted.efficiency}) | "
-              f"{predicted.tokens_per_second_per_device:,.0f} | "
-              f"{predicted.tokens_per_second_per_device * predicted.flops_per_token / 1e12:.1f} | "
-              f"{predicted.mfu_percent:.1f} | {predicted.step_s:.3f} | |")
+        print(
+            f"| estimator ({predicted.hardware.name}, efficiency {predicted.efficiency}) | "
+            f"{predicted.tokens_per_second_per_device:,.0f} | "
+            f"{predicted.tokens_per_second_per_device * predicted.flops_per_token / 1e12:.1f} | "
+            f"{predicted.mfu_percent:.1f} | {predicted.step_s:.3f} | |"
+        )
     print()
     if options.cpu_dry_run:
         print("note: CPU dry run: the estimate is an H100's and the measurement a CPU's; neither means anything here")
@@ -213,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     register_flavor()
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-mfu-") as dump:
         argv = trainer_argv(options, dump)
-        mp.start_processes(_worker, args=(argv, free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True)
+        mp.start_processes(
+            _worker, args=(argv, free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True
+        )
         summary = summarise(read_metrics(Path(dump)), options.warmup)
     from titanlite.metrics.flops import count_params
 

@@ -59,13 +59,18 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 from rank_process import end_rank, free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
+
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 
 MODELS = {
     "debug": ("debugmodel", None),
-    "100m": ("bench100m", LlamaArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000,
-                                    multiple_of=256, rope_theta=500000.0)),
+    "100m": (
+        "bench100m",
+        LlamaArgs(
+            dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256, rope_theta=500000.0
+        ),
+    ),
 }
 PARTS = ("parameters", "gradients", "optimizer")
 MIB = 2**20
@@ -141,21 +146,34 @@ def _rank(rank: int, world_size: int, port: int, model_name: str, seq_len: int, 
     from titanlite.train import Trainer
 
     quiet_every_rank_lines()
-    trainer = Trainer(parse_args([
-        "--model.flavor", flavor,
-        "--job.dump_folder", dump,
-        "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", "1",
-        "--training.steps", "10",
-        "--training.mixed_precision_param", "float32",
-        "--activation_checkpoint.mode", "none",
-        "--parallelism.data_parallel_shard_degree", "-1",  # FSDP over every rank
-    ]))
+    trainer = Trainer(
+        parse_args(
+            [
+                "--model.flavor",
+                flavor,
+                "--job.dump_folder",
+                dump,
+                "--training.seq_len",
+                str(seq_len),
+                "--training.local_batch_size",
+                "1",
+                "--training.steps",
+                "10",
+                "--training.mixed_precision_param",
+                "float32",
+                "--activation_checkpoint.mode",
+                "none",
+                "--parallelism.data_parallel_shard_degree",
+                "-1",  # FSDP over every rank
+            ]
+        )
+    )
     figures = {}
     # After optimizer.step() and before zero_grad(): parameters, gradients and optimizer
     # state all exist only at this moment of the step.
-    trainer.optimizer.register_step_post_hook(lambda optimizer, args, kwargs: figures.update(
-        count(trainer.model, optimizer)))
+    trainer.optimizer.register_step_post_hook(
+        lambda optimizer, args, kwargs: figures.update(count(trainer.model, optimizer))
+    )
     trainer.train_step()
     figures["estimate"] = estimated(flavor, seq_len, world_size, rank)
     figures["params"] = sum(p.numel() for p in trainer.model.parameters())
@@ -171,8 +189,13 @@ def measure(model: str, world_size: int, seq_len: int, work: Path) -> list[dict]
     dump = work / f"{model}-{world_size}"
     out_dir = dump / "results"
     out_dir.mkdir(parents=True)
-    mp.start_processes(_rank, args=(world_size, free_port(), model, seq_len, str(dump), str(out_dir)),
-                       nprocs=world_size, start_method="spawn", join=True)
+    mp.start_processes(
+        _rank,
+        args=(world_size, free_port(), model, seq_len, str(dump), str(out_dir)),
+        nprocs=world_size,
+        start_method="spawn",
+        join=True,
+    )
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -181,17 +204,21 @@ def ratio(figures: dict, world_size: int) -> float:
 
 
 def print_table(rows: list[tuple[str, int, list[dict]]]) -> None:
-    print("| model | ranks | rank | parameters MiB | gradients MiB | optimizer MiB | sum MiB | "
-          "total / ranks MiB | ratio | estimator MiB |")
+    print(
+        "| model | ranks | rank | parameters MiB | gradients MiB | optimizer MiB | sum MiB | "
+        "total / ranks MiB | ratio | estimator MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model, world_size, ranks in rows:
         for rank, figures in enumerate(ranks):
             local, total = figures["local"], sum(figures["total"].values())
             estimate = "n/a" if figures["estimate"] is None else f"{figures['estimate'] / MIB:.3f}"
-            print(f"| {model} ({figures['params'] / 1e6:.1f} M) | {world_size} | {rank} | "
-                  + " | ".join(f"{local[part] / MIB:.3f}" for part in PARTS)
-                  + f" | {sum(local.values()) / MIB:.3f} | {total / world_size / MIB:.3f} | "
-                  f"{ratio(figures, world_size):.4f} | {estimate} |")
+            print(
+                f"| {model} ({figures['params'] / 1e6:.1f} M) | {world_size} | {rank} | "
+                + " | ".join(f"{local[part] / MIB:.3f}" for part in PARTS)
+                + f" | {sum(local.values()) / MIB:.3f} | {total / world_size / MIB:.3f} | "
+                f"{ratio(figures, world_size):.4f} | {estimate} |"
+            )
 
 
 def print_ratios(rows: list[tuple[str, int, list[dict]]]) -> None:
@@ -200,13 +227,17 @@ def print_ratios(rows: list[tuple[str, int, list[dict]]]) -> None:
     for model, world_size, ranks in rows:
         rank, figures = max(enumerate(ranks), key=lambda item: ratio(item[1], world_size))
         value = ratio(figures, world_size)
-        print(f"{model}, {world_size} rank{'s' if world_size > 1 else ''}: worst rank ({rank}) "
-              f"param+grad+optimizer bytes / (total / {world_size}) = {value:.4f}")
+        print(
+            f"{model}, {world_size} rank{'s' if world_size > 1 else ''}: worst rank ({rank}) "
+            f"param+grad+optimizer bytes / (total / {world_size}) = {value:.4f}"
+        )
         if worst_all is None or value > worst_all[0]:
             worst_all = (value, model, world_size, rank)
     value, model, world_size, rank = worst_all
-    print(f"worst per-rank param+grad+optimizer bytes / (total / world size) = {value:.4f} "
-          f"({model}, {world_size} ranks, rank {rank}; target 1.0 plus padding)")
+    print(
+        f"worst per-rank param+grad+optimizer bytes / (total / world size) = {value:.4f} "
+        f"({model}, {world_size} ranks, rank {rank}; target 1.0 plus padding)"
+    )
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -240,16 +271,21 @@ def main(argv: list[str] | None = None) -> int:
         for model in options.models:
             for world_size in options.world_sizes:
                 rows.append((model, world_size, measure(model, world_size, options.seq_len, Path(work))))
-    print(f"titanlite memory scaling, {datetime.date.today()}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPU cores, gloo; {time.perf_counter() - started:.0f} s "
-          f"(load average {load_before[0]:.2f} before)")
-    print("FSDP over every rank, float32 parameters and gradients, AdamW; bytes of the real local storages "
-          "after one step's optimizer.step(), before zero_grad()\n")
+    print(
+        f"titanlite memory scaling, {datetime.date.today()}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores, gloo; {time.perf_counter() - started:.0f} s "
+        f"(load average {load_before[0]:.2f} before)"
+    )
+    print(
+        "FSDP over every rank, float32 parameters and gradients, AdamW; bytes of the real local storages "
+        "after one step's optimizer.step(), before zero_grad()\n"
+    )
     print_table(rows)
     print()
     if options.json:
-        Path(options.json).write_text(json.dumps(
-            [{"model": m, "world_size": w, "ranks": ranks} for m, w, ranks in rows], indent=2))
+        Path(options.json).write_text(
+            json.dumps([{"model": m, "world_size": w, "ranks": ranks} for m, w, ranks in rows], indent=2)
+        )
     for model, world_size, ranks in rows:
         missing = max(figures["grads_missing"] for figures in ranks)
         if missing:

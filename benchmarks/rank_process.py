@@ -19,8 +19,13 @@ def free_port() -> int:
 def torchrun_environment(rank: int, world_size: int, port: int, **extra: str) -> None:
     """Set what torchrun gives a rank on one machine (RANK, WORLD_SIZE, MASTER_*, ...) and `extra`."""
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **extra,
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        **extra,
     )
 
 

@@ -55,8 +55,9 @@ def train_bpe(documents, folder: Path) -> HFTokenizer:
     sample = [next(first) for _ in range(300)]
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel()
-    tokenizer.train_from_iterator(sample, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"],
-                                                              show_progress=False))
+    tokenizer.train_from_iterator(
+        sample, trainers.BpeTrainer(vocab_size=8192, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
+    )
     tokenizer.save(str(folder / "tokenizer.json"))
     return HFTokenizer(str(folder / "tokenizer.json"))
 
@@ -81,8 +82,10 @@ def main() -> int:
     documents = build_documents("python_stdlib", None)
     with tempfile.TemporaryDirectory(prefix="titanlite-resume-seek-") as folder:
         tokenizers = {"byte": ByteTokenizer(), "bpe": train_bpe(documents, Path(folder))}
-        print(f"{os.cpu_count()} cores, {datetime.date.today().isoformat()}; fast-forward over {args.tokens:,} tokens "
-              "of python_stdlib (the stream repeats when it runs out)\n")
+        print(
+            f"{os.cpu_count()} cores, {datetime.date.today().isoformat()}; fast-forward over {args.tokens:,} tokens "
+            "of python_stdlib (the stream repeats when it runs out)\n"
+        )
         print("| tokenizer | seconds | M tokens/s | hours to resume after 1e11 tokens |")
         print("|---|---|---|---|")
         lines = []
@@ -91,7 +94,9 @@ def main() -> int:
             rate = args.tokens / seconds
             hours = TRAINED_TOKENS / rate / 3600
             print(f"| {name} | {seconds:.1f} | {rate / 1e6:.2f} | {hours:,.1f} |")
-            lines.append(f"{name} fast-forward: {rate / 1e6:.2f} M tokens/s, {hours:,.1f} h to resume after 1e11 tokens")
+            lines.append(
+                f"{name} fast-forward: {rate / 1e6:.2f} M tokens/s, {hours:,.1f} h to resume after 1e11 tokens"
+            )
     print()
     print("\n".join(lines))
     return 0

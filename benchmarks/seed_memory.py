@@ -40,8 +40,9 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs, LlamaStateDictAdapter  # noqa: E402
 from rank_process import end_rank, free_port, torchrun_environment  # noqa: E402
+
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs, LlamaStateDictAdapter  # noqa: E402
 
 DIM, N_HEADS, N_KV_HEADS, VOCAB = 1024, 16, 8, 32000
 
@@ -56,11 +57,21 @@ def _status_bytes(field: str) -> int:
 
 def model_args(size_gb: float) -> LlamaArgs:
     probe = LlamaArgs(dim=DIM, n_layers=1, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, vocab_size=VOCAB, multiple_of=256)
-    per_block = (DIM * DIM * 2 + DIM * probe.kv_heads * probe.head_dim * 2 + 3 * DIM * probe.ffn_hidden_dim + 2 * DIM) * 4
+    per_block = (
+        DIM * DIM * 2 + DIM * probe.kv_heads * probe.head_dim * 2 + 3 * DIM * probe.ffn_hidden_dim + 2 * DIM
+    ) * 4
     outside = (2 * VOCAB * DIM + DIM) * 4
     n_layers = max(1, round((size_gb * 1e9 - outside) / per_block))
-    return LlamaArgs(dim=DIM, n_layers=n_layers, n_heads=N_HEADS, n_kv_heads=N_KV_HEADS, vocab_size=VOCAB,
-                     multiple_of=256, rope_theta=500000.0, max_seq_len=256)
+    return LlamaArgs(
+        dim=DIM,
+        n_layers=n_layers,
+        n_heads=N_HEADS,
+        n_kv_heads=N_KV_HEADS,
+        vocab_size=VOCAB,
+        multiple_of=256,
+        rope_theta=500000.0,
+        max_seq_len=256,
+    )
 
 
 def write_hf_folder(args: LlamaArgs, folder: Path) -> tuple[int, int]:
@@ -87,15 +98,24 @@ def _rank(rank: int, world_size: int, port: int, hf_dir: str, args: LlamaArgs, o
 
     from titanlite.checkpoint.hf import seed_from_hf
     from titanlite.config import parse_args
-    from titanlite.registry import get_model_spec
     from titanlite.parallel import ParallelDims
+    from titanlite.registry import get_model_spec
 
     torch.set_num_threads(1)
     if world_size > 1:
         dist.init_process_group("gloo")
     LLAMA3_FLAVORS["seed_benchmark"] = args
-    job_config = parse_args(["--model.flavor", "seed_benchmark", "--training.mixed_precision_param", "float32",
-                             "--activation_checkpoint.mode", "none", f"--training.seq_len={args.max_seq_len}"])
+    job_config = parse_args(
+        [
+            "--model.flavor",
+            "seed_benchmark",
+            "--training.mixed_precision_param",
+            "float32",
+            "--activation_checkpoint.mode",
+            "none",
+            f"--training.seq_len={args.max_seq_len}",
+        ]
+    )
     spec = get_model_spec("llama3")
     dims = ParallelDims.resolve(1, -1, world_size)
     with torch.device("meta"):
@@ -108,16 +128,23 @@ def _rank(rank: int, world_size: int, port: int, hf_dir: str, args: LlamaArgs, o
     before = _status_bytes("VmRSS")
     seed_from_hf(hf_dir, model, args, spec.state_dict_adapter, group)
     peak = _status_bytes("VmHWM")
-    own = sum(p.to_local().numel() * p.to_local().element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-              for p in model.parameters())
+    own = sum(
+        p.to_local().numel() * p.to_local().element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+        for p in model.parameters()
+    )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"growth": peak - before, "own": own}))
     end_rank()
 
 
 def measure(world_size: int, hf_dir: Path, args: LlamaArgs) -> list[dict]:
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank, args=(world_size, free_port(), str(hf_dir), args, out_dir),
-                           nprocs=world_size, start_method="spawn", join=True)
+        mp.start_processes(
+            _rank,
+            args=(world_size, free_port(), str(hf_dir), args, out_dir),
+            nprocs=world_size,
+            start_method="spawn",
+            join=True,
+        )
         return [json.loads(Path(out_dir, f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
@@ -133,19 +160,31 @@ def main() -> None:
         total, largest = write_hf_folder(args, work / "hf")
         gb = 1e9
         print(f"titanlite seed memory benchmark, {datetime.date.today()}, {os.cpu_count()} CPU core(s)")
-        print(f"model: {args.n_layers} blocks, dim {DIM}, {total / gb:.2f} GB float32, largest tensor {largest / gb:.3f} GB")
+        print(
+            f"model: {args.n_layers} blocks, dim {DIM}, {total / gb:.2f} GB float32, largest tensor {largest / gb:.3f} GB"
+        )
         summary = []
         for world_size in [int(w) for w in options.world_sizes.split(",")]:
             ranks = measure(world_size, work / "hf", args)
             for rank, row in enumerate(ranks):
-                print(f"world {world_size} rank {rank}: peak growth {row['growth'] / gb:.3f} GB, "
-                      f"own shards {row['own'] / gb:.3f} GB")
+                print(
+                    f"world {world_size} rank {rank}: peak growth {row['growth'] / gb:.3f} GB, "
+                    f"own shards {row['own'] / gb:.3f} GB"
+                )
             worst = max(ranks, key=lambda row: row["growth"] / row["own"])
-            summary.append((world_size, worst["growth"] / worst["own"], (worst["growth"] - worst["own"]) / largest,
-                            worst["growth"] / total))
+            summary.append(
+                (
+                    world_size,
+                    worst["growth"] / worst["own"],
+                    (worst["growth"] - worst["own"]) / largest,
+                    worst["growth"] / total,
+                )
+            )
         for world_size, per_shard, overhead, per_model in summary:
-            print(f"world {world_size}: peak growth / own shards = {per_shard:.2f}, "
-                  f"overhead / largest tensor = {overhead:.2f}, peak growth / whole model = {per_model:.2f}")
+            print(
+                f"world {world_size}: peak growth / own shards = {per_shard:.2f}, "
+                f"overhead / largest tensor = {overhead:.2f}, peak growth / whole model = {per_model:.2f}"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

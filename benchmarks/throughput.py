@@ -85,14 +85,19 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 from rank_process import end_rank, free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
+
+from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 
 # name -> (llama3 flavor, args to register in the worker or None for a built-in flavor)
 MODELS = {
     "debug": ("debugmodel", None),
-    "100m": ("bench100m", LlamaArgs(dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000,
-                                    multiple_of=256, rope_theta=500000.0)),
+    "100m": (
+        "bench100m",
+        LlamaArgs(
+            dim=768, n_layers=8, n_heads=12, n_kv_heads=4, vocab_size=32000, multiple_of=256, rope_theta=500000.0
+        ),
+    ),
 }
 # The 100m model's steps take seconds per rank on 2 cores; one sequence per rank keeps
 # the 4-rank runs short.
@@ -150,26 +155,41 @@ class Result:
 # --- inside each rank ------------------------------------------------------------------
 
 
-def trainer_argv(flavor: str, layout: Layout, compiled: bool, steps: int, seq_len: int, batch: int, dump: str) -> list[str]:
+def trainer_argv(
+    flavor: str, layout: Layout, compiled: bool, steps: int, seq_len: int, batch: int, dump: str
+) -> list[str]:
     argv = [
-        "--model.flavor", flavor,
-        "--job.dump_folder", dump,
-        "--training.seq_len", str(seq_len),
-        "--training.local_batch_size", str(batch),
-        "--training.steps", str(steps),
-        "--training.mixed_precision_param", "float32",  # CPUs have no fast bf16 matmul
-        "--activation_checkpoint.mode", "none",  # measure the layouts, not recomputation
-        "--parallelism.data_parallel_replicate_degree", str(layout.replicate),
-        "--parallelism.data_parallel_shard_degree", str(layout.shard),
-        "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1",  # a tokens/s figure for every step
+        "--model.flavor",
+        flavor,
+        "--job.dump_folder",
+        dump,
+        "--training.seq_len",
+        str(seq_len),
+        "--training.local_batch_size",
+        str(batch),
+        "--training.steps",
+        str(steps),
+        "--training.mixed_precision_param",
+        "float32",  # CPUs have no fast bf16 matmul
+        "--activation_checkpoint.mode",
+        "none",  # measure the layouts, not recomputation
+        "--parallelism.data_parallel_replicate_degree",
+        str(layout.replicate),
+        "--parallelism.data_parallel_shard_degree",
+        str(layout.shard),
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",  # a tokens/s figure for every step
     ]
     return argv + (["--compile.enable"] if compiled else [])
 
 
 def _rank(rank: int, world_size: int, port: int, model: str, argv: list[str], threads: int, out_dir: str) -> None:
     torchrun_environment(
-        rank, world_size, port,
+        rank,
+        world_size,
+        port,
         LOG_RANK="",  # the trainer's per-step lines would drown the table
         # Inductor's pool of compile workers only competes with the ranks for 2 cores.
         TORCHINDUCTOR_COMPILE_THREADS="1",
@@ -202,8 +222,12 @@ def _rank(rank: int, world_size: int, port: int, model: str, argv: list[str], th
     trainer.train_step = timed_step
     step_start = time.perf_counter()
     records = trainer.train()
-    report = {"params": params, "tps": [r.tokens_per_second for r in records], "steps": [r.step for r in records],
-              "step_times": step_times}
+    report = {
+        "params": params,
+        "tps": [r.tokens_per_second for r in records],
+        "steps": [r.step for r in records],
+        "step_times": step_times,
+    }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     end_rank()
 
@@ -219,8 +243,13 @@ def run_one(model: str, layout: Layout, compiled: bool, options: argparse.Namesp
     argv = trainer_argv(flavor, layout, compiled, steps, seq_len, batch, str(dump))
     out_dir = dump / "results"
     out_dir.mkdir(parents=True)
-    mp.start_processes(_rank, args=(layout.ranks, free_port(), model, argv, options.threads, str(out_dir)),
-                       nprocs=layout.ranks, start_method="spawn", join=True)
+    mp.start_processes(
+        _rank,
+        args=(layout.ranks, free_port(), model, argv, options.threads, str(out_dir)),
+        nprocs=layout.ranks,
+        start_method="spawn",
+        join=True,
+    )
     ranks = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(layout.ranks)]
     per_rank, steady_steps = [], []
     for report in ranks:
@@ -229,10 +258,18 @@ def run_one(model: str, layout: Layout, compiled: bool, options: argparse.Namesp
         per_rank.append(statistics.median(steady))
         steady_steps.append(statistics.median(report["step_times"][warmup:]))
     return Result(
-        model=model, params=ranks[0]["params"], layout=layout.name, strategy=layout.strategy, ranks=layout.ranks,
-        replicate=layout.replicate, shard=layout.shard, compiled=compiled,
-        tokens_per_step_per_rank=seq_len * batch, per_rank_tps=per_rank,
-        step_seconds=max(steady_steps), first_step_seconds=max(r["step_times"][0] for r in ranks),
+        model=model,
+        params=ranks[0]["params"],
+        layout=layout.name,
+        strategy=layout.strategy,
+        ranks=layout.ranks,
+        replicate=layout.replicate,
+        shard=layout.shard,
+        compiled=compiled,
+        tokens_per_step_per_rank=seq_len * batch,
+        per_rank_tps=per_rank,
+        step_seconds=max(steady_steps),
+        first_step_seconds=max(r["step_times"][0] for r in ranks),
         load_after=os.getloadavg()[0],
     )
 
@@ -247,15 +284,19 @@ def _notes(result: Result, cores: int) -> str:
 
 
 def print_table(results: list[Result], cores: int) -> None:
-    print("| model | layout | ranks (repl x shard) | mode | tokens/step/rank | tokens/s per rank | "
-          "total tokens/s | steady step s | first step s | load after | notes |")
+    print(
+        "| model | layout | ranks (repl x shard) | mode | tokens/step/rank | tokens/s per rank | "
+        "total tokens/s | steady step s | first step s | load after | notes |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         per_rank = " / ".join(f"{tps:,.0f}" for tps in r.per_rank_tps)
-        print(f"| {r.model} ({r.params / 1e6:.1f} M) | {r.strategy} | {r.ranks} ({r.replicate} x {r.shard}) | "
-              f"{'compile' if r.compiled else 'eager'} | {r.tokens_per_step_per_rank} | {per_rank} | "
-              f"{r.total_tps:,.0f} | {r.step_seconds:.3f} | {r.first_step_seconds:.2f} | {r.load_after:.1f} | "
-              f"{_notes(r, cores)} |")
+        print(
+            f"| {r.model} ({r.params / 1e6:.1f} M) | {r.strategy} | {r.ranks} ({r.replicate} x {r.shard}) | "
+            f"{'compile' if r.compiled else 'eager'} | {r.tokens_per_step_per_rank} | {per_rank} | "
+            f"{r.total_tps:,.0f} | {r.step_seconds:.3f} | {r.first_step_seconds:.2f} | {r.load_after:.1f} | "
+            f"{_notes(r, cores)} |"
+        )
 
 
 def _find(results: list[Result], model: str, layout: str, compiled: bool) -> Result | None:
@@ -273,20 +314,26 @@ def print_ratios(results: list[Result], models: list[str]) -> None:
             continue
         for r in results:
             if r.model == model and not r.compiled and r.layout != "single":
-                print(f"{model}: {r.strategy} {r.ranks} ranks total tokens/s / 1 rank tokens/s = "
-                      f"{r.total_tps / base.total_tps:.2f}")
+                print(
+                    f"{model}: {r.strategy} {r.ranks} ranks total tokens/s / 1 rank tokens/s = "
+                    f"{r.total_tps / base.total_tps:.2f}"
+                )
     for model in models:
         for r in results:
             eager = _find(results, model, r.layout, False) if r.model == model and r.compiled else None
             if eager is not None:
-                print(f"{model}: {r.strategy} {r.ranks} rank{'s' if r.ranks > 1 else ''} compile / eager total tokens/s = "
-                      f"{r.total_tps / eager.total_tps:.2f}")
+                print(
+                    f"{model}: {r.strategy} {r.ranks} rank{'s' if r.ranks > 1 else ''} compile / eager total tokens/s = "
+                    f"{r.total_tps / eager.total_tps:.2f}"
+                )
     # The key ratio: the largest model that has both the single and the FSDP 2 run.
     for model in reversed(models):
         base, fsdp = _find(results, model, "single", False), _find(results, model, "fsdp2", False)
         if base is not None and fsdp is not None:
-            print(f"key ratio ({model}, eager): FSDP 2 ranks total tokens/s / 1 rank tokens/s = "
-                  f"{fsdp.total_tps / base.total_tps:.2f} (2.00 would be linear scaling)")
+            print(
+                f"key ratio ({model}, eager): FSDP 2 ranks total tokens/s / 1 rank tokens/s = "
+                f"{fsdp.total_tps / base.total_tps:.2f} (2.00 would be linear scaling)"
+            )
             return
     print("key ratio: not measured (needs the single and fsdp2 layouts)")
 
@@ -295,8 +342,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="debug,100m", help=f"comma-separated, from {','.join(MODELS)}")
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from {','.join(LAYOUTS)}")
-    parser.add_argument("--compile-layouts", default="single,fsdp2",
-                        help="layouts also run compiled ('' for none)")
+    parser.add_argument("--compile-layouts", default="single,fsdp2", help="layouts also run compiled ('' for none)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run, warm-up included")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the rates")
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
@@ -336,12 +382,16 @@ def main(argv: list[str] | None = None) -> int:
                 modes = [False] + ([True] if name in options.compile_layouts else [])
                 for compiled in modes:
                     results.append(run_one(model, layout, compiled, options, batch, Path(work)))
-    print(f"titanlite throughput, {datetime.date.today()}, torch {torch.__version__}, {cores} CPU cores, gloo; "
-          f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
-          f"{time.perf_counter() - started:.0f} s")
-    print(f"float32, no activation checkpointing, seq {options.seq_len}; {options.steps} steps per run, the first "
-          f"{options.warmup} left out; tokens/s are per-rank medians of the trainer's per-step metric; "
-          f"{options.threads} thread(s) per rank\n")
+    print(
+        f"titanlite throughput, {datetime.date.today()}, torch {torch.__version__}, {cores} CPU cores, gloo; "
+        f"load average {load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; "
+        f"{time.perf_counter() - started:.0f} s"
+    )
+    print(
+        f"float32, no activation checkpointing, seq {options.seq_len}; {options.steps} steps per run, the first "
+        f"{options.warmup} left out; tokens/s are per-rank medians of the trainer's per-step metric; "
+        f"{options.threads} thread(s) per rank\n"
+    )
     print_table(results, cores)
     print()
     if options.json:

@@ -59,8 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         lost += result.status == "lost"
         print(f"trial {number}: {result.summary()}", flush=True)
         if not result.ok:
-            print(f"    kept in {workdir}; re-run with: python scripts/chaos.py --seed {args.seed} --only {number}",
-                  flush=True)
+            print(
+                f"    kept in {workdir}; re-run with: python scripts/chaos.py --seed {args.seed} --only {number}",
+                flush=True,
+            )
     print(f"chaos: {time.monotonic() - start:.0f} s")
     if ok == len(numbers) and args.workdir is None and not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -28,8 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-shard-size", default=None, help="e.g. 5GB: write sharded files and an index")
     parser.add_argument("--ema", action="store_true", help="export the EMA weights (ema.*) instead of the model's")
-    parser.add_argument("--tokenizer", metavar="PATH", default=None,
-                        help="a tokenizer.json or its folder, instead of the one the run recorded")
+    parser.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        default=None,
+        help="a tokenizer.json or its folder, instead of the one the run recorded",
+    )
     parser.add_argument("--push-to-hub", metavar="REPO_ID", default=None, help="upload the folder to this model repo")
     return parser
 
@@ -52,8 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     from titanlite.checkpoint.hf_export import export_to_hf
 
     try:
-        out = export_to_hf(args.checkpoint_dir, args.output_dir, dtype=args.dtype,
-                           max_shard_size=args.max_shard_size, use_ema=args.ema, tokenizer=args.tokenizer)
+        out = export_to_hf(
+            args.checkpoint_dir,
+            args.output_dir,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            use_ema=args.ema,
+            tokenizer=args.tokenizer,
+        )
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
@@ -62,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             push_to_hub(out, args.push_to_hub)
         except Exception as error:  # network, permissions, a missing token
-            print(f"{PROG}: error: uploading {out} to {args.push_to_hub} failed ({type(error).__name__})", file=sys.stderr)
+            print(
+                f"{PROG}: error: uploading {out} to {args.push_to_hub} failed ({type(error).__name__})", file=sys.stderr
+            )
             return 1
         print(f"{PROG}: uploaded {out} to {args.push_to_hub}")
     return 0

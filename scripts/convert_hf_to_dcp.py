@@ -1,6 +1,6 @@
 """Import a Hugging Face Llama folder as a titanlite checkpoint OUTPUT_DIR/step-0.
 
-    python scripts/convert_hf_to_dcp.py HF_DIR OUTPUT_DIR
+python scripts/convert_hf_to_dcp.py HF_DIR OUTPUT_DIR
 """
 
 import argparse

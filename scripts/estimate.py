@@ -42,12 +42,22 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--hardware", default="h100", help="GPU kind: h100, h200, a100, b200, mi300x, l40s")
     parser.add_argument("--peak_tflops", type=float, default=None, help="override: dense bf16 peak TFLOP/s per GPU")
     parser.add_argument("--memory_gib", type=float, default=None, help="override: GPU memory in GiB")
-    parser.add_argument("--intra_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, in a node")
-    parser.add_argument("--inter_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, across nodes")
+    parser.add_argument(
+        "--intra_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, in a node"
+    )
+    parser.add_argument(
+        "--inter_node_gbps", type=float, default=None, help="override: GB/s per GPU, per direction, across nodes"
+    )
     parser.add_argument("--gpus_per_node", type=int, default=None, help="override: GPUs per node")
-    parser.add_argument("--efficiency", type=float, default=None, help="share of peak FLOPs the kernels reach (default 0.5)")
-    parser.add_argument("--reserve_gib", type=float, default=2.0,
-                        help="memory kept aside for the CUDA context, NCCL and fragmentation (default 2)")
+    parser.add_argument(
+        "--efficiency", type=float, default=None, help="share of peak FLOPs the kernels reach (default 0.5)"
+    )
+    parser.add_argument(
+        "--reserve_gib",
+        type=float,
+        default=2.0,
+        help="memory kept aside for the CUDA context, NCCL and fragmentation (default 2)",
+    )
     parser.add_argument("--sweep", action="store_true", help="FSDP and HSDP at 8, 64, 512 and 4096 GPUs")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--skip_memory", action="store_true", help="step time only (no memory simulation)")
@@ -102,9 +112,16 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
 
     efficiency = DEFAULT_EFFICIENCY if options.efficiency is None else options.efficiency
     timing = estimate_for_job_config(job_config, world_size, hardware, efficiency=efficiency)
-    result = {"layout": {"strategy": timing.strategy, "world_size": world_size, "dp_replicate": timing.dp_replicate,
-                         "dp_shard": timing.dp_shard, "hardware": hardware.name},
-              "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"}}
+    result = {
+        "layout": {
+            "strategy": timing.strategy,
+            "world_size": world_size,
+            "dp_replicate": timing.dp_replicate,
+            "dp_shard": timing.dp_shard,
+            "hardware": hardware.name,
+        },
+        "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"},
+    }
     if options.skip_memory:
         return result
     # Per-rank memory depends on the shard degree, not on how many replicas there are.
@@ -116,10 +133,16 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
             memory_cache[key] = memory
     fit, headroom = fits(memory, hardware.memory_bytes, int(options.reserve_gib * GIB))
     result["memory"] = {
-        "peak_bytes": memory.peak_bytes, "by_category_at_peak": memory.peak, "largest_activations": memory.activations,
-        "parameters": memory.exact.parameters, "gradients": memory.exact.gradients,
-        "optimizer_state": memory.exact.optimizer_state, "device_bytes": hardware.memory_bytes,
-        "reserve_bytes": int(options.reserve_gib * GIB), "fits": fit, "headroom_bytes": headroom,
+        "peak_bytes": memory.peak_bytes,
+        "by_category_at_peak": memory.peak,
+        "largest_activations": memory.activations,
+        "parameters": memory.exact.parameters,
+        "gradients": memory.exact.gradients,
+        "optimizer_state": memory.exact.optimizer_state,
+        "device_bytes": hardware.memory_bytes,
+        "reserve_bytes": int(options.reserve_gib * GIB),
+        "fits": fit,
+        "headroom_bytes": headroom,
         "notes": memory.notes,
     }
     return result
@@ -127,8 +150,11 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
 
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
-    lines = [f"{describe_model} on {layout['world_size']} x {layout['hardware']}: {layout['strategy']}, "
-             f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s)", ""]
+    lines = [
+        f"{describe_model} on {layout['world_size']} x {layout['hardware']}: {layout['strategy']}, "
+        f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s)",
+        "",
+    ]
     if memory is not None:
         peak = memory["by_category_at_peak"]
         lines.append("memory per GPU (rank 0, at the step's peak)      GiB")
@@ -136,11 +162,15 @@ def _report(result: dict, describe_model: str) -> str:
             if name != "total":
                 lines.append(f"  {name.replace('_', ' '):<44} {value / GIB:8.2f}")
         verdict = "fits" if memory["fits"] else "DOES NOT FIT"
-        lines.append(f"  {'peak':<44} {memory['peak_bytes'] / GIB:8.2f}   of {memory['device_bytes'] / GIB:.0f} "
-                     f"(keeping {memory['reserve_bytes'] / GIB:.1f} aside): {verdict}, headroom "
-                     f"{memory['headroom_bytes'] / GIB:.2f} GiB")
-        lines.append(f"  sharded parameters / gradients / optimizer state: {memory['parameters'] / GIB:.2f} / "
-                     f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB (params x bytes / shards)")
+        lines.append(
+            f"  {'peak':<44} {memory['peak_bytes'] / GIB:8.2f}   of {memory['device_bytes'] / GIB:.0f} "
+            f"(keeping {memory['reserve_bytes'] / GIB:.1f} aside): {verdict}, headroom "
+            f"{memory['headroom_bytes'] / GIB:.2f} GiB"
+        )
+        lines.append(
+            f"  sharded parameters / gradients / optimizer state: {memory['parameters'] / GIB:.2f} / "
+            f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB (params x bytes / shards)"
+        )
         lines.extend(f"  note: {note}" for note in memory["notes"])
         lines.append("")
     threshold = timing["threshold_tokens_per_device"]
@@ -161,17 +191,21 @@ def _report(result: dict, describe_model: str) -> str:
 
 
 def _sweep_rows(results: list[dict]) -> str:
-    header = f"{'GPUs':>5} {'layout':<6} {'replicas x shards':>17} {'peak GiB':>9} {'fits':>5} {'step ms':>9} " \
-             f"{'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+    header = (
+        f"{'GPUs':>5} {'layout':<6} {'replicas x shards':>17} {'peak GiB':>9} {'fits':>5} {'step ms':>9} "
+        f"{'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+    )
     rows = [header]
     for r in results:
         layout, timing, memory = r["layout"], r["step_time"], r.get("memory")
         peak = "-" if memory is None else f"{memory['peak_bytes'] / GIB:.2f}"
         fit = "-" if memory is None else ("yes" if memory["fits"] else "NO")
-        rows.append(f"{layout['world_size']:>5} {layout['strategy']:<6} "
-                    f"{str(layout['dp_replicate']) + ' x ' + str(layout['dp_shard']):>17} {peak:>9} {fit:>5} "
-                    f"{timing['step_s'] * 1e3:>9.1f} {timing['tokens_per_second_per_device']:>10,.0f} "
-                    f"{timing['mfu_percent']:>6.1f}  {timing['verdict']}")
+        rows.append(
+            f"{layout['world_size']:>5} {layout['strategy']:<6} "
+            f"{str(layout['dp_replicate']) + ' x ' + str(layout['dp_shard']):>17} {peak:>9} {fit:>5} "
+            f"{timing['step_s'] * 1e3:>9.1f} {timing['tokens_per_second_per_device']:>10,.0f} "
+            f"{timing['mfu_percent']:>6.1f}  {timing['verdict']}"
+        )
     return "\n".join(rows)
 
 
@@ -181,8 +215,10 @@ def run(argv: list[str]) -> int:
 
     job_config = parse_args(config_argv)
     hardware = _hardware(options)
-    model = f"{job_config.model.name} {job_config.model.flavor}, seq_len {job_config.training.seq_len}, " \
-            f"local batch {job_config.training.local_batch_size}"
+    model = (
+        f"{job_config.model.name} {job_config.model.flavor}, seq_len {job_config.training.seq_len}, "
+        f"local batch {job_config.training.local_batch_size}"
+    )
     if options.sweep:
         results, cache = [], {}
         for world_size in SWEEP_SIZES:
@@ -190,7 +226,9 @@ def run(argv: list[str]) -> int:
             if world_size > hardware.gpus_per_node and world_size % hardware.gpus_per_node == 0:
                 layouts.append((world_size // hardware.gpus_per_node, hardware.gpus_per_node))
             for replicate, shard in layouts:
-                results.append(estimate_one(_with_layout(job_config, replicate, shard), world_size, hardware, options, cache))
+                results.append(
+                    estimate_one(_with_layout(job_config, replicate, shard), world_size, hardware, options, cache)
+                )
         print(json.dumps(results, indent=2) if options.json else f"{model} on {hardware.name}\n" + _sweep_rows(results))
         return 0
     try:

@@ -53,14 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.top_k is not None and args.top_k < 1:
         print(f"{PROG}: error: --top_k {args.top_k} must be >= 1", file=sys.stderr)
         return 2
-    from titanlite.checkpoint.manager import EXPORT_DTYPES
     from titanlite.checkpoint.load import load_model
+    from titanlite.checkpoint.manager import EXPORT_DTYPES
     from titanlite.data.tokenizer import build_tokenizer
     from titanlite.models.generate import generate
 
     checkpoint = Path(args.checkpoint)
     try:
-        model, description = load_model(checkpoint, device=args.device, dtype=EXPORT_DTYPES[args.dtype], use_ema=args.ema)
+        model, description = load_model(
+            checkpoint, device=args.device, dtype=EXPORT_DTYPES[args.dtype], use_ema=args.ema
+        )
         tokenizer = build_tokenizer(args.hf_assets_path or description["tokenizer_path"])
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
@@ -71,11 +73,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: the prompt is empty and the tokenizer has no BOS token", file=sys.stderr)
         return 2
     if max(prompt_ids) >= vocab:
-        print(f"{PROG}: error: {checkpoint}: the tokenizer gives id {max(prompt_ids)}, beyond the model's "
-              f"vocabulary of {vocab} (pass the right --hf_assets_path)", file=sys.stderr)
+        print(
+            f"{PROG}: error: {checkpoint}: the tokenizer gives id {max(prompt_ids)}, beyond the model's "
+            f"vocabulary of {vocab} (pass the right --hf_assets_path)",
+            file=sys.stderr,
+        )
         return 2
-    new_ids = generate(model, prompt_ids, args.max_new_tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed, eos_id=tokenizer.eos_id)
+    new_ids = generate(
+        model,
+        prompt_ids,
+        args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        seed=args.seed,
+        eos_id=tokenizer.eos_id,
+    )
     print(args.prompt + tokenizer.decode(new_ids))
     return 0
 

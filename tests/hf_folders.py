@@ -11,9 +11,16 @@ from tests.multiprocess import TINY
 def save_hf_llama(folder: Path, seed: int, **overrides) -> Path:
     """A random transformers Llama of the tiny shape, in 20 KB safetensors shards."""
     fields = dict(
-        hidden_size=TINY.dim, num_hidden_layers=TINY.n_layers, num_attention_heads=TINY.n_heads,
-        num_key_value_heads=TINY.kv_heads, intermediate_size=TINY.ffn_hidden_dim, vocab_size=TINY.vocab_size,
-        rope_theta=TINY.rope_theta, rms_norm_eps=TINY.norm_eps, max_position_embeddings=64, tie_word_embeddings=False,
+        hidden_size=TINY.dim,
+        num_hidden_layers=TINY.n_layers,
+        num_attention_heads=TINY.n_heads,
+        num_key_value_heads=TINY.kv_heads,
+        intermediate_size=TINY.ffn_hidden_dim,
+        vocab_size=TINY.vocab_size,
+        rope_theta=TINY.rope_theta,
+        rms_norm_eps=TINY.norm_eps,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     import transformers  # a test-only dependency

@@ -34,8 +34,12 @@ def _free_port() -> int:
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     # Ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -49,7 +53,10 @@ def run_on_ranks(world_size: int, fn: Callable, *args) -> list:
     """Call fn(*args) on `world_size` ranks; returns the per-rank results, rank order."""
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
-            _worker, args=(world_size, _free_port(), fn, args, out_dir),
-            nprocs=world_size, start_method="spawn", join=True,
+            _worker,
+            args=(world_size, _free_port(), fn, args, out_dir),
+            nprocs=world_size,
+            start_method="spawn",
+            join=True,
         )
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]

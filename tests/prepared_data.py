@@ -26,12 +26,20 @@ def write_jsonl(path: Path, documents: list[str]) -> Path:
     return path
 
 
-def prepare_documents(folder: Path, documents: list[str], shard_tokens: int = 1000, workers: int = 1,
-                      hf_assets_path: str | None = None) -> Path:
+def prepare_documents(
+    folder: Path, documents: list[str], shard_tokens: int = 1000, workers: int = 1, hf_assets_path: str | None = None
+) -> Path:
     """``documents`` as JSON lines beside ``folder``, prepared into ``folder``."""
     source = write_jsonl(folder.parent / f"{folder.name}-source" / "part.jsonl", documents)
-    prepare("text", str(source), str(folder), hf_assets_path=hf_assets_path, workers=workers,
-            shard_tokens=shard_tokens, progress=False)
+    prepare(
+        "text",
+        str(source),
+        str(folder),
+        hf_assets_path=hf_assets_path,
+        workers=workers,
+        shard_tokens=shard_tokens,
+        progress=False,
+    )
     return folder
 
 

@@ -242,8 +242,19 @@ def _params():
 def quiet_process_state():
     """Undo what an in-process run changes for the whole process: logging handlers bound to
     this test's captured streams, and the SIGTERM/SIGINT handlers of a checkpointing run."""
-    root, titanlite, every_rank = logging.getLogger(), logging.getLogger("titanlite"), logging.getLogger("titanlite.every_rank")
-    saved = (list(root.handlers), root.level, titanlite.level, list(every_rank.handlers), every_rank.level, every_rank.propagate)
+    root, titanlite, every_rank = (
+        logging.getLogger(),
+        logging.getLogger("titanlite"),
+        logging.getLogger("titanlite.every_rank"),
+    )
+    saved = (
+        list(root.handlers),
+        root.level,
+        titanlite.level,
+        list(every_rank.handlers),
+        every_rank.level,
+        every_rank.propagate,
+    )
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     yield
     root.handlers[:], every_rank.handlers[:] = saved[0], saved[3]
@@ -273,7 +284,9 @@ def tiny_checkpoint(tmp_path_factory):
             monkeypatch.delenv(name, raising=False)
         handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
         try:
-            code = main(["--job.dump_folder", str(dump), *SMALL_RUN, "--checkpoint.enable", "--metrics.enable_jsonl=false"])
+            code = main(
+                ["--job.dump_folder", str(dump), *SMALL_RUN, "--checkpoint.enable", "--metrics.enable_jsonl=false"]
+            )
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
@@ -328,7 +341,7 @@ def test_bad_input_is_one_clear_line(case, tmp_path, clean_env, quiet_process_st
     assert len(lines) == 1, report
     prefix = "titanlite: " if case.kind is None else f"titanlite: {case.kind} error: "
     assert lines[0].startswith(prefix), report
-    assert re.search(case.expect.replace(T, re.escape(str(tmp))), lines[0][len(prefix):]), report
+    assert re.search(case.expect.replace(T, re.escape(str(tmp))), lines[0][len(prefix) :]), report
     if case.mid_run:
         return
     assert _snapshot(tmp) == before, "the run created, changed or deleted files"

@@ -16,7 +16,11 @@ def _run(script: str, *args: str, timeout: float = 180) -> list[str]:
     """Run a benchmark script; return its non-empty stdout lines after checking it succeeded."""
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args],
-        cwd=REPO_ROOT, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout,
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]

@@ -30,8 +30,8 @@ import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tests.multiprocess import register_tiny_flavor, run_on_ranks
 import titanlite.checkpoint.manager as manager_module
+from tests.multiprocess import register_tiny_flavor, run_on_ranks
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, complete_steps
 from titanlite.config import Checkpoint
 
@@ -55,8 +55,10 @@ class Run:
     def __init__(self, dump: Path, **options):
         torch.manual_seed(0)
         self.model, self.train_state = torch.nn.Linear(8, 8), _TrainState()
-        states = {"model": ModelState(self.model, {"name": "linear", "flavor": "8x8", "args": {}}),
-                  "train_state": self.train_state}
+        states = {
+            "model": ModelState(self.model, {"name": "linear", "flavor": "8x8", "args": {}}),
+            "train_state": self.train_state,
+        }
         self.manager = CheckpointManager(states, Checkpoint(enable=True, keep_latest_k=0, **options), str(dump))
         self.saved: dict[int, torch.Tensor] = {}
 
@@ -175,7 +177,9 @@ def test_manifest_sizes_are_checked_even_without_verify_integrity(tmp_path):
     size = shard.stat().st_size
     with open(shard, "ab") as file:  # longer: DCP's own byte ranges would not notice
         file.write(b"\0" * 7)
-    message = _dotted(shard) + rf": size mismatch, {size + 7} bytes instead of {size} \(the file was truncated or changed"
+    message = (
+        _dotted(shard) + rf": size mismatch, {size + 7} bytes instead of {size} \(the file was truncated or changed"
+    )
     with pytest.raises(CheckpointError, match=message):
         _resume(tmp_path)
 
@@ -219,7 +223,9 @@ def test_disk_full_fails_the_save_and_keeps_the_earlier_checkpoint(tmp_path, mon
     run.step_and_save(2)
     run.manager.wait()
     _fail_writes(monkeypatch, errno.ENOSPC)
-    message = r"saving checkpoint step-4 in .* failed on rank 0: OSError: \[Errno 28\] No space left on device .*removed"
+    message = (
+        r"saving checkpoint step-4 in .* failed on rank 0: OSError: \[Errno 28\] No space left on device .*removed"
+    )
     with pytest.raises(CheckpointError, match=message):
         run.step_and_save(4)
         run.manager.wait()  # an asynchronous save reports at the next wait (or save)
@@ -261,8 +267,11 @@ def test_continue_on_save_error_logs_and_goes_on(tmp_path, monkeypatch, caplog, 
         _fail_writes(patch, errno.ENOSPC)
         run.step_and_save(4)
         run.manager.wait()
-    assert re.search(r"CHECKPOINT NOT SAVED: saving checkpoint step-4 .*No space left on device.*Training goes on "
-                     r"\(checkpoint.continue_on_save_error\); the newest checkpoint on disk is step-2", caplog.text)
+    assert re.search(
+        r"CHECKPOINT NOT SAVED: saving checkpoint step-4 .*No space left on device.*Training goes on "
+        r"\(checkpoint.continue_on_save_error\); the newest checkpoint on disk is step-2",
+        caplog.text,
+    )
     run.step_and_save(6)
     run.manager.close()
     assert sorted(entry.name for entry in (tmp_path / "checkpoint").iterdir()) == ["step-2", "step-6"]
@@ -304,9 +313,19 @@ def test_a_failure_on_rank_0_alone_stops_every_rank(tmp_path):
 # --- the trainer -------------------------------------------------------------------------
 
 TRAIN_ARGS = [
-    "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
-    "--checkpoint.enable", "--checkpoint.interval", "2",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
 ]
 
 
@@ -338,8 +357,11 @@ def test_trainer_stops_on_a_full_disk_and_the_next_run_resumes(tmp_path, monkeyp
     _fail_saves_of(monkeypatch, 4)
     assert trainer_main(tmp_path, "--training.steps", "6") == 1
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
-                        r"OSError: \[Errno 28\] No space left on device \(its partial folder .*", line), line
+    assert re.fullmatch(
+        r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
+        r"OSError: \[Errno 28\] No space left on device \(its partial folder .*",
+        line,
+    ), line
     folder = tmp_path / "checkpoint"
     assert sorted(entry.name for entry in folder.iterdir()) == ["step-2"]
 
@@ -352,7 +374,8 @@ def test_trainer_stops_on_a_full_disk_and_the_next_run_resumes(tmp_path, monkeyp
 
 @pytest.mark.parametrize("failing_step, status, left", [(2, 0, ["step-4"]), (4, 1, ["step-2"])])
 def test_continue_on_save_error_fails_the_run_only_when_its_last_save_fails(
-        tmp_path, monkeypatch, capsys, trainer_main, failing_step, status, left):
+    tmp_path, monkeypatch, capsys, trainer_main, failing_step, status, left
+):
     """A failed save mid-run is made up for by a later one; a failed last save is not, and
     an exit status of 0 would tell a job chain that the final state is on disk."""
     _fail_saves_of(monkeypatch, failing_step)
@@ -361,16 +384,20 @@ def test_continue_on_save_error_fails_the_run_only_when_its_last_save_fails(
     assert f"CHECKPOINT NOT SAVED: saving checkpoint step-{failing_step}" in output.out
     if status:
         line = output.err.strip().splitlines()[-1]
-        assert re.fullmatch(r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
-                            r"OSError: \[Errno 28\] No space left on device \(its partial folder .*\); the newest "
-                            r"checkpoint on disk is step-2 \(the run's last save: nothing later can make up for it, so "
-                            r"the run fails even with checkpoint.continue_on_save_error\)", line), line
+        assert re.fullmatch(
+            r"titanlite: checkpoint error at step 4: saving checkpoint step-4 in \S+ failed on rank 0: "
+            r"OSError: \[Errno 28\] No space left on device \(its partial folder .*\); the newest "
+            r"checkpoint on disk is step-2 \(the run's last save: nothing later can make up for it, so "
+            r"the run fails even with checkpoint.continue_on_save_error\)",
+            line,
+        ), line
     assert sorted(entry.name for entry in (tmp_path / "checkpoint").iterdir()) == left
 
 
 @pytest.mark.parametrize("interval, async_mode", [(2, "async"), (10, "disabled")])
 def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save_error(
-        tmp_path, monkeypatch, capsys, trainer_main, interval, async_mode):
+    tmp_path, monkeypatch, capsys, trainer_main, interval, async_mode
+):
     """The stop arrives at step 2: with interval 2 a save point, where the stop saves step 2
     itself (synchronously, instead of the asynchronous interval save); with interval 10 an
     ordinary step. Either way the save fails, and so does the run."""
@@ -378,12 +405,26 @@ def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save
 
     monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 2)
     _fail_saves_of(monkeypatch, 2)
-    assert trainer_main(tmp_path, "--training.steps", "6", "--checkpoint.continue_on_save_error",
-                        "--checkpoint.interval", str(interval), "--checkpoint.async_mode", async_mode) == 1
+    assert (
+        trainer_main(
+            tmp_path,
+            "--training.steps",
+            "6",
+            "--checkpoint.continue_on_save_error",
+            "--checkpoint.interval",
+            str(interval),
+            "--checkpoint.async_mode",
+            async_mode,
+        )
+        == 1
+    )
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert re.fullmatch(r"titanlite: checkpoint error at step 2: saving checkpoint step-2 in \S+ failed .*; the newest "
-                        r"checkpoint on disk is none \(the save on a stop signal: nothing later can make up for it, so "
-                        r"the run fails even with checkpoint.continue_on_save_error\)", line), line
+    assert re.fullmatch(
+        r"titanlite: checkpoint error at step 2: saving checkpoint step-2 in \S+ failed .*; the newest "
+        r"checkpoint on disk is none \(the save on a stop signal: nothing later can make up for it, so "
+        r"the run fails even with checkpoint.continue_on_save_error\)",
+        line,
+    ), line
     assert not list((tmp_path / "checkpoint").iterdir())
 
 
@@ -398,7 +439,8 @@ def _weights_and_moments(step_folder: Path, tmp_path: Path) -> dict:
 
 @pytest.mark.parametrize("written_at_the_stop", [False, True])
 def test_a_stop_waits_for_a_save_still_being_written_and_the_resume_is_exact(
-        tmp_path, monkeypatch, capsys, trainer_main, written_at_the_stop):
+    tmp_path, monkeypatch, capsys, trainer_main, written_at_the_stop
+):
     """The stop arrives at step 3 while the asynchronous save of step 2 is in flight. Still
     being written (its data held back until the stop has decided), it becomes the last save
     and step 3 is not written; already on disk, the stop saves step 3. Either way a resume
@@ -457,7 +499,8 @@ def test_a_stop_waits_for_a_save_still_being_written_and_the_resume_is_exact(
 
 
 def test_a_failed_save_in_flight_at_a_stop_is_replaced_by_a_save_of_the_stop_step(
-        tmp_path, monkeypatch, capsys, trainer_main):
+    tmp_path, monkeypatch, capsys, trainer_main
+):
     """As when a stop signal kills the writer processes of async_with_pinned_mem: the save of
     step 2, in flight at the stop at step 3, fails; the stop saves step 3 instead and the
     run ends with status 0, with its final state on disk."""
@@ -467,6 +510,9 @@ def test_a_failed_save_in_flight_at_a_stop_is_replaced_by_a_save_of_the_stop_ste
     _fail_saves_of(monkeypatch, 2)
     assert trainer_main(tmp_path, "--training.steps", "6", "--checkpoint.async_mode", "async") == 0
     out = capsys.readouterr().out
-    assert re.search(r"saving checkpoint step-2 in \S+ failed on rank 0: OSError: \[Errno 28\] .*; saving step 3 for "
-                     r"the stop instead", out), out
+    assert re.search(
+        r"saving checkpoint step-2 in \S+ failed on rank 0: OSError: \[Errno 28\] .*; saving step 3 for "
+        r"the stop instead",
+        out,
+    ), out
     assert sorted(entry.name for entry in (tmp_path / "checkpoint").iterdir()) == ["step-3"]

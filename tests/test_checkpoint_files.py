@@ -39,20 +39,29 @@ TRAINING_PARTS = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng
 SUBPROCESS_TIMEOUT = 240
 
 TINY_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--metrics.log_freq", "1",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
 ]
 # For the command line (the tiny flavor exists only inside the test processes). The whole
 # run is warmup, so the learning rate of a step does not depend on training.steps and a
 # restart with another training.steps follows the same trajectory.
 CLI_ARGS = [
-    "--model.flavor", "debugmodel",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--lr_scheduler.warmup_steps", "1000",
-    "--metrics.log_freq", "1",
+    "--model.flavor",
+    "debugmodel",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1000",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
@@ -72,7 +81,12 @@ def _train_command(dump: Path, *args: str) -> list[str]:
 
 def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        command, cwd=cwd, env=_env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        command,
+        cwd=cwd,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
         timeout=SUBPROCESS_TIMEOUT,
     )
 
@@ -136,7 +150,8 @@ def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear,
     model, train_state = torch.nn.Linear(4, 3), _TrainState()
     manager = CheckpointManager(
         {"model": ModelState(model, {"name": "linear", "flavor": "4x3", "args": {}}), "train_state": train_state},
-        Checkpoint(enable=True, **options), str(dump),
+        Checkpoint(enable=True, **options),
+        str(dump),
     )
     return manager, model, train_state
 
@@ -160,7 +175,15 @@ def _train_with_manager(manager, model, train_state, steps: int, after_each_save
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("layout")
-    args = ["--training.steps", "4", "--checkpoint.enable", "--checkpoint.interval", "2", "--job.dump_folder", str(dump)]
+    args = [
+        "--training.steps",
+        "4",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--job.dump_folder",
+        str(dump),
+    ]
     return dump, run_on_ranks(2, _train_on_ranks, args)[0]
 
 
@@ -207,13 +230,24 @@ def _kill_during_a_save(dump: Path, min_step: int, deadline_s: float = 120) -> t
     folder = dump / "checkpoint"
     log_path = dump.with_suffix(".log")
     command = _train_command(
-        dump, "--training.steps", str(min_step + 10), "--checkpoint.enable", "--checkpoint.interval", "1",
-        "--checkpoint.keep_latest_k", "0",
+        dump,
+        "--training.steps",
+        str(min_step + 10),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.keep_latest_k",
+        "0",
     )
     caught = None
     with open(log_path, "w") as log:
         process = subprocess.Popen(
-            command, cwd=dump.parent, env=_env(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            command,
+            cwd=dump.parent,
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         try:
@@ -266,8 +300,16 @@ def test_save_killed_mid_write_leaves_only_loadable_step_folders(tmp_path):
     # A new run removes the leftover at start-up and resumes from the newest complete step.
     newest = max(step_folders)
     result = _run(
-        _train_command(dump, "--training.steps", str(newest + 2), "--checkpoint.enable", "--checkpoint.interval", "1",
-                       "--checkpoint.keep_latest_k", "0"),
+        _train_command(
+            dump,
+            "--training.steps",
+            str(newest + 2),
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "1",
+            "--checkpoint.keep_latest_k",
+            "0",
+        ),
         cwd=tmp_path,
     )
     out = result.stdout + result.stderr
@@ -388,8 +430,14 @@ def test_purge_interrupted_after_the_rename_is_cleaned_up_at_start_up(tmp_path):
 @pytest.fixture(scope="module")
 def model_only_run(tmp_path_factory):
     dump = tmp_path_factory.mktemp("model_only")
-    common = ["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16",
-              "--job.dump_folder", str(dump)]
+    common = [
+        "--checkpoint.enable",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+        "--job.dump_folder",
+        str(dump),
+    ]
     trained = run_on_ranks(2, _train_on_ranks, ["--training.steps", "4", "--checkpoint.interval", "2", *common])[0]
     # Snapshot the folder before the resume below writes its own (later) save.
     before_resume = sorted(entry.name for entry in (dump / "checkpoint").iterdir())
@@ -440,14 +488,32 @@ def test_resume_skips_the_model_only_save(model_only_run):
 # Runs each torchrun worker under bash to record its own exit status: torchrun reports
 # none of them after it was signalled. The trap defers bash's own exit until the trainer
 # (which gets the signal too: torchrun signals each worker's process group) has exited.
-WORKER_WRAPPER = 'trap : TERM INT; "$0" -m titanlite.train "$@"; code=$?; echo "$code" > "$EXIT_DIR/rank-$RANK"; exit "$code"'
+WORKER_WRAPPER = (
+    'trap : TERM INT; "$0" -m titanlite.train "$@"; code=$?; echo "$code" > "$EXIT_DIR/rank-$RANK"; exit "$code"'
+)
 
 
 def _torchrun_command(dump: Path, log_dir: Path, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "--log-dir", str(log_dir), "--tee", "3", "--no-python", "bash", "-c", WORKER_WRAPPER, sys.executable,
-        "--job.dump_folder", str(dump), *CLI_ARGS, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "--log-dir",
+        str(log_dir),
+        "--tee",
+        "3",
+        "--no-python",
+        "bash",
+        "-c",
+        WORKER_WRAPPER,
+        sys.executable,
+        "--job.dump_folder",
+        str(dump),
+        *CLI_ARGS,
+        *args,
     ]
 
 
@@ -455,7 +521,12 @@ def _signal_after_step(command: list[str], env: dict, after_step: int) -> tuple[
     """Start `command`, send it SIGTERM once it has logged `after_step`, and return its
     exit status, its output and the last step logged before the signal was sent."""
     process = subprocess.Popen(
-        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     watchdog = threading.Timer(SUBPROCESS_TIMEOUT, process.terminate)
@@ -524,8 +595,11 @@ def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_pa
         out_file = tmp_path / f"{name}.out"
         with open(out_file, "w") as out:
             process = subprocess.Popen(
-                _torchrun_command(run_dump, tmp_path / f"{name}-logs", *until), env=env, stdin=subprocess.DEVNULL,
-                stdout=out, stderr=subprocess.STDOUT,
+                _torchrun_command(run_dump, tmp_path / f"{name}-logs", *until),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         runs[name] = (process, out_file)
     results = {}
@@ -555,8 +629,14 @@ def test_sigterm_with_async_with_pinned_mem_still_saves_and_exits_0(tmp_path):
     writing. The stop saves in the rank processes instead: every rank exits 0 with a
     complete checkpoint no older than the last save begun before the signal."""
     dump, _, _, returncode, output, signalled_after = _stopped_torchrun_run(
-        tmp_path, "--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "2",
-        "--checkpoint.async_mode", "async_with_pinned_mem",
+        tmp_path,
+        "--training.steps",
+        "150",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--checkpoint.async_mode",
+        "async_with_pinned_mem",
     )
     assert output.count("stop signal received") == 2, _describe(returncode, output)
     steps = list(complete_steps(dump / "checkpoint"))

@@ -12,7 +12,15 @@ from titanlite.checkpoint import ModelState
 from titanlite.models.llama import LLAMA2_FLAVORS, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--checkpoint.enable", "--metrics.log_freq", "1"]
+SMALL = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--checkpoint.enable",
+    "--metrics.log_freq",
+    "1",
+]
 
 
 def train(dump: Path, *args: str) -> subprocess.CompletedProcess:
@@ -44,7 +52,15 @@ def test_resuming_into_another_model_shape_is_one_line(llama3_checkpoint):
 
 
 def description(**changes) -> dict:
-    args = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": None, "norm_eps": 1e-5, "rope_theta": 10000.0, "max_seq_len": 32}
+    args = {
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": None,
+        "norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_seq_len": 32,
+    }
     return {"name": "llama2", "flavor": "debugmodel", "args": {**args, **changes}}
 
 
@@ -61,4 +77,6 @@ def test_another_sequence_length_is_not_a_different_model():
     model = Transformer(LLAMA2_FLAVORS["debugmodel"].with_seq_len(16))
     model.init_weights(seed=0)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
-    ModelState(model, description(max_seq_len=16)).load_state_dict({**weights, "model_args": description(max_seq_len=4096)})
+    ModelState(model, description(max_seq_len=16)).load_state_dict(
+        {**weights, "model_args": description(max_seq_len=4096)}
+    )

@@ -50,22 +50,30 @@ ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 WORKER_TIMEOUT_S = 500
 
 BASE_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
     f"--training.global_batch_size={GLOBAL_BATCH}",
     f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
-    "--training.max_norm", "0.5",
+    "--training.mixed_precision_param",
+    "float32",
+    "--training.max_norm",
+    "0.5",
     f"--optimizer.lr={LR}",
     f"--lr_scheduler.warmup_steps={WARMUP}",
-    "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
     "--ema.enable",
     f"--ema.decay={EMA_DECAY}",
     "--checkpoint.enable",
     # train() then saves only after the last step, unless a run asks for more.
-    "--checkpoint.interval", "1000",
-    "--comm.init_timeout_seconds", "120",
+    "--checkpoint.interval",
+    "1000",
+    "--comm.init_timeout_seconds",
+    "120",
 ]
 # The train_state and data position a resume must restore.
 POSITION_KEYS = ("step", "tokens_seen", "windows_consumed")
@@ -119,7 +127,11 @@ def full_ema(trainer: Trainer) -> dict:
 
 
 def position(trainer: Trainer) -> dict:
-    return {"step": trainer.step, "tokens_seen": trainer.tokens_seen, "windows_consumed": trainer.loader.windows_consumed}
+    return {
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "windows_consumed": trainer.loader.windows_consumed,
+    }
 
 
 def optimizer_summary(trainer: Trainer) -> dict:
@@ -235,15 +247,19 @@ def two_rank_worker(dump: str, ports: list[int]) -> dict:
 
     saved = f"{dump}/straight/checkpoint/step-{SAVE_AT}"
     trainer = session.trainer(
-        fsdp2, "--checkpoint.exclude_from_loading=optimizer,lr_scheduler",
+        fsdp2,
+        "--checkpoint.exclude_from_loading=optimizer,lr_scheduler",
         f"--job.dump_folder={copy_checkpoint(saved, f'{dump}/exclude')}",
     )
     loaded = loaded_state(trainer)
     batches = record_batches(trainer)
     loss_share, grad_norm = trainer.train_step()
     out["exclude"] = {
-        "loaded": loaded, "batches": batches, "loss": trainer.global_loss(loss_share)[0],
-        "grad_norm": grad_norm.item(), "after_step": optimizer_summary(trainer),
+        "loaded": loaded,
+        "batches": batches,
+        "loss": trainer.global_loss(loss_share)[0],
+        "grad_norm": grad_norm.item(),
+        "after_step": optimizer_summary(trainer),
     }
     trainer.checkpointer.close()
 
@@ -298,7 +314,9 @@ def single_worker(dump: str, fsdp2_step_folder: str) -> dict:
     session = Session([0] * 8)  # no process group on one rank: the ports go unused
     out = {
         "straight": uninterrupted(session, layout(1), f"--job.dump_folder={dump}/straight"),
-        "resumed": resume(session, layout(1), f"--job.dump_folder={copy_checkpoint(fsdp2_step_folder, f'{dump}/from_fsdp2')}"),
+        "resumed": resume(
+            session, layout(1), f"--job.dump_folder={copy_checkpoint(fsdp2_step_folder, f'{dump}/from_fsdp2')}"
+        ),
     }
     # One process has no process group: every async mode must still save and resume.
     for mode in ASYNC_MODES:
@@ -480,7 +498,9 @@ def test_ema_is_the_running_average_of_the_weights(single):
             expected[name] = EMA_DECAY * expected[name] + (1 - EMA_DECAY) * after["weights"][name].double()
         assert sorted(after["ema"]) == sorted(floating)
         for name in floating:
-            torch.testing.assert_close(after["ema"][name], expected[name].float(), rtol=1e-6, atol=1e-6, msg=f"step {step} {name}")
+            torch.testing.assert_close(
+                after["ema"][name], expected[name].float(), rtol=1e-6, atol=1e-6, msg=f"step {step} {name}"
+            )
     # The average lags well behind the weights, so the check above is not one of the weights.
     last = straight["after"][-1]
     assert max_difference(last["ema"], last["weights"]) > 1e-3

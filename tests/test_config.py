@@ -103,7 +103,9 @@ def test_none_able_fields(write_toml):
     config = parse_args(["--job.config_file", path])
     assert config.lr_scheduler.decay_ratio == 0.25
     assert config.model.hf_assets_path == "assets"
-    config = parse_args(["--job.config_file", path, "--lr_scheduler.decay_ratio", "none", "--model.hf_assets_path=NULL"])
+    config = parse_args(
+        ["--job.config_file", path, "--lr_scheduler.decay_ratio", "none", "--model.hf_assets_path=NULL"]
+    )
     assert config.lr_scheduler.decay_ratio is None
     assert config.model.hf_assets_path is None
     assert parse_args(["--job.config_file", "none"]).job.config_file is None
@@ -283,7 +285,7 @@ def test_to_toml_round_trip(tmp_path):
     argv = [
         "--training.steps=12",
         "--training.dataset=text",
-        "--training.dataset_path=data/a \"quoted\"\\path\n.txt",
+        '--training.dataset_path=data/a "quoted"\\path\n.txt',
         "--optimizer.lr=1e-5",
         "--optimizer.eps=1e-12",
         "--lr_scheduler.decay_ratio=0.5",
@@ -375,14 +377,21 @@ def test_dry_run_get_prints_one_resolved_value(tmp_path):
         assert (result.returncode, result.stdout, result.stderr) == (0, printed, ""), args
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--get", "checkpoint.stop_save_second"], "unknown key 'checkpoint.stop_save_second' for --get; did you mean "
-                                               "'checkpoint.stop_save_seconds'?"),
-    (["--get"], "--get needs a key, e.g. --get checkpoint.stop_save_seconds"),
-    (["--get", "checkpoint.stop_save_seconds", "--checkpoint.stop_save_seconds", "0"],
-     "checkpoint.stop_save_seconds must be >= 1, got 0"),
-], ids=["unknown key", "no key", "bad config"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--get", "checkpoint.stop_save_second"],
+            "unknown key 'checkpoint.stop_save_second' for --get; did you mean 'checkpoint.stop_save_seconds'?",
+        ),
+        (["--get"], "--get needs a key, e.g. --get checkpoint.stop_save_seconds"),
+        (
+            ["--get", "checkpoint.stop_save_seconds", "--checkpoint.stop_save_seconds", "0"],
+            "checkpoint.stop_save_seconds must be >= 1, got 0",
+        ),
+    ],
+    ids=["unknown key", "no key", "bad config"],
+)
 def test_dry_run_get_mistakes_are_one_line(tmp_path, args, message):
     result = run_dry_run(args, cwd=tmp_path)
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"titanlite: config error: {message}\n")
-

@@ -307,12 +307,15 @@ def test_huggingface_source_yields_the_text_field(monkeypatch):
     assert calls[-1] == ("some/corpus", None, "validation", True)
 
 
-@pytest.mark.parametrize("dataset, dataset_path, split, expected_call", [
-    ("c4", None, "train", ("allenai/c4", "en", "train", True)),
-    ("c4", None, "validation", ("allenai/c4", "en", "validation", True)),
-    ("c4_validation", None, "train", ("allenai/c4", "en", "validation", True)),
-    ("c4", "/mirror/c4", "train", ("/mirror/c4", "en", "train", True)),
-])
+@pytest.mark.parametrize(
+    "dataset, dataset_path, split, expected_call",
+    [
+        ("c4", None, "train", ("allenai/c4", "en", "train", True)),
+        ("c4", None, "validation", ("allenai/c4", "en", "validation", True)),
+        ("c4_validation", None, "train", ("allenai/c4", "en", "validation", True)),
+        ("c4", "/mirror/c4", "train", ("/mirror/c4", "en", "train", True)),
+    ],
+)
 def test_torchtitan_c4_names_read_allenai_c4_en(monkeypatch, dataset, dataset_path, split, expected_call):
     calls = []
 
@@ -329,14 +332,19 @@ def test_torchtitan_c4_names_read_allenai_c4_en(monkeypatch, dataset, dataset_pa
 def test_c4_test_reads_json_lines_at_torchtitans_path(tmp_path, monkeypatch):
     folder = tmp_path / "tests" / "assets" / "c4_test"
     folder.mkdir(parents=True)
-    records = [{"text": "first c4 document", "timestamp": "2019-04-25", "url": "https://a.example"},
-               {"text": "second c4 document", "timestamp": "2019-04-26", "url": "https://b.example"}]
+    records = [
+        {"text": "first c4 document", "timestamp": "2019-04-25", "url": "https://a.example"},
+        {"text": "second c4 document", "timestamp": "2019-04-26", "url": "https://b.example"},
+    ]
     (folder / "data.json").write_text("".join(json.dumps(record) + "\n" for record in records))
     monkeypatch.chdir(tmp_path)  # torchtitan's default path is relative to where the run starts
     assert list(build_documents("c4_test", None)()) == ["first c4 document", "second c4 document"]
     # dataset_path moves it; the validation split of c4_test is the same sample, as in torchtitan
     monkeypatch.chdir("/")
-    assert list(build_documents("c4_test", str(folder), split="validation")()) == ["first c4 document", "second c4 document"]
+    assert list(build_documents("c4_test", str(folder), split="validation")()) == [
+        "first c4 document",
+        "second c4 document",
+    ]
 
 
 def test_c4_test_errors_name_the_folder(tmp_path, monkeypatch):

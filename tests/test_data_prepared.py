@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import titanlite.data.prepare as prepare_module
 from tests.hf_folders import write_word_tokenizer
 from tests.prepared_data import exit_abruptly, make_documents, prepare_documents, write_jsonl
 from titanlite.data import (
@@ -36,7 +37,6 @@ from titanlite.data import (
 )
 from titanlite.data.build import open_prepared
 from titanlite.data.order import EpochPermutation, Mixture
-import titanlite.data.prepare as prepare_module
 from titanlite.data.prepare import main as prepare_main
 from titanlite.data.prepare import prepare
 
@@ -71,8 +71,9 @@ def windows_of(corpora, spec: str, shuffle: bool = True, seed: int = 0, seq_len:
 
 
 def loaders(windows_factory, dp_degree: int, local_batch_size: int, prefetch: int = 0) -> list[DataLoader]:
-    return [DataLoader(windows_factory(), local_batch_size, rank, dp_degree, prefetch=prefetch)
-            for rank in range(dp_degree)]
+    return [
+        DataLoader(windows_factory(), local_batch_size, rank, dp_degree, prefetch=prefetch) for rank in range(dp_degree)
+    ]
 
 
 def global_batches(rank_loaders: list[DataLoader], steps: int, accumulation: int = 1) -> list[list[list[int]]]:
@@ -101,8 +102,12 @@ def test_prepared_stream_is_the_framed_documents_and_their_starts(corpora):
     lengths = [len(framed_stream([text])) for text in documents]
     assert folder.document_starts(0, len(documents)) == [sum(lengths[:i]) for i in range(len(documents))]
     manifest = folder.manifest
-    assert manifest["tokenizer"] == {"fingerprint": ByteTokenizer.fingerprint, "bos_id": 256, "eos_id": 257,
-                                     "vocab_size": 258}
+    assert manifest["tokenizer"] == {
+        "fingerprint": ByteTokenizer.fingerprint,
+        "bos_id": 256,
+        "eos_id": 257,
+        "vocab_size": 258,
+    }
     assert manifest["source"]["dataset"] == "text"
     assert verify_share(windows_of(corpora, "web"), 0, 1) is None
 
@@ -209,8 +214,12 @@ def test_a_mixture_reads_each_folder_through_its_own_epochs(corpora):
 def test_parse_mixture_accepts_one_folder_or_weighted_folders():
     assert parse_mixture("/data/web") == [("/data/web", Fraction(1))]
     assert parse_mixture("/d/web:0.7, /d/code:0.3") == [("/d/web", Fraction(7, 10)), ("/d/code", Fraction(3, 10))]
-    for bad, words in (("/a:0.5,/b:-0.5", ["-0.5", "/b", "> 0"]), ("/a:0.5,/b:x", ["'x'", "/b"]),
-                       ("/a:1,/a:2", ["twice"]), ("/a:1,:2", ["':2'"])):
+    for bad, words in (
+        ("/a:0.5,/b:-0.5", ["-0.5", "/b", "> 0"]),
+        ("/a:0.5,/b:x", ["'x'", "/b"]),
+        ("/a:1,/a:2", ["twice"]),
+        ("/a:1,:2", ["':2'"]),
+    ):
         with pytest.raises(ValueError) as error:
             parse_mixture(bad)
         assert str(error.value).startswith("training.dataset_path")
@@ -396,8 +405,16 @@ def test_raw_stream_batches_match_after_a_resume():
 
 def test_raw_streams_warn_at_large_dp_degrees_and_prepared_data_never(corpora, tmp_path):
     text = write_jsonl(tmp_path / "corpus" / "a.jsonl", ["one document"])
-    stream = open_windows("text", str(text.parent), ByteTokenizer(), SEQ_LEN, hf_assets_path=None,
-                          shuffle=True, seed=0, cache_folder=str(tmp_path / "cache"))
+    stream = open_windows(
+        "text",
+        str(text.parent),
+        ByteTokenizer(),
+        SEQ_LEN,
+        hf_assets_path=None,
+        shuffle=True,
+        seed=0,
+        cache_folder=str(tmp_path / "cache"),
+    )
     assert stream_warning(stream, "text", 2) is None
     warning = stream_warning(stream, "text", 8)
     assert "8" in warning and "python -m titanlite.data.prepare" in warning and "\n" not in warning
@@ -476,11 +493,23 @@ def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_pat
     documents = make_documents(6, 12_000, max_words=60)
     source = write_jsonl(tmp_path / "src" / "big.jsonl", documents)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "titanlite.data.prepare", "--dataset_path", str(source), "--output", str(out),
-               "--workers", "1", "--shard_tokens", "20000"]
+    command = [
+        sys.executable,
+        "-m",
+        "titanlite.data.prepare",
+        "--dataset_path",
+        str(source),
+        "--output",
+        str(out),
+        "--workers",
+        "1",
+        "--shard_tokens",
+        "20000",
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     partial = Path(str(out) + ".partial")
     deadline = time.monotonic() + 120
     while not (partial / "tokens-00002.bin").exists():  # well into the work

@@ -37,8 +37,12 @@ ARGS = [
 
 def train(dump: str, ports: list[int], dataset_path: str, world_size: int) -> dict:
     session = Session(ports)
-    trainer = session.trainer(ARGS, f"--training.dataset_path={dataset_path}", f"--job.dump_folder={dump}",
-                              f"--training.local_batch_size={GLOBAL_BATCH // world_size}")
+    trainer = session.trainer(
+        ARGS,
+        f"--training.dataset_path={dataset_path}",
+        f"--job.dump_folder={dump}",
+        f"--training.local_batch_size={GLOBAL_BATCH // world_size}",
+    )
     first_step = trainer.step
     batches = record_batches(trainer)
     records = trainer.train()
@@ -82,5 +86,9 @@ def test_resume_at_another_world_size_replays_the_same_token_ids_and_losses(runs
         assert global_batch(resumed, step) == global_batch(straight, step), f"step {step}"
     steps = list(range(SAVE_AT + 1, STEPS + 1))
     assert sorted(resumed[0]["loss"]) == steps
-    torch.testing.assert_close(torch.tensor([resumed[0]["loss"][s] for s in steps]),
-                               torch.tensor([straight[0]["loss"][s] for s in steps]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([resumed[0]["loss"][s] for s in steps]),
+        torch.tensor([straight[0]["loss"][s] for s in steps]),
+        rtol=1e-5,
+        atol=0,
+    )

@@ -47,7 +47,13 @@ def test_llama7b_on_8_h100_memory_equals_the_arithmetic(capsys):
     assert {"parameters", "gradients", "optimizer_state", "activations", "temporary"} <= categories.keys()
     assert categories["activations"] > 0 and memory["peak_bytes"] == categories["total"]
     assert memory["fits"] and memory["device_bytes"] == 80 * 2**30
-    assert result["layout"] == {"strategy": "FSDP", "world_size": 8, "dp_replicate": 1, "dp_shard": 8, "hardware": "h100"}
+    assert result["layout"] == {
+        "strategy": "FSDP",
+        "world_size": 8,
+        "dp_replicate": 1,
+        "dp_shard": 8,
+        "hardware": "h100",
+    }
     assert result["step_time"]["shard_link"] == "intra-node"
 
 
@@ -59,7 +65,9 @@ def test_the_table_names_every_category(capsys):
 
 
 def test_a_model_that_does_not_fit_is_an_answer(capsys):
-    result = run_json(capsys, "--job.config_file", DEBUG, "--world_size", "2", "--memory_gib", "0.05", "--reserve_gib", "0")
+    result = run_json(
+        capsys, "--job.config_file", DEBUG, "--world_size", "2", "--memory_gib", "0.05", "--reserve_gib", "0"
+    )
     assert result["memory"]["fits"] is False and result["memory"]["headroom_bytes"] < 0
     assert estimate.main(["--job.config_file", DEBUG, "--world_size", "2", "--memory_gib", "0.05"]) == 0
     assert "DOES NOT FIT" in capsys.readouterr().out
@@ -80,11 +88,14 @@ def test_nodes_give_the_world_size(capsys):
     assert result["layout"]["world_size"] == 16
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--hardware", "h1000"], "hardware 'h1000' is not known (choose from h100"),
-    (["--world_size", "8", "--parallelism.data_parallel_shard_degree", "3"], "must equal the world size (8)"),
-    (["--world_size", "8", "--nodes", "2"], "--world_size 8 does not equal --nodes 2 x 8 GPUs per node = 16"),
-    (["--training.stepz", "3"], "training.stepz"),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--hardware", "h1000"], "hardware 'h1000' is not known (choose from h100"),
+        (["--world_size", "8", "--parallelism.data_parallel_shard_degree", "3"], "must equal the world size (8)"),
+        (["--world_size", "8", "--nodes", "2"], "--world_size 8 does not equal --nodes 2 x 8 GPUs per node = 16"),
+        (["--training.stepz", "3"], "training.stepz"),
+    ],
+)
 def test_bad_input_is_one_line(capsys, argv, expected):
     assert expected in one_error_line(capsys, "--job.config_file", DEBUG, "--skip_memory", *argv)

@@ -96,8 +96,15 @@ def _measure_on_rank(argv: list[str]) -> dict:
         # The 7B config's settings: per-op selective AC, bf16 compute.
         (2, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
         # Uneven shards (padding), whole-block AC, float32, fused Adam, ZeRO-2.
-        (3, ["--activation_checkpoint.mode=full", "--training.mixed_precision_param=float32",
-             "--optimizer.implementation=fused", "--parallelism.fsdp_reshard_after_forward=never"]),
+        (
+            3,
+            [
+                "--activation_checkpoint.mode=full",
+                "--training.mixed_precision_param=float32",
+                "--optimizer.implementation=fused",
+                "--parallelism.fsdp_reshard_after_forward=never",
+            ],
+        ),
         # One process: no FSDP, autocast, every 2nd block checkpointed.
         (1, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]),
     ],
@@ -114,8 +121,10 @@ def test_tiny_estimate_matches_real_tensors(world_size, extra):
     # Rank 0 holds the largest shard: no rank needs more.
     assert all(r["parameters"] + r["optimizer_state"] <= rank0["parameters"] + rank0["optimizer_state"] for r in real)
     assert estimate.activations == pytest.approx(rank0["activations"], rel=0.15)
-    print(f"\n{world_size} rank(s): activations estimated {estimate.activations} B, measured {rank0['activations']} B; "
-          f"peak estimated {estimate.peak_bytes} B, measured {rank0['peak']} B")
+    print(
+        f"\n{world_size} rank(s): activations estimated {estimate.activations} B, measured {rank0['activations']} B; "
+        f"peak estimated {estimate.peak_bytes} B, measured {rank0['peak']} B"
+    )
 
 
 def test_refuses_inside_a_real_process_group():

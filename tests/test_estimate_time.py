@@ -73,8 +73,9 @@ def test_break_even_is_the_seeds_c_over_w_in_the_seeds_setting():
     # and backward and its gradient reduce-scattered (6 bytes per parameter, like the
     # all-reduce's 2 x 2 bytes plus forward's 2), no recomputation, full peak. Then
     # compute = F x t / C and comm = 6 N (n-1)/n / W, so t* = C/W x 6 N (n-1)/n / F.
-    result = estimate(dp_shard=64, reduce_dtype="bfloat16", reshard_after_forward="always",
-                      ac_mode="none", efficiency=1.0)
+    result = estimate(
+        dp_shard=64, reduce_dtype="bfloat16", reshard_after_forward="always", ac_mode="none", efficiency=1.0
+    )
     c_over_w = 989e12 / 50e9
     flops = flops_per_token(LLAMA2_7B, 2048)
     assert result.break_even_tokens_per_device == pytest.approx(c_over_w * 6 * N_7B * 63 / 64 / flops)
@@ -83,8 +84,14 @@ def test_break_even_is_the_seeds_c_over_w_in_the_seeds_setting():
 
 
 def test_verdict_flips_when_tokens_per_device_cross_the_threshold():
-    setting = dict(seq_len=1024, dp_shard=64, reduce_dtype="bfloat16", reshard_after_forward="always",
-                   ac_mode="none", efficiency=1.0)
+    setting = dict(
+        seq_len=1024,
+        dp_shard=64,
+        reduce_dtype="bfloat16",
+        reshard_after_forward="always",
+        ac_mode="none",
+        efficiency=1.0,
+    )
     break_even = estimate(**setting).break_even_tokens_per_device
     below = int(break_even // 1024)
     assert estimate(local_batch_size=below, **setting).verdict == "communication-bound"
@@ -214,7 +221,10 @@ def test_recompute_flops_per_activation_checkpointing_mode():
     every_3rd = estimate(model_args=args, dp_shard=1, ac_mode="selective", selective_ac_option="3")
     assert every_3rd.recompute_flops_per_token == pytest.approx(blocks_forward * 11 / 32)  # blocks 0,3,...,30
     for mode, option in (("none", "2"), ("selective", "op")):
-        assert estimate(model_args=args, dp_shard=1, ac_mode=mode, selective_ac_option=option).recompute_flops_per_token == 0
+        assert (
+            estimate(model_args=args, dp_shard=1, ac_mode=mode, selective_ac_option=option).recompute_flops_per_token
+            == 0
+        )
     # MFU counts model FLOPs only, so recomputation lowers it.
     assert full.mfu_percent < estimate(model_args=args, dp_shard=1, ac_mode="none").mfu_percent
 
@@ -232,17 +242,30 @@ def test_step_time_overlaps_communication_and_adds_the_exposed_part():
 
 
 def test_table_peaks_come_from_the_metrics_table():
-    names = {"h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200", "a100": "NVIDIA A100-SXM4-80GB",
-             "b200": "NVIDIA B200", "mi300x": "AMD Instinct MI300X", "l40s": "NVIDIA L40S"}
+    names = {
+        "h100": "NVIDIA H100 80GB HBM3",
+        "h200": "NVIDIA H200",
+        "a100": "NVIDIA A100-SXM4-80GB",
+        "b200": "NVIDIA B200",
+        "mi300x": "AMD Instinct MI300X",
+        "l40s": "NVIDIA L40S",
+    }
     assert set(names) <= set(HARDWARE)
     for key, device_name in names.items():
         assert HARDWARE[key].peak_flops == peak_flops_per_device(device_name)
     h100 = HARDWARE["h100"]
-    assert (h100.peak_flops, h100.memory_bytes, h100.intra_node_bw, h100.inter_node_bw) == (989e12, 80 * 2**30, 450e9, 50e9)
+    assert (h100.peak_flops, h100.memory_bytes, h100.intra_node_bw, h100.inter_node_bw) == (
+        989e12,
+        80 * 2**30,
+        450e9,
+        50e9,
+    )
 
 
 def test_unknown_hardware_names_the_choices_and_suggests_one():
-    with pytest.raises(ValueError, match=r"hardware 'h1000' is not known \(choose from h100, .*\); did you mean 'h100'\?"):
+    with pytest.raises(
+        ValueError, match=r"hardware 'h1000' is not known \(choose from h100, .*\); did you mean 'h100'\?"
+    ):
         get_hardware("h1000")
     with pytest.raises(ValueError, match="hardware 'tpu' is not known"):
         estimate(hardware="tpu")
@@ -259,7 +282,9 @@ def test_hardware_names_are_forgiving_and_overrides_replace_fields():
 
 
 def test_bad_overrides_are_clear():
-    with pytest.raises(ValueError, match=r"hardware field 'inter_node_bandwidth' is not known .*did you mean 'inter_node_bw'"):
+    with pytest.raises(
+        ValueError, match=r"hardware field 'inter_node_bandwidth' is not known .*did you mean 'inter_node_bw'"
+    ):
         get_hardware("h100", inter_node_bandwidth=1e9)
     with pytest.raises(ValueError, match="hardware peak_flops must be a positive number, got -1"):
         get_hardware("h100", peak_flops=-1)
@@ -268,7 +293,10 @@ def test_bad_overrides_are_clear():
 
 
 def test_command_line_overrides_parse():
-    assert parse_hardware_overrides(["inter_node_bw=25e9", " gpus_per_node=4"]) == {"inter_node_bw": 25e9, "gpus_per_node": 4}
+    assert parse_hardware_overrides(["inter_node_bw=25e9", " gpus_per_node=4"]) == {
+        "inter_node_bw": 25e9,
+        "gpus_per_node": 4,
+    }
     with pytest.raises(ValueError, match="must look like field=value"):
         parse_hardware_overrides(["inter_node_bw"])
     with pytest.raises(ValueError, match="'fast' is not a number"):
@@ -279,8 +307,11 @@ def test_command_line_overrides_parse():
 
 
 def test_world_size_not_matching_the_degrees():
-    with pytest.raises(ValueError, match=r"data_parallel_replicate_degree \(2\) x .*data_parallel_shard_degree \(8\) "
-                                         r"must equal the world size \(8\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_parallel_replicate_degree \(2\) x .*data_parallel_shard_degree \(8\) "
+        r"must equal the world size \(8\)",
+    ):
         estimate(dp_replicate=2, dp_shard=8, world_size=8)
     # -1 takes the ranks left over, but only with a world size.
     assert estimate(dp_replicate=2, dp_shard=-1, world_size=16).dp_shard == 8
@@ -299,7 +330,10 @@ def test_world_size_not_matching_the_degrees():
         (dict(local_batch_size=1.5), "local_batch_size must be a positive integer, got 1.5"),
         (dict(grad_accum_steps=0), "grad_accum_steps must be a positive integer"),
         (dict(gpus_per_node=0), "gpus_per_node must be a positive integer"),
-        (dict(reshard_after_forward="sometimes"), r"reshard_after_forward 'sometimes' is not known \(choose from default, always, never\)"),
+        (
+            dict(reshard_after_forward="sometimes"),
+            r"reshard_after_forward 'sometimes' is not known \(choose from default, always, never\)",
+        ),
         (dict(ac_mode="partial"), "ac_mode 'partial' is not known"),
         (dict(param_dtype="float16"), "param_dtype 'float16' is not known"),
         (dict(ac_mode="selective", selective_ac_option="0"), "selective_ac_option must be 'op' or a positive integer"),

@@ -46,13 +46,23 @@ def test_what_the_user_set_wins_under_either_spelling(tmp_path):
     assert start_flight_recorder(Comm(), str(tmp_path), environ) == str(mine)
     # TORCH_FR_DUMP_TEMP_FILE is read before TORCH_NCCL_DEBUG_INFO_TEMP_FILE: setting the
     # latter would only mislead.
-    assert environ == {"TORCH_NCCL_TRACE_BUFFER_SIZE": "500", "TORCH_FR_DUMP_TEMP_FILE": str(mine),
-                       "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert environ == {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "500",
+        "TORCH_FR_DUMP_TEMP_FILE": str(mine),
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
     assert (tmp_path / "mine").is_dir() and not (tmp_path / "comm_traces").exists()
 
 
-@pytest.mark.parametrize("users", [{"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"}, {"TORCH_FR_BUFFER_SIZE": "0"},
-                                   {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "false"}])
+@pytest.mark.parametrize(
+    "users",
+    [
+        {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0"},
+        {"TORCH_FR_BUFFER_SIZE": "0"},
+        {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
+        {"TORCH_NCCL_DUMP_ON_TIMEOUT": "false"},
+    ],
+)
 def test_the_user_turning_it_off_means_no_dump_and_no_folder(tmp_path, users):
     environ = dict(users)
     assert start_flight_recorder(Comm(), str(tmp_path), environ) is None
@@ -61,8 +71,12 @@ def test_the_user_turning_it_off_means_no_dump_and_no_folder(tmp_path, users):
 
 
 def test_the_dump_place_follows_pytorchs_order_of_names():
-    both = {"TORCH_NCCL_TRACE_BUFFER_SIZE": "10", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a/rank_", "TORCH_FR_DUMP_TEMP_FILE": "/b/rank_"}
+    both = {
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "10",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/a/rank_",
+        "TORCH_FR_DUMP_TEMP_FILE": "/b/rank_",
+    }
     assert dump_prefix(both) == "/b/rank_"
     assert dump_prefix({**both, "TORCH_FR_BUFFER_SIZE": "0"}) is None
     assert dump_prefix({}) is None
@@ -86,6 +100,8 @@ def test_the_failure_line_names_the_dump_when_there_is_one(monkeypatch, capsys, 
     monkeypatch.setattr(train, "Trainer", FailingTrainer)
     assert train.main([]) == 1
     (line,) = capsys.readouterr().err.splitlines()
-    start = ("titanlite: rank 3: a collective failed after step 7 (did another rank die or hang? see its log): "
-             "NCCL watchdog: collective ALLREDUCE timed out after 100000 ms")
+    start = (
+        "titanlite: rank 3: a collective failed after step 7 (did another rank die or hang? see its log): "
+        "NCCL watchdog: collective ALLREDUCE timed out after 100000 ms"
+    )
     assert line == (start if dump is None else f"{start}; NCCL flight recorder dump: {dump}")

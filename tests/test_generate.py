@@ -15,13 +15,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
+from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export
 from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.manager import top_level_names
 from titanlite.models.generate import generate
 from titanlite.models.llama.model import Transformer, rope_tables
-from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "scripts" / "generate.py"
@@ -84,7 +84,9 @@ def test_rope_tables_and_dtype(trained):
     model, description = load_model(trained[0], dtype=torch.bfloat16)
     assert model.output.weight.dtype == torch.bfloat16
     cos, sin = rope_tables(description["args"])
-    assert model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    assert (
+        model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
+    )
 
 
 def test_hf_folder_gives_the_same_logits(trained, hf_folder):
@@ -100,10 +102,17 @@ def test_bad_paths_raise_one_line(trained, tmp_path):
     plain.mkdir()
     (plain / "notes.txt").write_text("hi")
     weights_only = tmp_path / "weights_only"
-    dcp.save({"tok_embeddings.weight": torch.zeros(2, 2)},
-             storage_writer=dcp.FileSystemWriter(str(weights_only)), no_dist=True)
-    cases = [(tmp_path / "nowhere", "no such"), (plain, "not a checkpoint"), (plain / "notes.txt", "not a checkpoint"),
-             (weights_only, "no model_args")]
+    dcp.save(
+        {"tok_embeddings.weight": torch.zeros(2, 2)},
+        storage_writer=dcp.FileSystemWriter(str(weights_only)),
+        no_dist=True,
+    )
+    cases = [
+        (tmp_path / "nowhere", "no such"),
+        (plain, "not a checkpoint"),
+        (plain / "notes.txt", "not a checkpoint"),
+        (weights_only, "no model_args"),
+    ]
     for path, problem in cases:
         with pytest.raises(ValueError) as raised:
             load_model(path)
@@ -115,8 +124,9 @@ def test_bad_paths_raise_one_line(trained, tmp_path):
 
 
 def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                      intermediate_size=96, vocab_size=40)
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
     return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
 
@@ -130,9 +140,16 @@ def test_greedy_matches_transformers(trained, hf_folder):
     theirs_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()
     theirs_model.generation_config.eos_token_id = None
     theirs_model.generation_config.pad_token_id = 0
-    out = theirs_model.generate(torch.tensor([PROMPT]), max_new_tokens=16, min_new_tokens=0, do_sample=False,
-                                eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long))
-    theirs = out[0, len(PROMPT):].tolist()
+    out = theirs_model.generate(
+        torch.tensor([PROMPT]),
+        max_new_tokens=16,
+        min_new_tokens=0,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+    )
+    theirs = out[0, len(PROMPT) :].tolist()
     assert len(ours) == 16 and ours == theirs
     # Greedy is the argmax of a full forward pass at each step.
     with torch.no_grad():
@@ -215,8 +232,10 @@ def test_script_sampling_on_hf_folder(hf_folder):
 def test_script_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
     folder = tmp_path / "plain"
     folder.mkdir()
-    for args in (["--checkpoint", folder, "--prompt", "a", "--max_new_tokens", 3],
-                 ["--checkpoint", tmp_path / "nowhere", "--prompt", "a", "--max_new_tokens", 3]):
+    for args in (
+        ["--checkpoint", folder, "--prompt", "a", "--max_new_tokens", 3],
+        ["--checkpoint", tmp_path / "nowhere", "--prompt", "a", "--max_new_tokens", 3],
+    ):
         result = run_script(*args)
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 2, result.stderr

@@ -16,13 +16,15 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export
-from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
 IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
+
+
 def run_script(script: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
 
@@ -46,9 +48,16 @@ def leftovers(parent: Path) -> list[str]:
 def hf_model(tmp_path_factory) -> tuple[Path, transformers.LlamaForCausalLM]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=300, max_position_embeddings=64, rms_norm_eps=1e-6,
-        rope_theta=500000.0, tie_word_embeddings=False,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=300,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
     )
     model = transformers.LlamaForCausalLM(config)
     folder = tmp_path_factory.mktemp("hf") / "original"
@@ -82,8 +91,12 @@ def test_hf_to_dcp_to_hf_is_bit_identical(hf_model, tmp_path):
 def test_tied_embeddings_become_two_copies(tmp_path):
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96,
-        vocab_size=50, tie_word_embeddings=True,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=96,
+        vocab_size=50,
+        tie_word_embeddings=True,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tied")
     step = hf_convert.import_from_hf(tmp_path / "tied", tmp_path / "dcp")
@@ -111,7 +124,11 @@ def test_exported_model_gives_titanlite_logits(trained, tmp_path):
     step_dir, tokens, logits, _, _ = trained
     result = run_script(EXPORT, step_dir, tmp_path / "hf")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     with torch.no_grad():
@@ -219,7 +236,8 @@ def test_ema_missing_and_model_args_missing(trained, tmp_path):
     plain_step = tmp_path / "dcp"
     torch.distributed.checkpoint.save(
         {"tok_embeddings.weight": torch.zeros(2, 2)},
-        storage_writer=torch.distributed.checkpoint.FileSystemWriter(str(plain_step)), no_dist=True,
+        storage_writer=torch.distributed.checkpoint.FileSystemWriter(str(plain_step)),
+        no_dist=True,
     )
     with pytest.raises(ValueError, match="no model_args"):
         hf_export.export_to_hf(plain_step, tmp_path / "out")
@@ -230,7 +248,9 @@ def test_ema_missing_and_model_args_missing(trained, tmp_path):
 
 
 def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
-    config = transformers.LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40)
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
     return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
 

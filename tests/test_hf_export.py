@@ -18,13 +18,13 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from tests.multiprocess import TINY
+from tests.prepared_data import make_documents, write_jsonl
+from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf_export
 from titanlite.checkpoint.hf import _titanlite_names
 from titanlite.data.tokenizer import HFTokenizer
 from titanlite.models.llama import LlamaArgs, Transformer
-from tests.multiprocess import TINY
-from tests.prepared_data import make_documents, write_jsonl
-from tests.tiny_run import train_tiny
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
@@ -60,8 +60,9 @@ def make_tokenizer(folder: Path) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=258, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=258, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator([TEXT] * 10, trainer)
     assert tokenizer.get_vocab_size() == 258
     folder.mkdir(parents=True)
@@ -73,7 +74,12 @@ def make_tokenizer(folder: Path) -> Path:
 
 def save_checkpoint(step_dir: Path, weights: dict, args: LlamaArgs, tokenizer_path: str | None = None) -> Path:
     """A model-only step folder as the trainer writes one: weights plus model_args."""
-    description = {"name": "llama3", "flavor": "tiny", "args": dataclasses.asdict(args), "tokenizer_path": tokenizer_path}
+    description = {
+        "name": "llama3",
+        "flavor": "tiny",
+        "args": dataclasses.asdict(args),
+        "tokenizer_path": tokenizer_path,
+    }
     dcp.save({**weights, "model_args": description}, checkpoint_id=str(step_dir), no_dist=True)
     return step_dir
 
@@ -99,9 +105,17 @@ def trained_with_tokenizer(tokenizer_dir, tmp_path_factory):
     # A small raw corpus: the default python_stdlib would first be prepared whole with this
     # tokenizer (tens of seconds on a new machine) for a run that reads a few windows.
     corpus = write_jsonl(tmp_path_factory.mktemp("corpus") / "corpus.jsonl", make_documents(7, 200))
-    return train_tiny(tmp_path_factory.mktemp("run"), ["--model.hf_assets_path", str(tokenizer_dir),
-                                                       "--training.dataset", "text",
-                                                       "--training.dataset_path", str(corpus)])
+    return train_tiny(
+        tmp_path_factory.mktemp("run"),
+        [
+            "--model.hf_assets_path",
+            str(tokenizer_dir),
+            "--training.dataset",
+            "text",
+            "--training.dataset_path",
+            str(corpus),
+        ],
+    )
 
 
 def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, tmp_path):
@@ -150,7 +164,11 @@ def test_a_byte_tokenizer_run_exports_no_tokenizer(tmp_path):
     result = run_export(step, tmp_path / "hf")
     assert result.returncode == 0, result.stderr
     assert "no tokenizer files exported" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}
 
 
@@ -257,6 +275,11 @@ def test_the_output_does_not_depend_on_the_tokenizer_copy(tmp_path, tokenizer_di
     shutil.copyfile(tokenizer_dir / "tokenizer.json", alone / "tokenizer.json")
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(alone / "tokenizer.json"))
     hf_export.export_to_hf(step, tmp_path / "hf")
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(("tokenizer", "special"))) == ["tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(("tokenizer", "special"))) == [
+        "tokenizer.json"
+    ]
     # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>.
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": 1}
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }

@@ -27,15 +27,21 @@ transformers = pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 4
 BASE_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
     f"--training.global_batch_size={GLOBAL_BATCH}",
     f"--training.local_batch_size={GLOBAL_BATCH}",  # one process; ranks override it
     "--training.steps=2",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--optimizer.lr", "3e-3",
-    "--metrics.log_freq", "1",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+    "--optimizer.lr",
+    "3e-3",
+    "--metrics.log_freq",
+    "1",
     "--checkpoint.initial_load_in_hf",
 ]
 PROBE = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
@@ -86,7 +92,9 @@ def test_single_process_matches_transformers(hf_folder, single):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ranks_seed_like_one_process(hf_folder, single, world_size):
-    runs = run_on_ranks(world_size, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])
+    runs = run_on_ranks(
+        world_size, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"]
+    )
     for run in runs:
         for name, value in single["seeded"].items():
             assert torch.equal(run["seeded"][name], value), name
@@ -120,7 +128,9 @@ def test_rows_from_hf_matches_the_whole_permutation():
 def test_a_different_model_is_refused_with_one_line(tmp_path):
     folder = save_hf_llama(tmp_path / "wide", seed=1, intermediate_size=TINY.ffn_hidden_dim + 32)
     register_tiny_flavor()
-    with pytest.raises(CheckpointError, match=r"wide: the folder holds a different model .*intermediate_size 224 vs 192"):
+    with pytest.raises(
+        CheckpointError, match=r"wide: the folder holds a different model .*intermediate_size 224 vs 192"
+    ):
         Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(folder)]))
 
 
@@ -136,7 +146,9 @@ def test_a_damaged_shard_is_named(hf_folder, tmp_path):
 
 def test_not_a_hugging_face_folder(tmp_path):
     register_tiny_flavor()
-    with pytest.raises(CheckpointError, match=r"initial_load_path .*empty: not a Hugging Face model folder \(no config.json\)"):
+    with pytest.raises(
+        CheckpointError, match=r"initial_load_path .*empty: not a Hugging Face model folder \(no config.json\)"
+    ):
         (tmp_path / "empty").mkdir()
         Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(tmp_path / "empty")]))
 

@@ -60,7 +60,6 @@ def test_config_mistake_stops_before_torchrun():
     assert [line for line in output.splitlines() if line.strip()] == error_lines, output
 
 
-
 def test_relative_paths_are_relative_to_where_the_run_starts(tmp_path):
     """As with torchtitan's script: CONFIG_FILE and the paths inside the config (here the
     dataset and the dump folder) are found from the caller's folder, not the checkout's."""
@@ -136,7 +135,8 @@ def _torchrun_launch_config(argv: list[str], monkeypatch):
 
 @pytest.mark.parametrize("from_command_line", [False, True], ids=["config file", "command line"])
 def test_run_train_gives_torchrun_the_stop_save_time_and_the_allocator_setting(
-        tmp_path, monkeypatch, from_command_line):
+    tmp_path, monkeypatch, from_command_line
+):
     """checkpoint.stop_save_seconds reaches torchrun as --shutdown-timeout, which torch's
     torchrun turns into its LaunchConfig's shutdown_timeout (its wait before SIGKILL), from the
     TOML file or, overriding it, the command line. PYTORCH_ALLOC_CONF is set for the ranks
@@ -147,9 +147,19 @@ def test_run_train_gives_torchrun_the_stop_save_time_and_the_allocator_setting(
     users_setting = {"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"} if from_command_line else {}
     env = {key: value for key, value in _launcher_env().items() if key not in ALLOC_VARIABLES}
     result = subprocess.run(
-        [str(RUN_TRAIN), *args], cwd=tmp_path, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=300, env={**env, **users_setting, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
-                          "RECORD": str(record), "CONFIG_FILE": "job.toml"},
+        [str(RUN_TRAIN), *args],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **env,
+            **users_setting,
+            "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}",
+            "RECORD": str(record),
+            "CONFIG_FILE": "job.toml",
+        },
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -181,10 +191,26 @@ def test_torchrun_waits_its_shutdown_timeout_for_a_worker_saving_after_sigterm(t
     marks.mkdir()
     env = {key: value for key, value in os.environ.items() if not key.startswith(("PET_", "TORCHELASTIC_"))}
     process = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-         "--shutdown-timeout", str(shutdown_timeout), "--no-python", "bash", "-c", SLOW_TO_STOP_WORKER],
-        env={**env, "MARKS": str(marks), "SAVE_SECONDS": "3"}, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "1",
+            "--shutdown-timeout",
+            str(shutdown_timeout),
+            "--no-python",
+            "bash",
+            "-c",
+            SLOW_TO_STOP_WORKER,
+        ],
+        env={**env, "MARKS": str(marks), "SAVE_SECONDS": "3"},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -213,24 +239,39 @@ case "$1 $2" in
         echo "JobId=$3 StartTime=2026-11-25T01:00:00 EndTime=$(date -d "@$(cat "$RECORD/end")" +%Y-%m-%dT%H:%M:%S) Deadline=N/A" ;;
 esac
 """
-FAKE_SRUN = RECORD_ARGV_AND_ENV + """
+FAKE_SRUN = (
+    RECORD_ARGV_AND_ENV
+    + """
 trap 'date +%s.%N >> "$RECORD/srun-sigterms"' TERM
 touch "$RECORD/srun-started"
 until [[ -e "$RECORD/srun-sigterms" ]]; do sleep 0.1; done
 for _ in $(seq 20); do sleep 0.1; done
 exit 3
 """
+)
 
 
 def _start_slurm_script(tmp_path: Path, *args: str, **env: str) -> tuple[subprocess.Popen, Path]:
     bin_dir, record = _fake_commands(tmp_path, scontrol=FAKE_SCONTROL, srun=FAKE_SRUN)
     base = {key: value for key, value in _launcher_env().items() if key not in ALLOC_VARIABLES}
     process = subprocess.Popen(
-        ["bash", str(SLURM_SCRIPT), *args], cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}", "RECORD": str(record),
-             "CONFIG_FILE": "train_configs/debug_model.toml", "SLURM_JOB_ID": "4242",
-             "SLURM_JOB_NODELIST": "node[7-8]", "SLURM_NNODES": "1", **env},
+        ["bash", str(SLURM_SCRIPT), *args],
+        cwd=REPO_ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env={
+            **base,
+            "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}",
+            "RECORD": str(record),
+            "CONFIG_FILE": "train_configs/debug_model.toml",
+            "SLURM_JOB_ID": "4242",
+            "SLURM_JOB_NODELIST": "node[7-8]",
+            "SLURM_NNODES": "1",
+            **env,
+        },
     )
     return process, record
 

@@ -25,22 +25,43 @@ STEPS, LOG_FREQ = 5, 2
 LOGGED_STEPS = [1, 2, 4, 5]
 VALIDATED_STEPS = [3, 5]
 BASE = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
     f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
 ]
 ARGS = BASE + [
     f"--metrics.log_freq={LOG_FREQ}",
     "--metrics.enable_tensorboard",
-    "--metrics.peak_tflops", "0.5",
-    "--validation.enable", "--validation.freq=3", "--validation.steps=2",
-    "--profiling.enable_profiling", "--profiling.profile_freq=2",
+    "--metrics.peak_tflops",
+    "0.5",
+    "--validation.enable",
+    "--validation.freq=3",
+    "--validation.steps=2",
+    "--profiling.enable_profiling",
+    "--profiling.profile_freq=2",
 ]
-TRAIN_TAGS = [metrics.LOSS, metrics.MAX_LOSS, metrics.GRAD_NORM, metrics.LR, metrics.TPS, metrics.TFLOPS, metrics.MFU,
-              metrics.STEP_TIME, metrics.DATA_TIME, metrics.DATA_PCT, metrics.RSS_GIB, metrics.PEAK_RSS_GIB]
+TRAIN_TAGS = [
+    metrics.LOSS,
+    metrics.MAX_LOSS,
+    metrics.GRAD_NORM,
+    metrics.LR,
+    metrics.TPS,
+    metrics.TFLOPS,
+    metrics.MFU,
+    metrics.STEP_TIME,
+    metrics.DATA_TIME,
+    metrics.DATA_PCT,
+    metrics.RSS_GIB,
+    metrics.PEAK_RSS_GIB,
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +73,12 @@ def run(tmp_path_factory) -> dict:
     (tb_folder,) = (dump / "tb").iterdir()
     events = EventAccumulator(str(tb_folder))
     events.Reload()
-    return {"dump": dump, "records": records, "lines": [json.loads(line) for line in jsonl.read_text().splitlines()],
-            "events": events}
+    return {
+        "dump": dump,
+        "records": records,
+        "lines": [json.loads(line) for line in jsonl.read_text().splitlines()],
+        "events": events,
+    }
 
 
 def test_tensorboard_has_one_value_per_logged_step_and_jsonl_the_same(run):
@@ -132,9 +157,18 @@ def _capture(*names: str) -> _Lines:
 
 def diagnose_two_ranks(dump: str) -> dict:
     captured = _capture("titanlite", "titanlite.every_rank")
-    trainer = Trainer(parse_args(BASE + [
-        "--job.dump_folder", dump, "--training.steps=2", "--metrics.log_freq=1", "--metrics.save_for_all_ranks",
-    ]))
+    trainer = Trainer(
+        parse_args(
+            BASE
+            + [
+                "--job.dump_folder",
+                dump,
+                "--training.steps=2",
+                "--metrics.log_freq=1",
+                "--metrics.save_for_all_ranks",
+            ]
+        )
+    )
     units = fsdp_unit_names(trainer.model)
     local_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in trainer.model.parameters())
     trainer.train()

@@ -125,8 +125,9 @@ def kinds(fan_out) -> list[str]:
 
 
 def built_files(root) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(folder, name), root)
-                  for folder, _, names in os.walk(root) for name in names)
+    return sorted(
+        os.path.relpath(os.path.join(folder, name), root) for folder, _, names in os.walk(root) for name in names
+    )
 
 
 @pytest.mark.parametrize("save_for_all_ranks", [False, True])
@@ -154,8 +155,7 @@ def test_build_loggers_folders(tmp_path, rank, save_for_all_ranks):
 
 
 def test_build_loggers_respects_switches_and_tb_folder(tmp_path):
-    config = Metrics(enable_tensorboard=True, enable_jsonl=False, save_tb_folder="board",
-                     disable_color_printing=True)
+    config = Metrics(enable_tensorboard=True, enable_jsonl=False, save_tb_folder="board", disable_color_printing=True)
     fan_out = build_loggers(config, str(tmp_path), 0, "r")
     assert kinds(fan_out) == ["ConsoleLogger", "TensorBoardLogger"]
     assert fan_out.loggers[0].color is False
@@ -176,8 +176,17 @@ def test_missing_wandb_is_one_clear_value_error_on_every_rank(tmp_path, monkeypa
 # Console line
 # ---------------------------------------------------------------------------
 
-GPU_STEP = {LOSS: 5.123456, GRAD_NORM: 0.81234, LR: 8e-4, TPS: 12345.4, TFLOPS: 123.456, MFU: 41.2,
-            MAX_RESERVED_GIB: 12.3, MAX_RESERVED_PCT: 15.49, STEP_TIME: 0.5123}
+GPU_STEP = {
+    LOSS: 5.123456,
+    GRAD_NORM: 0.81234,
+    LR: 8e-4,
+    TPS: 12345.4,
+    TFLOPS: 123.456,
+    MFU: 41.2,
+    MAX_RESERVED_GIB: 12.3,
+    MAX_RESERVED_PCT: 15.49,
+    STEP_TIME: 0.5123,
+}
 
 
 def console_lines(caplog, color: bool, metrics: dict, step: int = 10) -> list[str]:
@@ -190,16 +199,27 @@ def console_lines(caplog, color: bool, metrics: dict, step: int = 10) -> list[st
 def test_console_line_plain(caplog):
     (line,) = console_lines(caplog, False, GPU_STEP)
     assert "\033[" not in line
-    assert line == ("step: 10  loss: 5.1235  grad_norm: 0.8123  lr: 8.00e-04  tps: 12,345  tflops: 123.46  "
-                    "mfu: 41.20%  memory: 12.30GiB(15.5%)  step_time: 0.512s")
+    assert line == (
+        "step: 10  loss: 5.1235  grad_norm: 0.8123  lr: 8.00e-04  tps: 12,345  tflops: 123.46  "
+        "mfu: 41.20%  memory: 12.30GiB(15.5%)  step_time: 0.512s"
+    )
 
 
 def test_console_line_colored_has_same_text(caplog):
     (line,) = console_lines(caplog, True, GPU_STEP)
     assert "\033[31m" in line and line.endswith("\033[0m")
     stripped = line
-    for code in ("\033[0m", "\033[31m", "\033[32m", "\033[33m", "\033[34m", "\033[35m", "\033[36m",
-                 "\033[37m", "\033[90m"):
+    for code in (
+        "\033[0m",
+        "\033[31m",
+        "\033[32m",
+        "\033[33m",
+        "\033[34m",
+        "\033[35m",
+        "\033[36m",
+        "\033[37m",
+        "\033[90m",
+    ):
         stripped = stripped.replace(code, "")
     (plain,) = console_lines(caplog, False, GPU_STEP)
     assert stripped == plain
@@ -244,12 +264,16 @@ def meta_param_count(args: LlamaArgs) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-@pytest.mark.parametrize("args", [
-    LLAMA3_FLAVORS["debugmodel"],
-    LLAMA2_FLAVORS["debugmodel"],
-    LlamaArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=1000, multiple_of=32, ffn_dim_multiplier=1.3),
-    LLAMA3_FLAVORS["8B"],
-], ids=["llama3-debug", "llama2-debug", "gqa-ffn-multiplier", "llama3-8B"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        LLAMA3_FLAVORS["debugmodel"],
+        LLAMA2_FLAVORS["debugmodel"],
+        LlamaArgs(dim=96, n_layers=3, n_heads=6, n_kv_heads=2, vocab_size=1000, multiple_of=32, ffn_dim_multiplier=1.3),
+        LLAMA3_FLAVORS["8B"],
+    ],
+    ids=["llama3-debug", "llama2-debug", "gqa-ffn-multiplier", "llama3-8B"],
+)
 def test_param_count_matches_meta_transformer(args):
     assert count_params(args) == meta_param_count(args)
     assert count_params(args, include_embedding=False) == count_params(args) - args.vocab_size * args.dim
@@ -267,24 +291,27 @@ def test_tflops_and_mfu_arithmetic():
         mfu(1.0, 1, 0.0)
 
 
-@pytest.mark.parametrize("name, peak", [
-    ("NVIDIA H100 80GB HBM3", 989e12),
-    ("NVIDIA H100 NVL", 835e12),
-    ("NVIDIA H100 PCIe", 756e12),
-    ("NVIDIA H200", 989e12),
-    ("NVIDIA A100-SXM4-80GB", 312e12),
-    ("NVIDIA A100 80GB PCIe", 312e12),
-    ("NVIDIA A10G", 70e12),
-    ("NVIDIA A10", 125e12),
-    ("NVIDIA L40S", 362e12),
-    ("NVIDIA L4", 121e12),
-    ("Tesla V100-SXM2-16GB", 125e12),
-    ("NVIDIA B200", 2.25e15),
-    ("AMD Instinct MI300X", 1307e12),
-    ("cpu", None),
-    ("NVIDIA GeForce GTX 1080", None),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 NVL", 835e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A100 80GB PCIe", 312e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("Tesla V100-SXM2-16GB", 125e12),
+        ("NVIDIA B200", 2.25e15),
+        ("AMD Instinct MI300X", 1307e12),
+        ("cpu", None),
+        ("NVIDIA GeForce GTX 1080", None),
+        ("", None),
+    ],
+)
 def test_peak_flops_table(name, peak):
     assert peak_flops_per_device(name) == peak
 
@@ -316,8 +343,12 @@ def test_memory_monitor_cuda_arithmetic(monkeypatch):
     """The CUDA path without a GPU: the allocator's statistics are faked."""
     gib = 1024**3
     calls = []
-    fake_stats = {"active_bytes.all.peak": 2 * gib, "reserved_bytes.all.peak": 4 * gib,
-                  "num_alloc_retries": 3, "num_ooms": 1}
+    fake_stats = {
+        "active_bytes.all.peak": 2 * gib,
+        "reserved_bytes.all.peak": 4 * gib,
+        "num_alloc_retries": 3,
+        "num_ooms": 1,
+    }
     properties = dataclasses.make_dataclass("Props", [("total_memory", int)])(80 * gib)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: fake_stats)
@@ -327,9 +358,12 @@ def test_memory_monitor_cuda_arithmetic(monkeypatch):
     monitor = MemoryMonitor(torch.device("cuda"))
     assert calls == ["reset"]
     assert monitor.stats() == {
-        "memory/max_active(GiB)": 2.0, "memory/max_active(%)": 2.5,
-        "memory/max_reserved(GiB)": 4.0, "memory/max_reserved(%)": 5.0,
-        "memory/num_alloc_retries": 3, "memory/num_ooms": 1,
+        "memory/max_active(GiB)": 2.0,
+        "memory/max_active(%)": 2.5,
+        "memory/max_reserved(GiB)": 4.0,
+        "memory/max_reserved(%)": 5.0,
+        "memory/num_alloc_retries": 3,
+        "memory/num_ooms": 1,
     }
     monitor.reset_peak()
     assert calls == ["reset", "reset"]

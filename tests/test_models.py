@@ -146,7 +146,7 @@ def test_rope_scores_depend_only_on_position_difference():
         scores_by_offset[d] = scores[0].item()
     # ... and they do depend on the difference (no rotation at all would pass the check above).
     values = list(scores_by_offset.values())
-    assert min(abs(a - b) for i, a in enumerate(values) for b in values[i + 1:]) > 1e-4
+    assert min(abs(a - b) for i, a in enumerate(values) for b in values[i + 1 :]) > 1e-4
     assert not torch.allclose(rq[0], rq[5])
 
 

@@ -71,7 +71,9 @@ def test_scheduler_drives_the_optimizer_learning_rate():
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_optimizer_options_reach_torch(name, implementation):
     param = torch.nn.Parameter(torch.ones(4))
-    config = Optimizer(name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2, implementation=implementation)
+    config = Optimizer(
+        name=name, lr=0.5, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.2, implementation=implementation
+    )
     optimizer = build_optimizer([param], config)
     assert type(optimizer).__name__ == name
     group = optimizer.param_groups[0]

@@ -23,17 +23,25 @@ from titanlite.train import Trainer
 STEPS = 8
 GLOBAL_BATCH = 8
 BASE_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
     f"--training.global_batch_size={GLOBAL_BATCH}",
     f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
+    "--training.mixed_precision_param",
+    "float32",
     # Clip hard so that clipping (with the global norm) changes every step.
-    "--training.max_norm", "0.5",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1",
+    "--training.max_norm",
+    "0.5",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
@@ -93,10 +101,20 @@ LAYOUTS = {
     "fsdp2_cpu_offload": (2, ["--training.local_batch_size=4", "--training.enable_cpu_offload"]),
     "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
     "fsdp2_selective_ac_every_2nd": (
-        2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"],
+        2,
+        [
+            "--training.local_batch_size=4",
+            "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=2",
+        ],
     ),
     "fsdp2_selective_ac_op": (
-        2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"],
+        2,
+        [
+            "--training.local_batch_size=4",
+            "--activation_checkpoint.mode=selective",
+            "--activation_checkpoint.selective_ac_option=op",
+        ],
     ),
 }
 
@@ -110,7 +128,9 @@ def test_layout_matches_single_process(layout):
 
 
 def test_compile_matches_single_process():
-    runs = run_on_ranks(2, train_and_report, ["--training.local_batch_size=4", "--compile.enable", "--compile.components=model,loss"])
+    runs = run_on_ranks(
+        2, train_and_report, ["--training.local_batch_size=4", "--compile.enable", "--compile.components=model,loss"]
+    )
     assert_same_training(runs[0], rtol=1e-4)
 
 
@@ -197,7 +217,9 @@ def precision_report(extra_args: list[str]) -> dict:
         "matmul_weight": str(seen["weight"]),
         "matmul_output": str(seen["output"]),
         "master_params": sorted({str(p.dtype) for p in trainer.model.parameters()}),
-        "optimizer_state": sorted({str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"}),
+        "optimizer_state": sorted(
+            {str(v.dtype) for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"}
+        ),
         "loss": trainer.global_loss(loss_share)[0],
         "grad_norm": grad_norm.item(),
     }
@@ -208,7 +230,9 @@ def precision_report(extra_args: list[str]) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_bf16_compute_with_fp32_master_weights(world_size):
-    report = run_on_ranks(world_size, precision_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])[0]
+    report = run_on_ranks(world_size, precision_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])[
+        0
+    ]
     assert report["matmul_output"] == "torch.bfloat16"
     if world_size > 1:  # FSDP gathers the parameters in bf16; a single process autocasts
         assert report["matmul_weight"] == "torch.bfloat16"

@@ -20,14 +20,23 @@ def test_every_torch_load_is_weights_only():
         for call in calls_named(ast.parse(path.read_text()), "torch.load"):
             seen += 1
             flags = {kw.arg: kw.value for kw in call.keywords}
-            assert "weights_only" in flags and ast.literal_eval(flags["weights_only"]) is True, \
+            assert "weights_only" in flags and ast.literal_eval(flags["weights_only"]) is True, (
                 f"{path.relative_to(REPO)}:{call.lineno}: torch.load without weights_only=True"
+            )
     assert seen >= 2  # the scan does find the calls that exist
 
 
 def test_no_code_from_data():
     for path in SOURCES:
         tree = ast.parse(path.read_text())
-        for name in ("eval", "exec", "pickle.load", "pickle.loads", "yaml.load", "importlib.import_module", "__import__"):
+        for name in (
+            "eval",
+            "exec",
+            "pickle.load",
+            "pickle.loads",
+            "yaml.load",
+            "importlib.import_module",
+            "__import__",
+        ):
             found = list(calls_named(tree, name))
             assert not found, f"{path.relative_to(REPO)}:{found[0].lineno}: {name}"

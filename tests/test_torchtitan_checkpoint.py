@@ -18,8 +18,18 @@ from titanlite.config import parse_args
 from titanlite.models.llama import Transformer
 from titanlite.train import Trainer
 
-ARGS = ["--model.flavor", "tiny", "--training.seq_len", "32", "--training.steps", "2",
-        "--training.mixed_precision_param", "float32", "--activation_checkpoint.mode", "none"]
+ARGS = [
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.steps",
+    "2",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+]
 
 
 def torchtitan_layout(folder: Path, full: bool) -> tuple[Path, dict]:
@@ -47,8 +57,10 @@ def torchtitan_layout(folder: Path, full: bool) -> tuple[Path, dict]:
 
 def seeded_weights(step: str, dump: str, extra: list[str]) -> dict:
     trainer = Trainer(parse_args(ARGS + ["--checkpoint.initial_load_path", step, "--job.dump_folder", dump] + extra))
-    weights = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-               for n, t in trainer.model.state_dict().items()}
+    weights = {
+        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+        for n, t in trainer.model.state_dict().items()
+    }
     trainer.train()  # and it trains from there
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -82,5 +94,6 @@ def test_a_missing_weight_is_still_an_error(tmp_path):
         dcp.save(state, checkpoint_id=str(broken), no_dist=True)
     register_tiny_flavor()
     from titanlite.checkpoint import CheckpointError
+
     with pytest.raises(CheckpointError, match=r"step-3.*norm\.weight"):
         seeded_weights(str(broken), str(tmp_path / "run"), ["--training.local_batch_size=2"])

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.hf_folders import write_word_tokenizer
-from titanlite.config import ConfigError
-from titanlite.config import torchtitan_keys
+from titanlite.config import ConfigError, torchtitan_keys
 from titanlite.config.manager import _key_types, _toml_value, parse_args, parse_args_with_warnings
 
 REPO = Path(__file__).resolve().parent.parent
@@ -137,7 +136,9 @@ def test_defaults_give_one_warning_line(key, tmp_path, capsys):
     _, warnings = load(tmp_path, key, entry.default, capsys)
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("titanlite: warning: ") and key.rpartition(".")[2] in warnings[0]
-    assert warnings[0].endswith("is a torchtitan setting titanlite does not implement; ignored (harmless at this value)")
+    assert warnings[0].endswith(
+        "is a torchtitan setting titanlite does not implement; ignored (harmless at this value)"
+    )
 
 
 @pytest.mark.parametrize("key", by_status("ignored with a warning"))
@@ -159,7 +160,7 @@ def test_flight_recorder_keys_are_read_without_a_warning(tmp_path, capsys):
 
 def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
     path = tmp_path / "typo.toml"
-    path.write_text("[quantize.linear.float8]\nrecipe = \"rowwise\"\n")
+    path.write_text('[quantize.linear.float8]\nrecipe = "rowwise"\n')
     with pytest.raises(ConfigError, match=r"unknown key 'quantize\.linear\.float8\.recipe'.*recipe_name"):
         parse_args(["--job.config_file", str(path)])
     with pytest.raises(ConfigError, match=r"did you mean '--training\.steps'"):
@@ -372,13 +373,17 @@ def write_torchtitan_test_assets(root: Path) -> int:
     n_words = 1997  # + [UNK], BOS and EOS = 2,000 ids
     vocab_size = write_word_tokenizer(tokenizer_folder, n_words, specials=("<|begin_of_text|>", "<|end_of_text|>"))
     (tokenizer_folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}))
+        json.dumps({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+    )
     c4_folder = root / "tests" / "assets" / "c4_test"
     c4_folder.mkdir(parents=True)
     with open(c4_folder / "data.json", "w") as data:
         for doc in range(200):
             text = " ".join(f"word{(doc * 37 + i * i) % n_words}" for i in range(60))
-            data.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{doc}"}) + "\n")
+            data.write(
+                json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": f"https://example.com/{doc}"})
+                + "\n"
+            )
     return vocab_size
 
 
@@ -397,10 +402,21 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
     captured = capsys.readouterr()
     err = captured.err
     warnings = [line for line in err.splitlines() if line.startswith("titanlite: warning: ")]
-    expected = {"print_args", "use_for_integration_test", "converters", "tensor_parallel_degree",
-                "context_parallel_degree", "pipeline_parallel_degree", "pipeline_parallel_schedule",
-                "expert_parallel_degree", "expert_tensor_parallel_degree", "enable_fsdp_float8_all_gather",
-                "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns", "enable"}
+    expected = {
+        "print_args",
+        "use_for_integration_test",
+        "converters",
+        "tensor_parallel_degree",
+        "context_parallel_degree",
+        "pipeline_parallel_degree",
+        "pipeline_parallel_schedule",
+        "expert_parallel_degree",
+        "expert_tensor_parallel_degree",
+        "enable_fsdp_float8_all_gather",
+        "precompute_float8_dynamic_scale_for_fsdp",
+        "filter_fqns",
+        "enable",
+    }
     named = {re.search(r"\] (\w+) = ", line).group(1) for line in warnings}
     assert named == expected and len(warnings) == len(expected), warnings
     assert "Traceback" not in err
@@ -427,6 +443,11 @@ def test_the_slurm_example_parses():
     script = REPO / "multinode_trainer.slurm"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    for piece in ("--rdzv_backend c10d", '--rdzv_endpoint "$head_node:29500"', '--nnodes "$SLURM_NNODES"',
-                  "--nproc_per_node 8", "-m titanlite.train --job.config_file"):
+    for piece in (
+        "--rdzv_backend c10d",
+        '--rdzv_endpoint "$head_node:29500"',
+        '--nnodes "$SLURM_NNODES"',
+        "--nproc_per_node 8",
+        "-m titanlite.train --job.config_file",
+    ):
         assert piece in text, piece

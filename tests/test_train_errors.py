@@ -135,7 +135,9 @@ ERROR_CASES = [
         "unknown_model_name",
         _fixed(["--model.name", "llama4"], ["model.name", "'llama4'", "did you mean 'llama3'"]),
     ),
-    Case("unknown_model_flavor", _fixed(["--model.name", "llama2", "--model.flavor", "9B"], ["model.flavor", r"\b9B\b"])),
+    Case(
+        "unknown_model_flavor", _fixed(["--model.name", "llama2", "--model.flavor", "9B"], ["model.flavor", r"\b9B\b"])
+    ),
     Case(
         "degrees_do_not_match_world_size",
         _fixed(["--parallelism.data_parallel_shard_degree", "3"], ["data_parallel_shard_degree", r"\b3\b", r"\b4\b"]),
@@ -171,8 +173,10 @@ ERROR_CASES = [
 # Bad training data, found before any process group or file exists: run through main() in
 # this process (a second each instead of a Python start), with the same checks.
 DATA_ERROR_CASES = [
-    Case("dataset_path_with_python_stdlib", _fixed(["--training.dataset_path", "/nonexistent"],
-                                                   ["training.dataset_path", "/nonexistent", "python_stdlib"])),
+    Case(
+        "dataset_path_with_python_stdlib",
+        _fixed(["--training.dataset_path", "/nonexistent"], ["training.dataset_path", "/nonexistent", "python_stdlib"]),
+    ),
     Case("prepared_shard_truncated", _prepared_shard_truncated),
     Case("prepared_without_manifest", _prepared_without_manifest),
     Case("prepared_with_another_tokenizer", _prepared_with_another_tokenizer),
@@ -240,7 +244,7 @@ def test_trainer_reports_one_config_error_line(outcomes, name):
     assert len(lines) == 1, _describe(result)
     line = lines[0]
     assert line.startswith(ERROR_PREFIX), _describe(result)
-    assert line[len(ERROR_PREFIX):].strip(), _describe(result)
+    assert line[len(ERROR_PREFIX) :].strip(), _describe(result)
     for pattern in outcome.must_name:
         assert re.search(pattern, line), f"{pattern!r} not in: {line}"
     assert not outcome.dump_folder.exists()

@@ -24,13 +24,20 @@ from titanlite.train import Trainer, cross_entropy_sum
 
 SEQ_LEN = 32
 TRAIN_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", str(SEQ_LEN),
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--metrics.log_freq", "10",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    str(SEQ_LEN),
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+    "--optimizer.lr",
+    "3e-3",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "10",
 ]
 
 # Held-out documents of uneven lengths, so windows straddle document boundaries. Their
@@ -163,8 +170,9 @@ def test_configuration_errors_name_the_key(tmp_path, held_out_path):
     missing = tmp_path / "missing"
     with pytest.raises(ValueError, match=rf"^validation\.dataset_path {missing}: no such file"):
         build_validation_documents(Validation(enable=True, dataset="text", dataset_path=str(missing)))
-    common = dict(tokenizer=ByteTokenizer(), training_seq_len=SEQ_LEN, training_local_batch_size=2,
-                  loss_fn=cross_entropy_sum)
+    common = dict(
+        tokenizer=ByteTokenizer(), training_seq_len=SEQ_LEN, training_local_batch_size=2, loss_fn=cross_entropy_sum
+    )
     with pytest.raises(ValueError, match=r"^validation\.seq_len \(64\) must not exceed training\.seq_len \(32\)"):
         build_validator(text_validation(held_out_path, seq_len=64), **common)
     with pytest.raises(ValueError, match=r"^validation: the held-out documents hold less than one window"):
@@ -187,8 +195,13 @@ def validate_train_validate(dump_folder: str, held_out_path: str, local_batch_si
     after = validator.validate(trainer.model)
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {"before": before["loss"], "after": after["loss"], "steps": before["steps"],
-            "tokens": before["tokens"], "still_training": still_training}
+    return {
+        "before": before["loss"],
+        "after": after["loss"],
+        "steps": before["steps"],
+        "tokens": before["tokens"],
+        "still_training": still_training,
+    }
 
 
 def test_two_ranks_fsdp_match_one_process(tmp_path, held_out_path):

@@ -12,15 +12,22 @@ from titanlite.train import Trainer
 
 STEPS = 3
 TRAIN_ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
     f"--training.steps={STEPS}",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--optimizer.lr", "3e-3",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+    "--optimizer.lr",
+    "3e-3",
     "--checkpoint.enable",
-    "--metrics.log_freq", "1",
+    "--metrics.log_freq",
+    "1",
 ]
 
 

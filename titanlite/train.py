@@ -16,7 +16,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -114,14 +113,22 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
     with torch.device("meta"):
         model = get_model_spec(job_config.model.name).model_cls(model_args)
     compute_bytes = torch.empty((), dtype=DTYPES[training.mixed_precision_param]).element_size()
-    floor = step_floor_bytes(model, model_args.vocab_size, parallel_dims.dp_shard, training.local_batch_size,
-                             training.seq_len, compute_bytes, training.enable_cpu_offload)
+    floor = step_floor_bytes(
+        model,
+        model_args.vocab_size,
+        parallel_dims.dp_shard,
+        training.local_batch_size,
+        training.seq_len,
+        compute_bytes,
+        training.enable_cpu_offload,
+    )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
     available, what = device_memory_bytes(device_type, ranks_per_node)
     needed = sum(floor.values())
     if needed <= available:
         return
+
     def gib(size: int) -> str:
         return f"{size / 2**30:,.1f} GiB" if size < 2**50 else f"{size / 2**30:.2e} GiB"
 
@@ -132,8 +139,10 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
     else:
         key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s)"
         fix = "shard over more ranks (parallelism.data_parallel_shard_degree) or offload (training.enable_cpu_offload)"
-    raise ConfigError(f"{key}: one rank needs at least {gib(needed)} ({parts}), more than {what} holds "
-                      f"({gib(available)}); {fix}. scripts/estimate.py estimates the whole step")
+    raise ConfigError(
+        f"{key}: one rank needs at least {gib(needed)} ({parts}), more than {what} holds "
+        f"({gib(available)}); {fix}. scripts/estimate.py estimates the whole step"
+    )
 
 
 def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
@@ -157,8 +166,14 @@ def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
         )
     try:
         windows = open_windows(
-            training.dataset, training.dataset_path, tokenizer, training.seq_len, hf_assets_path=hf_assets_path,
-            shuffle=data.shuffle, seed=data.seed, cache_folder=data.cache_folder,
+            training.dataset,
+            training.dataset_path,
+            tokenizer,
+            training.seq_len,
+            hf_assets_path=hf_assets_path,
+            shuffle=data.shuffle,
+            seed=data.seed,
+            cache_folder=data.cache_folder,
         )
         if job_config.validation.enable:
             build_validation_documents(job_config.validation)  # only to find a bad path now
@@ -236,8 +251,10 @@ class Trainer(Stateful):
         if self.flight_recorder_dump is not None:
             # NCCL's watchdog may end the process on a timeout before any error reaches
             # Python, so the place is said up front too.
-            logger.info("NCCL flight recorder on: a collective timeout writes this rank's record to %s",
-                        self.flight_recorder_dump)
+            logger.info(
+                "NCCL flight recorder on: a collective timeout writes this rank's record to %s",
+                self.flight_recorder_dump,
+            )
         torch.manual_seed(job_config.debug.seed)
         if job_config.debug.deterministic:
             torch.use_deterministic_algorithms(True)
@@ -305,10 +322,15 @@ class Trainer(Stateful):
         if job_config.validation.enable:
             try:
                 self.validator = build_validator(
-                    job_config.validation, tokenizer=self.tokenizer, training_seq_len=training.seq_len,
-                    training_local_batch_size=training.local_batch_size, loss_fn=self.loss_fn,
-                    compute_context=self.compute_context, device=self.device,
-                    dp_rank=self.rank, dp_degree=parallel_dims.dp_degree,
+                    job_config.validation,
+                    tokenizer=self.tokenizer,
+                    training_seq_len=training.seq_len,
+                    training_local_batch_size=training.local_batch_size,
+                    loss_fn=self.loss_fn,
+                    compute_context=self.compute_context,
+                    device=self.device,
+                    dp_rank=self.rank,
+                    dp_degree=parallel_dims.dp_degree,
                 )
             except ValueError as error:
                 raise ConfigError(str(error)) from None
@@ -316,10 +338,18 @@ class Trainer(Stateful):
         logger.info(
             "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
             "global batch %d = local %d x dp %d x accumulation %d",
-            job_config.job.description, job_config.model.name, job_config.model.flavor,
-            sum(p.numel() for p in model.parameters()) / 1e6, parallel_dims.strategy,
-            parallel_dims.world_size, parallel_dims.dp_replicate, parallel_dims.dp_shard, self.device.type,
-            self.plan.global_batch_size, training.local_batch_size, parallel_dims.dp_degree,
+            job_config.job.description,
+            job_config.model.name,
+            job_config.model.flavor,
+            sum(p.numel() for p in model.parameters()) / 1e6,
+            parallel_dims.strategy,
+            parallel_dims.world_size,
+            parallel_dims.dp_replicate,
+            parallel_dims.dp_shard,
+            self.device.type,
+            self.plan.global_batch_size,
+            training.local_batch_size,
+            parallel_dims.dp_degree,
             self.plan.grad_accum_steps,
         )
 
@@ -336,8 +366,12 @@ class Trainer(Stateful):
         if warning is not None and self.rank == 0:
             logger.warning(warning)
         return DataLoader(
-            windows, job_config.training.local_batch_size, dp_rank=self.rank, dp_degree=dims.dp_degree,
-            prefetch=data.prefetch, pin_memory=self.device.type == "cuda",
+            windows,
+            job_config.training.local_batch_size,
+            dp_rank=self.rank,
+            dp_degree=dims.dp_degree,
+            prefetch=data.prefetch,
+            pin_memory=self.device.type == "cuda",
             allow_changed_data=data.allow_changed_data,
         )
 
@@ -359,9 +393,11 @@ class Trainer(Stateful):
         job_config, dims = self.job_config, self.plan.parallel_dims
         training, ac = job_config.training, job_config.activation_checkpoint
         settings = {
-            "strategy": dims.strategy, "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape)),
+            "strategy": dims.strategy,
+            "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape)),
             "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
-            "param_dtype": training.mixed_precision_param, "reduce_dtype": training.mixed_precision_reduce,
+            "param_dtype": training.mixed_precision_param,
+            "reduce_dtype": training.mixed_precision_reduce,
             "cpu_offload": training.enable_cpu_offload,
             "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
             "compile": job_config.compile.components if job_config.compile.enable else "off",
@@ -380,7 +416,9 @@ class Trainer(Stateful):
             job_config.metrics, job_config.job.dump_folder, self.rank, run_name[0], dataclasses.asdict(job_config)
         )
         return MetricsProcessor(
-            loggers, MemoryMonitor(self.device), flops_per_token(self.plan.model_args, job_config.training.seq_len),
+            loggers,
+            MemoryMonitor(self.device),
+            flops_per_token(self.plan.model_args, job_config.training.seq_len),
             resolve_peak_flops(job_config.metrics.peak_tflops, self.device),
         )
 
@@ -452,7 +490,9 @@ class Trainer(Stateful):
     def model_description(self) -> dict:
         model = self.job_config.model
         return {
-            "name": model.name, "flavor": model.flavor, "args": dataclasses.asdict(self.plan.model_args),
+            "name": model.name,
+            "flavor": model.flavor,
+            "args": dataclasses.asdict(self.plan.model_args),
             # Where the run's tokenizer.json is (None: the byte tokenizer), so that an
             # export can ship the tokenizer beside the weights.
             "tokenizer_path": tokenizer_file(model.hf_assets_path),
@@ -477,7 +517,11 @@ class Trainer(Stateful):
             logger.info(
                 "resuming at step %d on %d rank(s) (replicate %d x shard %d) from a checkpoint written by "
                 "%d rank(s) (replicate %d x shard %d): model, optimizer and data position are resharded",
-                self.step, dims.world_size, dims.dp_replicate, dims.dp_shard, *saved,
+                self.step,
+                dims.world_size,
+                dims.dp_replicate,
+                dims.dp_shard,
+                *saved,
             )
 
     def _save_on_signals(self) -> None:
@@ -532,8 +576,13 @@ class Trainer(Stateful):
             what = f"gradient norm {norm}, this rank's loss share {share}"
             if self.nonfinite_in_a_row < limit:
                 self.nonfinite_in_a_row += 1
-                logger.warning("step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)", step,
-                               what, self.nonfinite_in_a_row, limit)
+                logger.warning(
+                    "step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)",
+                    step,
+                    what,
+                    self.nonfinite_in_a_row,
+                    limit,
+                )
                 continue
             later = "" if step == self.step else f"; found at step {self.step}, and no step after it was saved"
             raise NonFiniteError(
@@ -562,8 +611,9 @@ class Trainer(Stateful):
         gc.disable()
         first_step = self.step
         try:
-            with profiler_context(self.job_config.profiling, self.job_config.job.dump_folder, self.rank,
-                                  start_step=self.step) as profiler:
+            with profiler_context(
+                self.job_config.profiling, self.job_config.job.dump_folder, self.rank, start_step=self.step
+            ) as profiler:
                 while self.step < training.steps:
                     record = self._one_step(log_freq)
                     profiler.step()
@@ -651,7 +701,9 @@ class Trainer(Stateful):
         tight = took > grace / 2
         (logger.warning if tight else logger.info)(
             "stop signal: saved %.1f s after it, of the %d s the launchers give (checkpoint.stop_save_seconds)%s",
-            took, grace, "; raise it to leave room" if tight else "",
+            took,
+            grace,
+            "; raise it to leave room" if tight else "",
         )
 
     def _fail_if_not_saved(self, which: str) -> None:
@@ -659,8 +711,10 @@ class Trainer(Stateful):
         one; the run's final save has none after it, so its failure fails the run. An exit
         status of 0 would tell a scheduler or a job chain that the final state is on disk."""
         if self.checkpointer.failed_save is not None:
-            raise CheckpointError(f"{self.checkpointer.failed_save} ({which}: nothing later can make up for it, "
-                                  "so the run fails even with checkpoint.continue_on_save_error)")
+            raise CheckpointError(
+                f"{self.checkpointer.failed_save} ({which}: nothing later can make up for it, "
+                "so the run fails even with checkpoint.continue_on_save_error)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -688,8 +742,10 @@ def main(argv: list[str] | None = None) -> int:
             plan = plan_run(job_config, world_size_from_env())
             check_memory_floor(job_config, plan)
             load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
-            print(f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
-                  f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)")
+            print(
+                f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
+                f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+            )
             return 0
         trainer = Trainer(job_config)
     except (ConfigError, CheckpointError) as error:
@@ -712,8 +768,11 @@ def main(argv: list[str] | None = None) -> int:
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         dump = trainer.flight_recorder_dump
         where = "" if dump is None else f"; NCCL flight recorder dump: {dump}"
-        return fail(f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another "
-                    f"rank die or hang? see its log): {first_line[:300]}{where}", 1)
+        return fail(
+            f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another "
+            f"rank die or hang? see its log): {first_line[:300]}{where}",
+            1,
+        )
     finally:
         destroy_distributed()
     return 0

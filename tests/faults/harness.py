@@ -66,13 +66,30 @@ class RunConfig:
 
     def args(self, dump_folder: Path) -> list[str]:
         return [
-            "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-            f"--training.steps={self.steps}", "--training.mixed_precision_param", "float32",
-            "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
-            "--checkpoint.enable", f"--checkpoint.interval={self.interval}",
-            f"--checkpoint.keep_latest_k={self.keep_latest_k}", "--checkpoint.async_mode", self.async_mode,
-            "--comm.train_timeout_seconds", "5", "--comm.init_timeout_seconds", "60",
-            "--job.dump_folder", str(dump_folder),
+            "--model.flavor",
+            "tiny",
+            "--training.seq_len",
+            "32",
+            "--training.local_batch_size",
+            "2",
+            f"--training.steps={self.steps}",
+            "--training.mixed_precision_param",
+            "float32",
+            "--activation_checkpoint.mode",
+            "none",
+            "--metrics.log_freq",
+            "1",
+            "--checkpoint.enable",
+            f"--checkpoint.interval={self.interval}",
+            f"--checkpoint.keep_latest_k={self.keep_latest_k}",
+            "--checkpoint.async_mode",
+            self.async_mode,
+            "--comm.train_timeout_seconds",
+            "5",
+            "--comm.init_timeout_seconds",
+            "60",
+            "--job.dump_folder",
+            str(dump_folder),
         ]
 
     @property
@@ -147,8 +164,13 @@ def _listing(folder: Path) -> dict[str, bool]:
 def _die(fault: Fault, rank: int, checkpoint_folder: Path, where: str, kill_parent: bool = False) -> None:
     """Record what the checkpoint folder holds right now, then SIGKILL this process (and,
     in DCP's writer process, the rank that started it first)."""
-    record = {"fault": asdict(fault), "rank": rank, "where": where, "time": time.time(),
-              "listing": _listing(checkpoint_folder)}
+    record = {
+        "fault": asdict(fault),
+        "rank": rank,
+        "where": where,
+        "time": time.time(),
+        "listing": _listing(checkpoint_folder),
+    }
     dump_folder = checkpoint_folder.parent
     (dump_folder / f"fault-fired-rank{rank}.json").write_text(json.dumps(record, indent=1))
     if kill_parent:
@@ -259,7 +281,9 @@ def _writer_class():
         def stage(self, state_dict):
             # async_mode async stages through the writer, in the rank's main thread.
             if self.fault.point == "staging" and _partial_step(self.path) == self.fault.step:
-                _die(self.fault, self.fault_rank, self.fault_folder, f"FileSystemWriter.stage for step-{self.fault.step}")
+                _die(
+                    self.fault, self.fault_rank, self.fault_folder, f"FileSystemWriter.stage for step-{self.fault.step}"
+                )
             return super().stage(state_dict)
 
         def write_data(self, plan, planner):
@@ -323,8 +347,14 @@ def _wait_group_gone(pgid: int, timeout: float = 30.0) -> None:
 def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: float, tag: str) -> Job:
     """Start the job's rank processes and wait until all exit. Once any rank has died
     (non-zero exit or a signal), SIGKILL every rank's process group at once."""
-    env = {**os.environ, "WORLD_SIZE": str(config.world_size), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port()), "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(config.world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
     env.pop(FAULT_ENV, None)
     if fault is not None:
         env[FAULT_ENV] = fault.to_json()
@@ -333,11 +363,16 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
     processes = []
     for rank, log in enumerate(logs):
         with open(log, "w") as out:
-            processes.append(subprocess.Popen(
-                [sys.executable, "-c", LAUNCHER, *config.args(dump_folder)], cwd=REPO,
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(config.world_size)},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            processes.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", LAUNCHER, *config.args(dump_folder)],
+                    cwd=REPO,
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(config.world_size)},
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     killed = timed_out = False
     try:
         while any(p.poll() is None for p in processes):
@@ -354,8 +389,13 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
         for process in processes:
             process.wait()
             _wait_group_gone(process.pid)
-    return Job([p.returncode for p in processes], [log.read_text() for log in logs],
-               time.monotonic() - start, killed, timed_out)
+    return Job(
+        [p.returncode for p in processes],
+        [log.read_text() for log in logs],
+        time.monotonic() - start,
+        killed,
+        timed_out,
+    )
 
 
 def read_losses(dump_folder: Path, metrics: str = "metrics") -> dict[int, float]:
@@ -439,10 +479,12 @@ class TrialResult:
 
     def summary(self) -> str:
         resumed = "fresh start" if self.resumed_from is None else Path(self.resumed_from).name
-        text = (f"{self.fault} async_mode={self.config.async_mode}: {self.status.upper()}; complete before kill "
-                f"{self.before_kill or '-'}, after kill {self.after_kill or '-'}; resumed from {resumed} "
-                f"(expected {'fresh start' if not self.expected_resume else f'step-{self.expected_resume}'}); "
-                f"losses compared at steps {_span(self.compared_steps)}; {self.seconds:.1f} s")
+        text = (
+            f"{self.fault} async_mode={self.config.async_mode}: {self.status.upper()}; complete before kill "
+            f"{self.before_kill or '-'}, after kill {self.after_kill or '-'}; resumed from {resumed} "
+            f"(expected {'fresh start' if not self.expected_resume else f'step-{self.expected_resume}'}); "
+            f"losses compared at steps {_span(self.compared_steps)}; {self.seconds:.1f} s"
+        )
         return text + "".join(f"\n    {problem}" for problem in self.problems)
 
 
@@ -450,16 +492,21 @@ def _span(steps: list[int]) -> str:
     return f"{steps[0]}..{steps[-1]}" if steps else "none"
 
 
-def run_trial(config: RunConfig, fault: Fault, workdir: Path, reference: dict[int, float],
-              keep: bool = False) -> TrialResult:
+def run_trial(
+    config: RunConfig, fault: Fault, workdir: Path, reference: dict[int, float], keep: bool = False
+) -> TrialResult:
     """Kill a run at `fault`, restart it without faults, and check the resume (see the
     module docstring). Never raises for what it finds: the result says what went wrong."""
     if fault.step not in config.fault_steps(fault.point):
-        raise ValueError(f"{fault} cannot fire in a run with {config} (possible steps: "
-                         f"{config.fault_steps(fault.point)})")
+        raise ValueError(
+            f"{fault} cannot fire in a run with {config} (possible steps: {config.fault_steps(fault.point)})"
+        )
     start = time.monotonic()
     result = TrialResult(config, fault)
-    dump = Path(workdir) / f"trial-{fault.point}-{fault.step}-{'all' if fault.rank is None else fault.rank}-{config.async_mode}"
+    dump = (
+        Path(workdir)
+        / f"trial-{fault.point}-{fault.step}-{'all' if fault.rank is None else fault.rank}-{config.async_mode}"
+    )
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
     folder = dump / "checkpoint"
@@ -506,22 +553,30 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
         for step in before[:-1]:
             newer = [s for s in after if s > step]
             if step not in after and len(newer) < config.keep_latest_k:
-                result.problem("lost", f"step-{step} is gone although only {len(newer)} newer checkpoint(s) "
-                                       f"remain (keep_latest_k={config.keep_latest_k})")
+                result.problem(
+                    "lost",
+                    f"step-{step} is gone although only {len(newer)} newer checkpoint(s) "
+                    f"remain (keep_latest_k={config.keep_latest_k})",
+                )
     expected = after[-1] if after else 0
     result.expected_resume = expected
     killed_losses = read_losses(dump)
     for step, loss in killed_losses.items():
         if loss != reference.get(step):
-            result.problem("failed", f"the killed run's loss at step {step} is {loss!r}, the reference's "
-                                     f"{reference.get(step)!r} (before any fault fired)")
+            result.problem(
+                "failed",
+                f"the killed run's loss at step {step} is {loss!r}, the reference's "
+                f"{reference.get(step)!r} (before any fault fired)",
+            )
     shutil.move(dump / "metrics", dump / "metrics-killed") if (dump / "metrics").exists() else None
 
     # 3. The restart, without faults, to the last step.
     job = run_job(config, dump, None, timeout=300, tag="restart")
     if job.returncodes != [0] * config.world_size:
-        result.problem("failed", f"the restart failed with exit statuses {job.returncodes}; rank 0's output "
-                                 f"ends:\n{job.outputs[0][-2000:]}")
+        result.problem(
+            "failed",
+            f"the restart failed with exit statuses {job.returncodes}; rank 0's output ends:\n{job.outputs[0][-2000:]}",
+        )
         return
     loaded = _LOADED.findall(job.outputs[0])
     result.resumed_from = loaded[0] if loaded else None
@@ -533,8 +588,9 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
         if not _STEP_FOLDER.match(name) or not listing.get(name):
             result.problem("corrupt", f"the restart loaded {loaded[0]}, which was not a complete checkpoint")
         elif int(_STEP_FOLDER.match(name).group(1)) != expected:
-            result.problem("failed", f"the restart resumed from {name}, but the newest complete checkpoint "
-                                     f"was step-{expected}")
+            result.problem(
+                "failed", f"the restart resumed from {name}, but the newest complete checkpoint was step-{expected}"
+            )
     elif expected:
         result.problem("failed", f"the restart started fresh although step-{expected} was complete")
 
@@ -545,8 +601,11 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
         result.problem("failed", f"incomplete folders left after the restart: {leftovers}")
     final_complete = _complete(final)
     if not final_complete or final_complete[-1] != config.steps:
-        result.problem("failed", f"after the restart the complete checkpoints are {final_complete}, "
-                                 f"expected the newest to be step-{config.steps}")
+        result.problem(
+            "failed",
+            f"after the restart the complete checkpoints are {final_complete}, "
+            f"expected the newest to be step-{config.steps}",
+        )
     elif _load_error(folder / f"step-{config.steps}"):
         result.problem("corrupt", f"the restart's step-{config.steps} does not load")
     losses = read_losses(dump)
@@ -559,8 +618,10 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
         result.problem("failed", f"the restart logged steps {extra}, at or before its resume step {expected}")
     for step in wanted:
         if step in losses and losses[step] != reference[step]:
-            result.problem("failed", f"step {step}: loss {losses[step]!r} after the resume, "
-                                     f"{reference[step]!r} in the uninterrupted run")
+            result.problem(
+                "failed",
+                f"step {step}: loss {losses[step]!r} after the resume, {reference[step]!r} in the uninterrupted run",
+            )
     result.compared_steps = [s for s in wanted if s in losses]
 
 

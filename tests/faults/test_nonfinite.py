@@ -9,14 +9,26 @@ from titanlite.config import parse_args
 from titanlite.train import NonFiniteError, Trainer
 
 ARGS = [
-    "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.steps", "5", "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none", "--metrics.log_freq", "1",
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "5",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
 def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> None:
     """Make the forward of `step` (1-based) produce `value` everywhere."""
+
     def hook(module, inputs, output):
         return output * value if trainer.step == step - 1 else output
 
@@ -30,11 +42,26 @@ def weights(trainer: Trainer) -> dict:
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])
 def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path, implementation):
     register_tiny_flavor()
-    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--checkpoint.enable",
-                                         "--checkpoint.interval", "1", "--optimizer.implementation", implementation]))
+    trainer = Trainer(
+        parse_args(
+            ARGS
+            + [
+                "--job.dump_folder",
+                str(tmp_path),
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "1",
+                "--optimizer.implementation",
+                implementation,
+            ]
+        )
+    )
     poison_step(trainer, 3)
-    with pytest.raises(NonFiniteError, match=r"^step 3: gradient norm nan, this rank's loss share nan; "
-                                             r"its update was not applied"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^step 3: gradient norm nan, this rank's loss share nan; "
+        r"its update was not applied",
+    ):
         trainer.train()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]
     assert all(torch.isfinite(v).all() for v in weights(trainer).values())
@@ -44,9 +71,24 @@ def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, 
     # The host reads the flags only at log steps, save points and every SYNC_EVERY steps;
     # the steps in between never wait for the device, yet none applies a NaN or is saved.
     register_tiny_flavor()
-    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.steps", "12",
-                                         "--metrics.log_freq", "100", "--checkpoint.enable",
-                                         "--checkpoint.interval", "5", "--training.skip_nonfinite_steps", "1"]))
+    trainer = Trainer(
+        parse_args(
+            ARGS
+            + [
+                "--job.dump_folder",
+                str(tmp_path),
+                "--training.steps",
+                "12",
+                "--metrics.log_freq",
+                "100",
+                "--checkpoint.enable",
+                "--checkpoint.interval",
+                "5",
+                "--training.skip_nonfinite_steps",
+                "1",
+            ]
+        )
+    )
     trainer.train_step()  # step 1 is a log step: let it read, then watch the quiet ones
     trainer._read_unread_steps()
     poison_step(trainer, 2)
@@ -54,15 +96,19 @@ def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, 
     host_reads = []
     for name in ("item", "tolist", "__bool__", "__float__"):
         original = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda tensor, *a, _o=original, _n=name: (host_reads.append(_n),
-                                                                                           _o(tensor, *a))[1])
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda tensor, *a, _o=original, _n=name: (host_reads.append(_n), _o(tensor, *a))[1]
+        )
     trainer.train_step()
     trainer.train_step()
     trainer.train_step()
     assert host_reads == []  # steps 2-4 queued their work without reading anything back
     monkeypatch.undo()
-    with pytest.raises(NonFiniteError, match=r"^step 3: gradient norm nan, .*; its update was not applied, .*; "
-                                             r"found at step 5, and no step after it was saved"):
+    with pytest.raises(
+        NonFiniteError,
+        match=r"^step 3: gradient norm nan, .*; its update was not applied, .*; "
+        r"found at step 5, and no step after it was saved",
+    ):
         trainer.train()
     assert trainer.step == 5
     assert list((tmp_path / "checkpoint").glob("step-*")) == []
@@ -79,8 +125,20 @@ def test_an_inf_is_named_too(tmp_path):
 
 def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
     register_tiny_flavor()
-    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps", "1",
-                                         "--ema.enable", "--ema.decay", "0.5"]))
+    trainer = Trainer(
+        parse_args(
+            ARGS
+            + [
+                "--job.dump_folder",
+                str(tmp_path),
+                "--training.skip_nonfinite_steps",
+                "1",
+                "--ema.enable",
+                "--ema.decay",
+                "0.5",
+            ]
+        )
+    )
     poison_step(trainer, 3)
     poison_step(trainer, 5)
     trainer.train_step()

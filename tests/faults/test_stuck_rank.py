@@ -34,14 +34,28 @@ exit_process(train.main(sys.argv[1:]))
 """
 TRAIN_TIMEOUT = 5
 ARGS = [
-    "--model.flavor", "tiny", "--training.seq_len", "32", "--training.local_batch_size", "2",
-    "--training.steps", "6", "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none", "--comm.train_timeout_seconds", str(TRAIN_TIMEOUT),
+    "--model.flavor",
+    "tiny",
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--training.steps",
+    "6",
+    "--training.mixed_precision_param",
+    "float32",
+    "--activation_checkpoint.mode",
+    "none",
+    "--comm.train_timeout_seconds",
+    str(TRAIN_TIMEOUT),
 ]
 # Layout -> (world size, extra arguments).
 LAYOUTS = {
     "fsdp2": (2, []),
-    "hsdp2x2": (4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]),
+    "hsdp2x2": (
+        4,
+        ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    ),
 }
 # Start-up of the ranks, before the hang, may be slow on a busy machine.
 START_LIMIT = 240
@@ -60,8 +74,13 @@ def free_port() -> int:
 def launch(rank: int, env: dict[str, str], args: list[str], logs: Path) -> subprocess.Popen:
     """One rank, as torchrun starts it; its output goes to files (a full pipe would stall it)."""
     with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
-        return subprocess.Popen([sys.executable, "-c", LAUNCHER, *args], cwd=REPO,
-                                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=out, stderr=err)
+        return subprocess.Popen(
+            [sys.executable, "-c", LAUNCHER, *args],
+            cwd=REPO,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stdout=out,
+            stderr=err,
+        )
 
 
 def wait_for_hang(mark: Path, ranks: list[subprocess.Popen], logs: Path) -> float:
@@ -87,8 +106,14 @@ def ends_by(process: subprocess.Popen, deadline: float) -> bool:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout):
     world_size, layout_args = LAYOUTS[layout]
-    env = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-           "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PYTHONPATH": str(REPO),
+        "OMP_NUM_THREADS": "1",
+    }
     dump_folder, logs = tmp_path / "dump", tmp_path / "logs"
     logs.mkdir()
     dump_folder.mkdir()
@@ -105,7 +130,8 @@ def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout
             errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
             assert len(errors) == 1, stderr
             assert errors[0].startswith(
-                f"titanlite: rank {rank}: a collective failed after step 2 (did another rank die or hang?"), errors[0]
+                f"titanlite: rank {rank}: a collective failed after step 2 (did another rank die or hang?"
+            ), errors[0]
             assert "flight recorder" not in errors[0]  # gloo: no NCCL recorder, and no folder for it
         assert ranks[1].poll() is None  # the stuck rank is still stuck: the others did not wait for it
         assert not (dump_folder / "comm_traces").exists()

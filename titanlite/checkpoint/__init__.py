@@ -3,4 +3,12 @@
 from titanlite.checkpoint.manager import CheckpointError, CheckpointManager, complete_steps, top_level_names
 from titanlite.checkpoint.states import ModelState, OptimizerState, RNGState
 
-__all__ = ["CheckpointError", "CheckpointManager", "ModelState", "OptimizerState", "RNGState", "complete_steps", "top_level_names"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointManager",
+    "ModelState",
+    "OptimizerState",
+    "RNGState",
+    "complete_steps",
+    "top_level_names",
+]

@@ -97,7 +97,7 @@ def _nest(flat_keys: list[str], prefix: str) -> dict:
     """A nested dict of placeholders shaped like the flattened keys under `prefix`."""
     root: dict = {}
     for key in flat_keys:
-        parts = key[len(prefix) + 1:].split(".")
+        parts = key[len(prefix) + 1 :].split(".")
         node = root
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -127,13 +127,26 @@ def read_model_description(step_dir: str | Path) -> dict:
         model_args = LlamaArgs(**args)
     except TypeError as error:
         raise ValueError(f"{step_dir}: model_args do not describe a Llama model ({error})") from None
-    return {"name": description["name"], "flavor": description["flavor"], "args": model_args,
-            "tokenizer_path": description.get("tokenizer_path")}
+    return {
+        "name": description["name"],
+        "flavor": description["flavor"],
+        "args": model_args,
+        "tokenizer_path": description.get("tokenizer_path"),
+    }
 
 
 def _titanlite_names(args: LlamaArgs) -> list[str]:
-    per_layer = ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                 "feed_forward.w2", "feed_forward.w3", "attention_norm", "ffn_norm"]
+    per_layer = [
+        "attention.wq",
+        "attention.wk",
+        "attention.wv",
+        "attention.wo",
+        "feed_forward.w1",
+        "feed_forward.w2",
+        "feed_forward.w3",
+        "attention_norm",
+        "ffn_norm",
+    ]
     names = ["tok_embeddings.weight", "norm.weight", "output.weight"]
     names += [f"layers.{i}.{part}.weight" for i in range(args.n_layers) for part in per_layer]
     return names
@@ -144,6 +157,7 @@ def _titanlite_names(args: LlamaArgs) -> list[str]:
 
 def _ffn_sizing(dim: int, intermediate: int) -> tuple[int, float | None]:
     """multiple_of and ffn_dim_multiplier such that LlamaArgs.ffn_hidden_dim == intermediate."""
+
     def hidden_of(multiple_of, multiplier):
         return LlamaArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
 
@@ -179,7 +193,8 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
     rope_scaling = None
     if rope_type == "llama3":
         rope_scaling = RopeScaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            factor=float(rope["factor"]),
+            low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
         )
@@ -188,10 +203,16 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
     multiple_of, multiplier = _ffn_sizing(dim, need("intermediate_size"))
     kv_heads = config.get("num_key_value_heads") or n_heads
     return LlamaArgs(
-        dim=dim, n_layers=need("num_hidden_layers"), n_heads=n_heads,
-        n_kv_heads=None if kv_heads == n_heads else kv_heads, vocab_size=need("vocab_size"),
-        multiple_of=multiple_of, ffn_dim_multiplier=multiplier, norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(rope_theta), rope_scaling=rope_scaling,
+        dim=dim,
+        n_layers=need("num_hidden_layers"),
+        n_heads=n_heads,
+        n_kv_heads=None if kv_heads == n_heads else kv_heads,
+        vocab_size=need("vocab_size"),
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=multiplier,
+        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
     )
 
@@ -423,12 +444,16 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     args, weights = open_hf_folder(hf_dir)
     _check_output(out_dir)
     with torch.device("meta"):
-        shapes = {name: tuple(t.shape) for name, t in get_model_spec(hf_model_name(args)).model_cls(args).state_dict().items()}
+        shapes = {
+            name: tuple(t.shape) for name, t in get_model_spec(hf_model_name(args)).model_cls(args).state_dict().items()
+        }
     state = {name: weights.read(name, shape) for name, shape in shapes.items()}
     state[MODEL_ARGS] = {"name": hf_model_name(args), "flavor": "hf", "args": dataclasses.asdict(args)}
 
     def write(folder: Path) -> None:
-        _single_process(dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True)
+        _single_process(
+            dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True
+        )
 
     _write_atomically(out_dir, write)
     return out_dir / "step-0"

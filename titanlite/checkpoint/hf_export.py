@@ -44,8 +44,17 @@ from titanlite.registry import get_model_spec
 logger = logging.getLogger("titanlite")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 # Files of a Hugging Face tokenizer that are copied when they sit beside tokenizer.json.
 TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
@@ -90,8 +99,10 @@ def _tokenizer_file(step_dir: Path, recorded: str | None, override: str | Path |
     if recorded is None:
         return None
     if not Path(recorded).is_file():
-        raise ValueError(f"{step_dir}: the run's tokenizer {recorded} no longer exists; "
-                         "pass --tokenizer PATH (a tokenizer.json or its folder)")
+        raise ValueError(
+            f"{step_dir}: the run's tokenizer {recorded} no longer exists; "
+            "pass --tokenizer PATH (a tokenizer.json or its folder)"
+        )
     return Path(recorded)
 
 
@@ -137,12 +148,22 @@ def _expected_shapes(args) -> dict[str, tuple[int, ...]]:
     of one-time imports (the meta initialisers) in a fresh process. A test checks that
     the two agree."""
     q, kv, ffn = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    per_layer = {"attention.wq": (q, args.dim), "attention.wk": (kv, args.dim), "attention.wv": (kv, args.dim),
-                 "attention.wo": (args.dim, q), "feed_forward.w1": (ffn, args.dim),
-                 "feed_forward.w2": (args.dim, ffn), "feed_forward.w3": (ffn, args.dim),
-                 "attention_norm": (args.dim,), "ffn_norm": (args.dim,)}
-    shapes = {"tok_embeddings.weight": (args.vocab_size, args.dim), "norm.weight": (args.dim,),
-              "output.weight": (args.vocab_size, args.dim)}
+    per_layer = {
+        "attention.wq": (q, args.dim),
+        "attention.wk": (kv, args.dim),
+        "attention.wv": (kv, args.dim),
+        "attention.wo": (args.dim, q),
+        "feed_forward.w1": (ffn, args.dim),
+        "feed_forward.w2": (args.dim, ffn),
+        "feed_forward.w3": (ffn, args.dim),
+        "attention_norm": (args.dim,),
+        "ffn_norm": (args.dim,),
+    }
+    shapes = {
+        "tok_embeddings.weight": (args.vocab_size, args.dim),
+        "norm.weight": (args.dim,),
+        "output.weight": (args.vocab_size, args.dim),
+    }
     for i in range(args.n_layers):
         shapes.update({f"layers.{i}.{part}.weight": shape for part, shape in per_layer.items()})
     return shapes
@@ -154,8 +175,10 @@ def _check_shapes(step_dir: Path, sources: dict, description: dict) -> None:
     expected = _expected_shapes(description["args"])
     for key, name, entry in sources.values():
         if tuple(entry.size) != expected[name]:
-            raise ValueError(f"{step_dir}: tensor '{key}' has shape {list(entry.size)} but the checkpoint's "
-                             f"model_args ({description['name']} {description['flavor']}) give {list(expected[name])}")
+            raise ValueError(
+                f"{step_dir}: tensor '{key}' has shape {list(entry.size)} but the checkpoint's "
+                f"model_args ({description['name']} {description['flavor']}) give {list(expected[name])}"
+            )
 
 
 def _split(sources: dict, dtype: torch.dtype, limit: int | None):
@@ -164,7 +187,9 @@ def _split(sources: dict, dtype: torch.dtype, limit: int | None):
     placeholders = {hf: torch.empty(entry.size, dtype=dtype, device="meta") for hf, (_, _, entry) in sources.items()}
     if limit is None:
         limit = max(1, sum(t.numel() * t.element_size() for t in placeholders.values()))
-    return split_torch_state_dict_into_shards(placeholders, filename_pattern="model{suffix}.safetensors", max_shard_size=limit)
+    return split_torch_state_dict_into_shards(
+        placeholders, filename_pattern="model{suffix}.safetensors", max_shard_size=limit
+    )
 
 
 # --- reading the checkpoint ---------------------------------------------------------------
@@ -195,7 +220,7 @@ class _Window(io.RawIOBase):
     def readinto(self, buffer) -> int:
         count = max(0, min(len(buffer), self._length - self._pos))
         data = os.pread(self._fd, count, self._start + self._pos)
-        memoryview(buffer).cast("B")[:len(data)] = data
+        memoryview(buffer).cast("B")[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
@@ -275,10 +300,15 @@ class _CheckpointReader:
             return None
         nbytes = entry.size.numel() * entry.properties.dtype.itemsize
         data_offset = getattr(described.untyped_storage(), "_checkpoint_offset", None)
-        if (described.dtype != entry.properties.dtype or described.shape != entry.size
-                or not described.is_contiguous() or described.storage_offset() != 0
-                or described.untyped_storage().nbytes() != nbytes or data_offset is None
-                or data_offset + nbytes > info.length):
+        if (
+            described.dtype != entry.properties.dtype
+            or described.shape != entry.size
+            or not described.is_contiguous()
+            or described.storage_offset() != 0
+            or described.untyped_storage().nbytes() != nbytes
+            or data_offset is None
+            or data_offset + nbytes > info.length
+        ):
             return None
         return fd, info.offset + data_offset
 
@@ -295,13 +325,13 @@ class _CheckpointReader:
         tensors = {}
         for key, (entry, (fd, offset)) in located.items():
             nbytes = entry.size.numel() * entry.properties.dtype.itemsize
-            target = view[starts[key]:starts[key] + nbytes]
+            target = view[starts[key] : starts[key] + nbytes]
             while target:
                 count = os.preadv(fd, [target], offset)
                 if count == 0:
                     raise ValueError(f"{self._step_dir}: {key} ends early (the checkpoint file is truncated)")
                 target, offset = target[count:], offset + count
-            raw = self._buffer[starts[key]:starts[key] + nbytes]
+            raw = self._buffer[starts[key] : starts[key] + nbytes]
             tensors[key] = raw.view(entry.properties.dtype).view(entry.size)
         return tensors
 
@@ -322,8 +352,10 @@ class _CheckpointReader:
             try:
                 _single_process(dcp.load, rest, storage_reader=FileSystemReader(str(self._step_dir)), no_dist=True)
             except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-                raise ValueError(f"{self._step_dir}: cannot read {next(iter(rest))} ({type(error).__name__}); "
-                                 "the checkpoint files may be damaged") from None
+                raise ValueError(
+                    f"{self._step_dir}: cannot read {next(iter(rest))} ({type(error).__name__}); "
+                    "the checkpoint files may be damaged"
+                ) from None
             tensors.update(rest)
         return tensors
 
@@ -418,8 +450,10 @@ def export_to_hf(
         save_file(shard, str(folder / file), metadata={"format": "pt"})
 
     def write(folder: Path) -> None:
-        largest = max(sum(_padded(sources[hf][2].size.numel() * sources[hf][2].properties.dtype.itemsize)
-                          for hf in hf_names) for hf_names in split.filename_to_tensors.values())
+        largest = max(
+            sum(_padded(sources[hf][2].size.numel() * sources[hf][2].properties.dtype.itemsize) for hf in hf_names)
+            for hf_names in split.filename_to_tensors.values()
+        )
         reader, syncer = _CheckpointReader(step_dir, metadata, largest), _Syncer()
         try:
             for file, hf_names in split.filename_to_tensors.items():

@@ -222,7 +222,9 @@ class CheckpointManager:
             # runs in a background thread (on any device) while the next forward and
             # backward run; the trainer waits for it only before changing the weights.
             self._stager = DefaultStager(
-                StagingOptions(use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda)
+                StagingOptions(
+                    use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
+                )
             )
         if self.process_group is None:
             # One process saves alone on purpose; DCP warns about that at every save and load.
@@ -278,8 +280,11 @@ class CheckpointManager:
             torch.cuda.current_stream().synchronize()
         try:
             response = dcp.async_save(
-                state, storage_writer=writer, process_group=self.process_group,
-                async_checkpointer_type=checkpointer, async_stager=self._stager,
+                state,
+                storage_writer=writer,
+                process_group=self.process_group,
+                async_checkpointer_type=checkpointer,
+                async_stager=self._stager,
             )
         except _FAILURES as error:  # planning or staging failed before the write began
             self._settle(step, error)
@@ -306,9 +311,14 @@ class CheckpointManager:
         in_flight = self._in_flight
         if in_flight is not None and self._in_flight_step != step and self._on_any_rank(not in_flight.done()):
             last = self._in_flight_step
-            logger.warning("stop signal received at step %d: the save of step %d, still being written, is the last "
-                           "one (a resume trains steps %d to %d again, to the same result); exiting",
-                           step, last, last + 1, step)
+            logger.warning(
+                "stop signal received at step %d: the save of step %d, still being written, is the last "
+                "one (a resume trains steps %d to %d again, to the same result); exiting",
+                step,
+                last,
+                last + 1,
+                step,
+            )
         else:
             last = step
             logger.warning("stop signal received: saving step %d and exiting", step)
@@ -383,7 +393,9 @@ class CheckpointManager:
         newest = next(reversed(complete_steps(self.folder)), None)
         on_disk = f"the newest checkpoint on disk is {'none' if newest is None else f'step-{newest}'}"
         self.failed_save = f"{message}; {on_disk}"
-        logger.error("CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); %s", message, on_disk)
+        logger.error(
+            "CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); %s", message, on_disk
+        )
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state; call before changing weights."""
@@ -547,11 +559,17 @@ class CheckpointManager:
         checksums = self.config.verify_integrity
         try:
             if verify_manifest(path, checksums):
-                logger.info("%s matches its integrity manifest (%s, %.2f s)", path,
-                            "sizes and sha256" if checksums else "sizes", time.perf_counter() - start)
+                logger.info(
+                    "%s matches its integrity manifest (%s, %.2f s)",
+                    path,
+                    "sizes and sha256" if checksums else "sizes",
+                    time.perf_counter() - start,
+                )
             elif checksums:
-                logger.warning("%s has no integrity manifest (saved without checkpoint.verify_integrity): "
-                               "loading it unverified", path)
+                logger.warning(
+                    "%s has no integrity manifest (saved without checkpoint.verify_integrity): loading it unverified",
+                    path,
+                )
             check_data_files(path)
         except CheckpointError as error:
             raise CheckpointError(f"{error}; to resume from an earlier checkpoint, set checkpoint.load_step") from None

@@ -15,7 +15,6 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-
 MODEL_ARGS = "model_args"
 
 
@@ -33,9 +32,14 @@ class ModelState(Stateful):
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.pop(MODEL_ARGS, None)
         # max_seq_len only sizes the RoPE tables: weights carry over to any sequence length.
-        different = [] if saved is None else sorted(
-            key for key, value in self.description["args"].items()
-            if key != "max_seq_len" and saved["args"].get(key) != value
+        different = (
+            []
+            if saved is None
+            else sorted(
+                key
+                for key, value in self.description["args"].items()
+                if key != "max_seq_len" and saved["args"].get(key) != value
+            )
         )
         if different:
             raise ValueError(

@@ -1,12 +1,12 @@
 """Job configuration: the JobConfig dataclasses and the TOML/command-line parser."""
 
 from titanlite.config.job_config import (
+    EMA,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
     Compile,
     Debug,
-    EMA,
     Job,
     JobConfig,
     LRScheduler,

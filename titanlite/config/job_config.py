@@ -38,7 +38,9 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["prepared", "python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
+    dataset: Literal["prepared", "python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = (
+        "python_stdlib"
+    )
     """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None

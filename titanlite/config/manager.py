@@ -18,7 +18,8 @@ import sys
 import textwrap
 import types
 import typing
-from typing import Any, Callable, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 try:
     import tomllib
@@ -261,10 +262,7 @@ def _apply_toml(config: JobConfig, toml_data: dict[str, Any], path: str, warning
             suggestion = _closest(section_name, list(_section_classes())) or _closest_key(section_name)
             raise _unknown_name_error(f"section '{section_name}'", source, suggestion)
         if not isinstance(table, dict):
-            raise ConfigError(
-                f"'{section_name}' {source} must be a table ([{section_name}]), "
-                f"got {_toml_value(table)}"
-            )
+            raise ConfigError(f"'{section_name}' {source} must be a table ([{section_name}]), got {_toml_value(table)}")
         for dotted_key, value in _flatten(section_name, table):
             if dotted_key not in _key_types():
                 dotted_key = _torchtitan_key(dotted_key, value, source, path, False, warnings)
@@ -362,9 +360,7 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
                 suggestion = _closest(key, list(torchtitan_keys.TORCHTITAN_ONLY))
             else:
                 suggestion = _closest_key(key)
-            raise _unknown_name_error(
-                f"option '--{key}'", "on the command line", suggestion and f"--{suggestion}"
-            )
+            raise _unknown_name_error(f"option '--{key}'", "on the command line", suggestion and f"--{suggestion}")
         next_token = argv[index + 1] if index + 1 < len(argv) else None
         if has_equals:
             value, index = inline_value, index + 1

@@ -79,8 +79,10 @@ NO_TP = "titanlite has no tensor parallelism; use parallelism.data_parallel_shar
 NO_PP = "titanlite has no pipeline parallelism; use FSDP/HSDP (parallelism.data_parallel_*_degree) instead"
 NO_CP = "titanlite has no context parallelism; shorten training.seq_len or use activation checkpointing instead"
 NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
-NO_QUANT = ("titanlite has no float8/MX training; remove model.converters "
-            "(training.mixed_precision_param = \"bfloat16\" is the low-precision option)")
+NO_QUANT = (
+    "titanlite has no float8/MX training; remove model.converters "
+    '(training.mixed_precision_param = "bfloat16" is the low-precision option)'
+)
 
 RENAMED: dict[str, str] = {
     # Deprecated in torchtitan 0.2 itself in favour of hf_assets_path; titanlite reads
@@ -94,21 +96,21 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "job.print_args": _ignore(False),
     "job.print_config": _ignore(False),
     "job.save_config_file": _ignore(None),
-    "job.custom_config_module": _only_default(
-        "", "titanlite cannot extend its config from a module; remove it"),
+    "job.custom_config_module": _only_default("", "titanlite cannot extend its config from a module; remove it"),
     # [profiling]
     "profiling.profiler_active": _ignore(1),
     "profiling.profiler_warmup": _ignore(3),
     # [model]
-    "model.converters": _only_default(
-        [], NO_QUANT),
+    "model.converters": _only_default([], NO_QUANT),
     "model.print_after_conversion": _ignore(False),
     # [optimizer]
     "optimizer.early_step_in_backward": _only_default(
-        False, "titanlite steps the optimizer after the backward (with gradient clipping); remove it"),
+        False, "titanlite steps the optimizer after the backward (with gradient clipping); remove it"
+    ),
     # [training]
     "training.dtype": _only_default(
-        "float32", "titanlite keeps float32 master weights; use training.mixed_precision_param = \"bfloat16\""),
+        "float32", 'titanlite keeps float32 master weights; use training.mixed_precision_param = "bfloat16"'
+    ),
     "training.gc_debug": _ignore(False),
     "training.dataloader.num_workers": _ignore(0),
     "training.dataloader.persistent_workers": _ignore(False),
@@ -133,20 +135,26 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "parallelism.context_parallel_load_balancer": _ignore("headtail"),
     "parallelism.context_parallel_rotate_method": _ignore("allgather"),
     "parallelism.expert_parallel_degree": _only_default(
-        1, "titanlite has no mixture-of-experts models or expert parallelism; remove it"),
+        1, "titanlite has no mixture-of-experts models or expert parallelism; remove it"
+    ),
     "parallelism.expert_tensor_parallel_degree": _ignore(1),
     "parallelism.expert_parallel_comm_backend": _ignore("standard"),
     # [checkpoint]
     "checkpoint.enable_ft_dataloader_checkpoints": _ignore(True),
     "checkpoint.initial_load_in_hf_quantized": _only_default(
-        False, "titanlite reads unquantized Hugging Face weights only; dequantize the folder first"),
+        False, "titanlite reads unquantized Hugging Face weights only; dequantize the folder first"
+    ),
     "checkpoint.last_save_in_hf": _only_default(
-        False, "titanlite saves DCP checkpoints; export with scripts/convert_dcp_to_hf.py after training"),
+        False, "titanlite saves DCP checkpoints; export with scripts/convert_dcp_to_hf.py after training"
+    ),
     "checkpoint.enable_first_step_checkpoint": _ignore(False),
     "checkpoint.create_seed_checkpoint": _only_default(
-        False, "titanlite has no seed-checkpoint mode (its initialisation is the same for every layout); remove it"),
+        False, "titanlite has no seed-checkpoint mode (its initialisation is the same for every layout); remove it"
+    ),
     "checkpoint.load_only": _only_default(
-        False, "titanlite always saves when checkpoint.enable is set; use checkpoint.initial_load_path without checkpoint.enable"),
+        False,
+        "titanlite always saves when checkpoint.enable is set; use checkpoint.initial_load_path without checkpoint.enable",
+    ),
     # [activation_checkpoint]
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": _ignore(["moe.router.gate"]),
     "activation_checkpoint.early_stop": _ignore(False),
@@ -157,7 +165,8 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "activation_checkpoint.debug": _ignore(False),
     # [compile]
     "compile.backend": _only_default(
-        "inductor", "titanlite compiles with torch.compile's default backend (inductor); remove it"),
+        "inductor", "titanlite compiles with torch.compile's default backend (inductor); remove it"
+    ),
     # [quantize]: read only through model.converters, which titanlite refuses unless empty.
     "quantize.linear.float8.enable_fsdp_float8_all_gather": _ignore(False),
     "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": _ignore(False),
@@ -172,10 +181,12 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "quantize.grouped_mm.mx.fqns": _ignore([]),
     # [comm]
     "comm.mode": _only_default(
-        "default", "titanlite has no fake or local-tensor backends; use --job.validate_only for a dry run"),
+        "default", "titanlite has no fake or local-tensor backends; use --job.validate_only for a dry run"
+    ),
     # [memory_estimation]
     "memory_estimation.enable": _only_default(
-        False, "titanlite estimates memory before a run with scripts/estimate.py; remove it"),
+        False, "titanlite estimates memory before a run with scripts/estimate.py; remove it"
+    ),
     "memory_estimation.disable_fake_mode": _ignore(False),
     # [fault_tolerance]: read only with fault_tolerance.enable.
     "fault_tolerance.enable": _only_default(False, NO_FT),
@@ -187,9 +198,9 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "fault_tolerance.semi_sync_method": _ignore(None),
     # [experimental]
     "experimental.custom_import": _only_default(
-        "", "titanlite has no import hook; register a model in titanlite/models instead"),
-    "experimental.custom_args_module": _only_default(
-        "", "titanlite cannot extend its config from a module; remove it"),
+        "", "titanlite has no import hook; register a model in titanlite/models instead"
+    ),
+    "experimental.custom_args_module": _only_default("", "titanlite cannot extend its config from a module; remove it"),
     # [validation]
     "validation.dataloader.num_workers": _ignore(0),
     "validation.dataloader.persistent_workers": _ignore(False),

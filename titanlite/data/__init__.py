@@ -14,15 +14,36 @@ from .stream import StreamWindows
 from .tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer, tokenizer_file
 
 
-def build_loader(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, local_batch_size: int,
-                 dp_rank: int, dp_degree: int, split: str = "train") -> PackedLoader:
+def build_loader(
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer,
+    seq_len: int,
+    local_batch_size: int,
+    dp_rank: int,
+    dp_degree: int,
+    split: str = "train",
+) -> PackedLoader:
     """A raw stream of ``dataset`` packed into windows for one data-parallel rank (no read-ahead)."""
-    return PackedLoader(build_documents(dataset, dataset_path, split), tokenizer, seq_len, local_batch_size,
-                        dp_rank, dp_degree)
+    return PackedLoader(
+        build_documents(dataset, dataset_path, split), tokenizer, seq_len, local_batch_size, dp_rank, dp_degree
+    )
 
 
 __all__ = [
-    "ByteTokenizer", "HFTokenizer", "build_tokenizer", "tokenizer_file", "build_documents", "DataLoader",
-    "PackedLoader", "PreparedWindows", "PreparedFolder", "StreamWindows", "build_loader", "open_windows",
-    "parse_mixture", "stream_warning", "verify_share",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "build_tokenizer",
+    "tokenizer_file",
+    "build_documents",
+    "DataLoader",
+    "PackedLoader",
+    "PreparedWindows",
+    "PreparedFolder",
+    "StreamWindows",
+    "build_loader",
+    "open_windows",
+    "parse_mixture",
+    "stream_warning",
+    "verify_share",
 ]

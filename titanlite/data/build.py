@@ -47,8 +47,15 @@ def parse_mixture(spec: str, key: str = "training.dataset_path") -> list[tuple[s
     return mixture
 
 
-def open_prepared(spec: str, tokenizer, tokenizer_label: str, seq_len: int, shuffle: bool, seed: int,
-                  key: str = "training.dataset_path") -> PreparedWindows:
+def open_prepared(
+    spec: str,
+    tokenizer,
+    tokenizer_label: str,
+    seq_len: int,
+    shuffle: bool,
+    seed: int,
+    key: str = "training.dataset_path",
+) -> PreparedWindows:
     mixture = parse_mixture(spec, key)
     folders = []
     for folder_path, _ in mixture:
@@ -58,8 +65,18 @@ def open_prepared(spec: str, tokenizer, tokenizer_label: str, seq_len: int, shuf
     return PreparedWindows(folders, [weight for _, weight in mixture], seq_len, shuffle, seed)
 
 
-def open_windows(dataset: str, dataset_path: str | None, tokenizer, seq_len: int, *, hf_assets_path: str | None,
-                 shuffle: bool, seed: int, cache_folder: str, split: str = "train"):
+def open_windows(
+    dataset: str,
+    dataset_path: str | None,
+    tokenizer,
+    seq_len: int,
+    *,
+    hf_assets_path: str | None,
+    shuffle: bool,
+    seed: int,
+    cache_folder: str,
+    split: str = "train",
+):
     """The window source for a run; every problem is a one-line ValueError naming the key or file."""
     tokenizer_label = f"model.hf_assets_path {hf_assets_path}" if hf_assets_path else "the byte tokenizer"
     if dataset == "prepared":
@@ -80,9 +97,11 @@ def stream_warning(windows, dataset: str, dp_degree: int) -> str | None:
     """The warning a raw stream deserves at this dp degree, or None."""
     if not isinstance(windows, StreamWindows) or dp_degree < STREAM_WARNING_DP_DEGREE:
         return None
-    return (f"training.dataset {dataset} is tokenized as it is read: every one of the {dp_degree} data-parallel "
-            f"ranks tokenizes the whole stream, {dp_degree}x its own share. Prepare it once with "
-            "python -m titanlite.data.prepare and train with training.dataset = 'prepared' (see docs/data.md)")
+    return (
+        f"training.dataset {dataset} is tokenized as it is read: every one of the {dp_degree} data-parallel "
+        f"ranks tokenizes the whole stream, {dp_degree}x its own share. Prepare it once with "
+        "python -m titanlite.data.prepare and train with training.dataset = 'prepared' (see docs/data.md)"
+    )
 
 
 def verify_share(windows, rank: int, world_size: int) -> str | None:

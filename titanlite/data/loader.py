@@ -42,8 +42,7 @@ class PreparedWindows:
     of its epoch ``j // W_i``, through that epoch's permutation when ``shuffle`` is on.
     """
 
-    def __init__(self, folders: list[PreparedFolder], weights: list[Fraction], seq_len: int,
-                 shuffle: bool, seed: int):
+    def __init__(self, folders: list[PreparedFolder], weights: list[Fraction], seq_len: int, shuffle: bool, seed: int):
         self.folders = folders
         self.seq_len = seq_len
         self.tokens_per_window = seq_len + 1
@@ -53,8 +52,10 @@ class PreparedWindows:
         for folder in folders:
             windows = folder.tokens // self.tokens_per_window
             if windows < 1:
-                raise ValueError(f"{folder.where}: holds {folder.tokens} tokens, fewer than one window of "
-                                 f"training.seq_len + 1 = {self.tokens_per_window}")
+                raise ValueError(
+                    f"{folder.where}: holds {folder.tokens} tokens, fewer than one window of "
+                    f"training.seq_len + 1 = {self.tokens_per_window}"
+                )
             self.windows_per_epoch.append(windows)
         self._permutations: dict[int, tuple[int, EpochPermutation]] = {}  # source -> (epoch, its permutation)
         # Token ids are checked against this, so a corrupted file fails here, not inside an embedding.
@@ -87,8 +88,10 @@ class PreparedWindows:
             self.folders[source].copy_tokens(start, windows[row])
         largest = int(windows.max())
         if largest >= self._id_limit:
-            raise ValueError(f"token id {largest} in windows [{first}, {first + count}) is outside the "
-                             f"vocabulary ({self._id_limit} ids): a prepared file is corrupted")
+            raise ValueError(
+                f"token id {largest} in windows [{first}, {first + count}) is outside the "
+                f"vocabulary ({self._id_limit} ids): a prepared file is corrupted"
+            )
         return windows, None
 
     def restore(self, cursor) -> None:
@@ -105,8 +108,16 @@ class DataLoader:
     (at the same window count); otherwise that is an error naming what changed.
     """
 
-    def __init__(self, windows, local_batch_size: int, dp_rank: int, dp_degree: int,
-                 prefetch: int = 0, pin_memory: bool = False, allow_changed_data: bool = False):
+    def __init__(
+        self,
+        windows,
+        local_batch_size: int,
+        dp_rank: int,
+        dp_degree: int,
+        prefetch: int = 0,
+        pin_memory: bool = False,
+        allow_changed_data: bool = False,
+    ):
         _require_positive_int("seq_len", windows.seq_len)
         _require_positive_int("local_batch_size", local_batch_size)
         _require_positive_int("dp_degree", dp_degree)
@@ -141,8 +152,13 @@ class DataLoader:
             batch = self._read(self.windows_consumed)
         else:
             if self._reader is None:
-                self._reader = _ReadAhead(self._read, self.windows_consumed,
-                                          self.local_batch_size * self.dp_degree, self.prefetch, self._cuda_device)
+                self._reader = _ReadAhead(
+                    self._read,
+                    self.windows_consumed,
+                    self.local_batch_size * self.dp_degree,
+                    self.prefetch,
+                    self._cuda_device,
+                )
             batch = self._reader.get()
         position, inputs, labels, cursor = batch
         assert position == self.windows_consumed, (position, self.windows_consumed)
@@ -231,14 +247,23 @@ def describe_change(saved: dict | None, current: dict) -> str | None:
     if current["kind"] == "prepared":
         saved_manifests = [source["manifest_sha256"] for source in saved["sources"]]
         if saved_manifests != [source["manifest_sha256"] for source in current["sources"]]:
-            return f"training.dataset_path: the checkpoint was trained on {_what(saved)}, this run reads {_what(current)}"
-        for key, config_key in (("weights", "training.dataset_path weights"), ("shuffle", "data.shuffle"),
-                                ("seed", "data.seed")):
+            return (
+                f"training.dataset_path: the checkpoint was trained on {_what(saved)}, this run reads {_what(current)}"
+            )
+        for key, config_key in (
+            ("weights", "training.dataset_path weights"),
+            ("shuffle", "data.shuffle"),
+            ("seed", "data.seed"),
+        ):
             if saved.get(key) != current.get(key):
-                return f"{config_key}: the checkpoint was trained with {saved.get(key)}, this run uses {current.get(key)}"
+                return (
+                    f"{config_key}: the checkpoint was trained with {saved.get(key)}, this run uses {current.get(key)}"
+                )
     if saved.get("tokenizer") != current.get("tokenizer"):
-        return (f"model.hf_assets_path: the checkpoint was trained with tokenizer {saved.get('tokenizer')}, "
-                f"this run's is {current.get('tokenizer')}")
+        return (
+            f"model.hf_assets_path: the checkpoint was trained with tokenizer {saved.get('tokenizer')}, "
+            f"this run's is {current.get('tokenizer')}"
+        )
     return f"the checkpoint was trained on {_what(saved)}, this run reads {_what(current)}"
 
 
@@ -251,8 +276,9 @@ def _identity(description: dict) -> dict:
 
 def _what(description: dict) -> str:
     if description.get("kind") == "prepared":
-        folders = ", ".join(f"{source['folder']} (manifest {source['manifest_sha256'][:12]})"
-                            for source in description["sources"])
+        folders = ", ".join(
+            f"{source['folder']} (manifest {source['manifest_sha256'][:12]})" for source in description["sources"]
+        )
         return f"prepared data {folders}"
     return f"{description.get('dataset')} {description.get('dataset_path') or ''}".strip()
 
@@ -267,8 +293,11 @@ class _ReadAhead:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stopping = threading.Event()
         self._thread = threading.Thread(
-            target=self._run, args=(weakref.WeakMethod(read), first_position, stride, cuda_device),
-            name="titanlite-data", daemon=True)
+            target=self._run,
+            args=(weakref.WeakMethod(read), first_position, stride, cuda_device),
+            name="titanlite-data",
+            daemon=True,
+        )
         self._thread.start()
 
     def _run(self, read_ref, position: int, stride: int, cuda_device: int | None) -> None:

@@ -41,7 +41,9 @@ class EpochPermutation:
         bits = max(2, (size - 1).bit_length())
         self._half_bits = (bits + 1) // 2  # two equal halves: the domain is 4**half_bits < 4 * size
         self._half_mask = (1 << self._half_bits) - 1
-        digest = hashlib.blake2b(f"titanlite-shuffle/{seed}/{source}/{epoch}".encode(), digest_size=8 * _ROUNDS).digest()
+        digest = hashlib.blake2b(
+            f"titanlite-shuffle/{seed}/{source}/{epoch}".encode(), digest_size=8 * _ROUNDS
+        ).digest()
         self._round_keys = [int.from_bytes(digest[8 * r : 8 * r + 8], "little") for r in range(_ROUNDS)]
 
     def __call__(self, index: int) -> int:

@@ -34,7 +34,12 @@ import time
 
 from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter, fsync_path, token_dtype
 from .sources import (
-    _C4_TEST_SUFFIXES, C4_TEST_DEFAULT_PATH, DATASETS, _list_text_files, build_documents, stdlib_split_files,
+    _C4_TEST_SUFFIXES,
+    C4_TEST_DEFAULT_PATH,
+    DATASETS,
+    _list_text_files,
+    build_documents,
+    stdlib_split_files,
 )
 from .tokenizer import build_tokenizer
 
@@ -143,16 +148,26 @@ def _check_output(output: str, source: dict, tokenizer) -> dict | None:
     if os.path.isfile(manifest_path):
         with open(manifest_path, encoding="utf-8") as manifest_file:
             manifest = json.load(manifest_file)
-        same = (manifest.get("version") == FORMAT_VERSION and manifest.get("source") == source
-                and manifest.get("tokenizer", {}).get("fingerprint") == tokenizer.fingerprint)
+        same = (
+            manifest.get("version") == FORMAT_VERSION
+            and manifest.get("source") == source
+            and manifest.get("tokenizer", {}).get("fingerprint") == tokenizer.fingerprint
+        )
         if same:
             return manifest
         saved = manifest.get("source", {})
-        what = "another tokenizer" if saved == source else (
-            "the same source, whose files have changed since" if saved.get("dataset_path") == source["dataset_path"]
-            else f"another source ({saved.get('dataset')} {saved.get('dataset_path') or ''})".replace(" )", ")"))
-        raise ValueError(f"--output {output}: already holds data prepared from {what}; "
-                         "choose another folder or delete it")
+        what = (
+            "another tokenizer"
+            if saved == source
+            else (
+                "the same source, whose files have changed since"
+                if saved.get("dataset_path") == source["dataset_path"]
+                else f"another source ({saved.get('dataset')} {saved.get('dataset_path') or ''})".replace(" )", ")")
+            )
+        )
+        raise ValueError(
+            f"--output {output}: already holds data prepared from {what}; choose another folder or delete it"
+        )
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ValueError(f"--output {output}: exists and is not a prepared folder; choose another path")
     return None
@@ -261,9 +276,9 @@ def cached_stdlib(split: str, tokenizer, hf_assets_path: str | None, cache_folde
     first use. Concurrent callers (the ranks of one node) wait for the first one's work."""
     root = sysconfig.get_paths()["stdlib"]
     files = [(name, os.path.getsize(os.path.join(root, name))) for name in stdlib_split_files(split)]
-    key = hashlib.sha256(json.dumps(
-        [FORMAT_VERSION, split, root, sys.version_info[:3], files, tokenizer.fingerprint]
-    ).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        json.dumps([FORMAT_VERSION, split, root, sys.version_info[:3], files, tokenizer.fingerprint]).encode()
+    ).hexdigest()[:16]
     cache_folder = os.path.expanduser(cache_folder)
     folder = os.path.join(cache_folder, f"python_stdlib-{split}-{key}")
     if os.path.isfile(os.path.join(folder, MANIFEST)):
@@ -289,22 +304,39 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m titanlite.data.prepare",
         description="Tokenize a dataset once into a prepared folder that training reads through memory maps.",
     )
-    parser.add_argument("--dataset", choices=[name for name in DATASETS], default="text",
-                        help="the source, named as training.dataset names it (default: text)")
+    parser.add_argument(
+        "--dataset",
+        choices=[name for name in DATASETS],
+        default="text",
+        help="the source, named as training.dataset names it (default: text)",
+    )
     parser.add_argument("--dataset_path", help="file or folder (text, c4_test), dataset name or folder (huggingface)")
     parser.add_argument("--split", default="train", help="split of python_stdlib, huggingface and c4 (default: train)")
-    parser.add_argument("--hf_assets_path", help="the run's model.hf_assets_path (tokenizer.json or its folder); "
-                        "unset: the byte tokenizer")
+    parser.add_argument(
+        "--hf_assets_path",
+        help="the run's model.hf_assets_path (tokenizer.json or its folder); unset: the byte tokenizer",
+    )
     parser.add_argument("--output", required=True, help="the prepared folder to create")
     parser.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: every core)")
-    parser.add_argument("--shard_tokens", type=int, default=DEFAULT_SHARD_TOKENS,
-                        help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})")
+    parser.add_argument(
+        "--shard_tokens",
+        type=int,
+        default=DEFAULT_SHARD_TOKENS,
+        help=f"tokens per shard file (default: {DEFAULT_SHARD_TOKENS})",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     already_there = os.path.isfile(os.path.join(args.output, MANIFEST))
     try:
-        manifest = prepare(args.dataset, args.dataset_path, args.output, args.hf_assets_path, args.split,
-                           args.workers, args.shard_tokens)
+        manifest = prepare(
+            args.dataset,
+            args.dataset_path,
+            args.output,
+            args.hf_assets_path,
+            args.split,
+            args.workers,
+            args.shard_tokens,
+        )
     except ValueError as error:
         print(f"titanlite.data.prepare: {error}", file=sys.stderr)
         return 2
@@ -312,17 +344,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanlite.data.prepare: interrupted; {args.output} was not created", file=sys.stderr)
         return 130
     except concurrent.futures.process.BrokenProcessPool:
-        print(f"titanlite.data.prepare: a worker process died (killed, or out of memory?); {args.output} "
-              "was not created; run the command again, with fewer --workers if memory is short", file=sys.stderr)
+        print(
+            f"titanlite.data.prepare: a worker process died (killed, or out of memory?); {args.output} "
+            "was not created; run the command again, with fewer --workers if memory is short",
+            file=sys.stderr,
+        )
         return 1
     if already_there:
-        print(f"{args.output}: already prepared from this source with this tokenizer "
-              f"({manifest['tokens']:,} tokens in {manifest['documents']:,} documents); nothing to do")
+        print(
+            f"{args.output}: already prepared from this source with this tokenizer "
+            f"({manifest['tokens']:,} tokens in {manifest['documents']:,} documents); nothing to do"
+        )
         return 0
     seconds = time.perf_counter() - started
-    print(f"{args.output}: {manifest['tokens']:,} tokens in {manifest['documents']:,} documents, "
-          f"{manifest['dtype']}, {len(manifest['files'])} files ({seconds:.1f} s, "
-          f"{manifest['tokens'] / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)")
+    print(
+        f"{args.output}: {manifest['tokens']:,} tokens in {manifest['documents']:,} documents, "
+        f"{manifest['dtype']}, {len(manifest['files'])} files ({seconds:.1f} s, "
+        f"{manifest['tokens'] / max(seconds, 1e-9) / 1e6:.2f} M tokens/s)"
+    )
     return 0
 
 

@@ -191,8 +191,11 @@ class PreparedFolder:
         self.where = f"{label} {path}"
         manifest_path = os.path.join(path, MANIFEST)
         if not os.path.isdir(path):
-            hint = " (an unfinished prepare left it as .partial: run the prepare command again)" \
-                if os.path.isdir(path.rstrip("/") + ".partial") else ""
+            hint = (
+                " (an unfinished prepare left it as .partial: run the prepare command again)"
+                if os.path.isdir(path.rstrip("/") + ".partial")
+                else ""
+            )
             raise ValueError(f"{self.where}: no such prepared folder{hint}")
         if not os.path.isfile(manifest_path):
             raise ValueError(
@@ -227,8 +230,16 @@ class PreparedFolder:
                 f"{where}: format version {manifest.get('version')!r}, this titanlite reads version "
                 f"{FORMAT_VERSION}; prepare the data again"
             )
-        expected = {"dtype": str, "byte_order": str, "shard_tokens": int, "tokens": int, "documents": int,
-                    "tokenizer": dict, "source": dict, "files": list}
+        expected = {
+            "dtype": str,
+            "byte_order": str,
+            "shard_tokens": int,
+            "tokens": int,
+            "documents": int,
+            "tokenizer": dict,
+            "source": dict,
+            "files": list,
+        }
         for key, kind in expected.items():
             if not isinstance(manifest.get(key), kind):
                 raise ValueError(f"{where}: expected {key!r} to be a {kind.__name__}, got {manifest.get(key)!r}")
@@ -280,8 +291,10 @@ class PreparedFolder:
                 while block := data_file.read(1 << 23):
                     digest.update(block)
             if digest.hexdigest() != entry.get("sha256"):
-                return (f"{self.where}: {entry['name']} does not match its checksum in {MANIFEST} "
-                        "(corrupted: prepare the data again)")
+                return (
+                    f"{self.where}: {entry['name']} does not match its checksum in {MANIFEST} "
+                    "(corrupted: prepare the data again)"
+                )
         return None
 
     @property

@@ -35,7 +35,7 @@ _C4_TEST_SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
 # --------------------------------------------------------------------------- python_stdlib
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _stdlib_python_files(stdlib_root: str) -> tuple[str, ...]:
     """Relative paths of all .py files under the stdlib root, sorted; cached since epochs re-list."""
     relative_paths = []

@@ -94,8 +94,11 @@ class StreamWindows:
         self.seq_len = seq_len
         self.tokens_per_window = seq_len + 1
         self.tokenizer = tokenizer
-        self.description = {"kind": "stream", "tokenizer": getattr(tokenizer, "fingerprint", None),
-                            **(description or {})}
+        self.description = {
+            "kind": "stream",
+            "tokenizer": getattr(tokenizer, "fingerprint", None),
+            **(description or {}),
+        }
         self._stream = TokenStream(documents, tokenizer)
 
     def read(self, first: int, count: int, mark: int) -> tuple[torch.Tensor, Cursor]:

@@ -3,13 +3,6 @@ and how much memory each rank needs (memory)."""
 
 # --- step time and hardware ---
 from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
-from titanlite.estimate.step_time import (
-    DEFAULT_EFFICIENCY,
-    StepTimeEstimate,
-    estimate_for_job_config,
-    estimate_step_time,
-    threshold_tokens_per_device,
-)
 
 # --- memory ---
 from titanlite.estimate.memory import (
@@ -22,6 +15,13 @@ from titanlite.estimate.memory import (
     fits,
     measure_real_memory,
     step_floor_bytes,
+)
+from titanlite.estimate.step_time import (
+    DEFAULT_EFFICIENCY,
+    StepTimeEstimate,
+    estimate_for_job_config,
+    estimate_step_time,
+    threshold_tokens_per_device,
 )
 
 __all__ = [

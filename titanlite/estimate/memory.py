@@ -205,8 +205,15 @@ def device_memory_bytes(device_type: str, ranks_per_node: int) -> tuple[int, str
     return host // max(ranks_per_node, 1), f"the host's memory / {ranks_per_node} rank(s) on this node"
 
 
-def step_floor_bytes(model: nn.Module, vocab_size: int, shards: int, local_batch_size: int, seq_len: int,
-                     compute_bytes: int, cpu_offload: bool) -> dict[str, int]:
+def step_floor_bytes(
+    model: nn.Module,
+    vocab_size: int,
+    shards: int,
+    local_batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    cpu_offload: bool,
+) -> dict[str, int]:
     """What one rank surely holds at once during a step, by arithmetic on Python ints (no
     tensor is made, so any batch size is safe to ask about): the sharded weights and Adam
     state (unless offloaded), and the logits in the compute dtype beside the float32
@@ -437,7 +444,9 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     training = job_config.training
     global_tokens, accumulation = _batch_layout(job_config, parallel_dims)
     if accumulation > 1:
-        notes.append(f"{accumulation} micro-batches per step: measured the last, with the earlier ones' gradients resident")
+        notes.append(
+            f"{accumulation} micro-batches per step: measured the last, with the earlier ones' gradients resident"
+        )
 
     with _fake_process_group(world_size):
         # The mesh is a CPU one: the fake backend serves any device, and CPU fake tensors
@@ -451,7 +460,9 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
             optimizer = build_optimizer(model.parameters(), job_config.optimizer)
             _prime_optimizer(model, optimizer, keep_gradients=accumulation > 1)
             ema_bytes = _ema_bytes(model, job_config)
-            batch = tuple(torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len)) for _ in range(2))
+            batch = tuple(
+                torch.randint(0, args.vocab_size, (training.local_batch_size, training.seq_len)) for _ in range(2)
+            )
             context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
             step = _tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context)
 

@@ -146,11 +146,11 @@ def param_counts(args: LlamaArgs) -> tuple[int, int, int]:
 def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
     """Parameters all-gathered a second time in backward, per micro-batch:
 
-        always  -> all of them (FULL_SHARD / ZeRO-3: every unit freed after forward)
-        default -> all - last block - root (titanlite keeps the last block, which backward
-                   needs first, and the root unsharded after forward: the seed's
-                   "don't drop the last layer" optimisation)
-        never   -> 0 (SHARD_GRAD_OP / ZeRO-2: forward's gathered weights stay)
+    always  -> all of them (FULL_SHARD / ZeRO-3: every unit freed after forward)
+    default -> all - last block - root (titanlite keeps the last block, which backward
+               needs first, and the root unsharded after forward: the seed's
+               "don't drop the last layer" optimisation)
+    never   -> 0 (SHARD_GRAD_OP / ZeRO-2: forward's gathered weights stay)
     """
     total, block, root = param_counts(args)
     if reshard_after_forward == "always":
@@ -163,11 +163,11 @@ def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
 def recompute_fraction(n_layers: int, ac_mode: str, selective_ac_option: str) -> float:
     """Fraction of blocks whose forward activation checkpointing runs twice:
 
-        none          -> 0
-        full          -> 1 (every block)
-        selective N   -> ceil(n_layers / N) / n_layers (blocks 0, N, 2N, ... as parallelize.py wraps them)
-        selective op  -> 0 (matmul and attention outputs are saved; only elementwise
-                         ops are recomputed, which FLOP counts ignore)
+    none          -> 0
+    full          -> 1 (every block)
+    selective N   -> ceil(n_layers / N) / n_layers (blocks 0, N, 2N, ... as parallelize.py wraps them)
+    selective op  -> 0 (matmul and attention outputs are saved; only elementwise
+                     ops are recomputed, which FLOP counts ignore)
     """
     if ac_mode == "none" or (ac_mode == "selective" and selective_ac_option == "op"):
         return 0.0
@@ -194,7 +194,7 @@ def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float
 def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
     """Time for the FLOPs one device does in a step:
 
-        (model FLOPs + recomputed FLOPs) per token x tokens per device / (peak x efficiency)
+    (model FLOPs + recomputed FLOPs) per token x tokens per device / (peak x efficiency)
     """
     return flops_per_token_done * tokens / (peak_flops * efficiency)
 
@@ -269,8 +269,9 @@ def overlapped_step_seconds(compute_s: float, comm_s: float, n_units: int) -> tu
     return max(compute_s, comm_s) + exposed, exposed
 
 
-def break_even_tokens(comm_s: float, micro_batches: int, flops_per_token_done: float,
-                      peak_flops: float, efficiency: float) -> float:
+def break_even_tokens(
+    comm_s: float, micro_batches: int, flops_per_token_done: float, peak_flops: float, efficiency: float
+) -> float:
     """Tokens per device per micro-batch at which compute time equals communication time:
 
         comm per micro-batch x peak x efficiency / FLOPs done per token
@@ -306,8 +307,14 @@ def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None) ->
     return ParallelDims.resolve(dp_replicate, dp_shard, world_size)
 
 
-def _check_choices(ac_mode: str, selective_ac_option: str, reshard_after_forward: str,
-                   param_dtype: str, reduce_dtype: str, efficiency: float) -> None:
+def _check_choices(
+    ac_mode: str,
+    selective_ac_option: str,
+    reshard_after_forward: str,
+    param_dtype: str,
+    reduce_dtype: str,
+    efficiency: float,
+) -> None:
     """One clear ValueError per bad option, naming the choices."""
     for name, value, choices in (
         ("reshard_after_forward", reshard_after_forward, RESHARD_POLICIES),
@@ -352,8 +359,11 @@ def estimate_step_time(
     hardware's. world_size may be left out when neither degree is -1.
     Raises ValueError with a one-line message for any inconsistent input.
     """
-    for name, value in (("seq_len", seq_len), ("local_batch_size", local_batch_size),
-                        ("grad_accum_steps", grad_accum_steps)):
+    for name, value in (
+        ("seq_len", seq_len),
+        ("local_batch_size", local_batch_size),
+        ("grad_accum_steps", grad_accum_steps),
+    ):
         _positive_int(name, value)
     _check_choices(ac_mode, selective_ac_option, reshard_after_forward, param_dtype, reduce_dtype, efficiency)
     hw = get_hardware(hardware) if isinstance(hardware, str) else hardware
@@ -391,22 +401,37 @@ def estimate_step_time(
     # or the replicate group for pure DDP.
     heavy_bw = shard_bw if s > 1 else replicate_bw
     return StepTimeEstimate(
-        strategy=dims.strategy, dp_replicate=r, dp_shard=s, world_size=dims.world_size,
-        hardware=hw, efficiency=efficiency,
-        flops_per_token=model_flops, recompute_flops_per_token=recompute,
-        tokens_per_device_per_micro_batch=micro_tokens, tokens_per_device_per_step=step_tokens,
+        strategy=dims.strategy,
+        dp_replicate=r,
+        dp_shard=s,
+        world_size=dims.world_size,
+        hardware=hw,
+        efficiency=efficiency,
+        flops_per_token=model_flops,
+        recompute_flops_per_token=recompute,
+        tokens_per_device_per_micro_batch=micro_tokens,
+        tokens_per_device_per_step=step_tokens,
         compute_s=compute_s,
-        all_gather_bytes=gather_b, reduce_scatter_bytes=scatter_b, all_reduce_bytes=reduce_b,
-        shard_link=shard_link, replicate_link=replicate_link,
-        all_gather_s=gather_s, reduce_scatter_s=scatter_s, all_reduce_s=reduce_s, comm_s=comm_s,
-        exposed_comm_s=exposed_s, overlapped=True, step_s=step_s,
+        all_gather_bytes=gather_b,
+        reduce_scatter_bytes=scatter_b,
+        all_reduce_bytes=reduce_b,
+        shard_link=shard_link,
+        replicate_link=replicate_link,
+        all_gather_s=gather_s,
+        reduce_scatter_s=scatter_s,
+        all_reduce_s=reduce_s,
+        comm_s=comm_s,
+        exposed_comm_s=exposed_s,
+        overlapped=True,
+        step_s=step_s,
         # The seed: compute-bound when T_math / T_comms > 1.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         threshold_tokens_per_device=(
             None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)
         ),
-        break_even_tokens_per_device=break_even_tokens(comm_s, grad_accum_steps, model_flops + recompute,
-                                                       hw.peak_flops, efficiency),
+        break_even_tokens_per_device=break_even_tokens(
+            comm_s, grad_accum_steps, model_flops + recompute, hw.peak_flops, efficiency
+        ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
     )

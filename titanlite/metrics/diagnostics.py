@@ -52,10 +52,14 @@ def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool) -> str | N
     if not sharded or n_blocks < 2:
         return None
     if len(unit_names) <= 1:
-        return (f"only {len(unit_names)} FSDP unit(s) for a model of {n_blocks} blocks: per-block sharding "
-                "matched nothing, so every rank gathers the whole model at once")
+        return (
+            f"only {len(unit_names)} FSDP unit(s) for a model of {n_blocks} blocks: per-block sharding "
+            "matched nothing, so every rank gathers the whole model at once"
+        )
     if len(unit_names) < n_blocks + 1:
-        return f"{len(unit_names)} FSDP units for {n_blocks} blocks (expected {n_blocks + 1}: one per block plus the root)"
+        return (
+            f"{len(unit_names)} FSDP units for {n_blocks} blocks (expected {n_blocks + 1}: one per block plus the root)"
+        )
     return None
 
 
@@ -64,8 +68,13 @@ def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sh
     units = fsdp_unit_names(model)
     logger.info("parallel settings: %s", ", ".join(f"{key}={value}" for key, value in settings.items()))
     samples = ", ".join(units[:SAMPLE_UNITS]) + (", ..." if len(units) > SAMPLE_UNITS else "")
-    logger.info("FSDP units: %d (%s); activation-checkpointed blocks: %d of %d",
-                len(units), samples or "none", checkpointed_block_count(model), n_blocks)
+    logger.info(
+        "FSDP units: %d (%s); activation-checkpointed blocks: %d of %d",
+        len(units),
+        samples or "none",
+        checkpointed_block_count(model),
+        n_blocks,
+    )
     problem = wrap_problem(units, n_blocks, sharded)
     if problem:
         logger.warning("!!! SHARDING PROBLEM: %s !!!", problem)
@@ -92,8 +101,11 @@ class ComputeDtypeProbe:
             return
         seen, self.seen = self.seen, None
         if seen != self.expected:
-            logger.warning("!!! MIXED PRECISION PROBLEM: the model computes in %s, the config asks for %s !!!",
-                           str(seen).removeprefix("torch."), str(self.expected).removeprefix("torch."))
+            logger.warning(
+                "!!! MIXED PRECISION PROBLEM: the model computes in %s, the config asks for %s !!!",
+                str(seen).removeprefix("torch."),
+                str(self.expected).removeprefix("torch."),
+            )
         else:
             logger.info("the model computes in %s, as configured", str(seen).removeprefix("torch."))
 
@@ -127,6 +139,10 @@ class PhaseMemory:
         if not self.active:
             return {}
         self.steps_left -= 1
-        logger.info("step %d peak memory (%s): %s", step, self.monitor.kind,
-                    ", ".join(f"after {phase} {self.peaks.get(phase, 0.0):.3f} GiB" for phase in self.PHASES))
+        logger.info(
+            "step %d peak memory (%s): %s",
+            step,
+            self.monitor.kind,
+            ", ".join(f"after {phase} {self.peaks.get(phase, 0.0):.3f} GiB" for phase in self.PHASES),
+        )
         return dict(self.peaks)

@@ -12,7 +12,6 @@ import torch
 
 from titanlite.models.llama.args import LlamaArgs
 
-
 # --- parameter counts ----------------------------------------------------------------------
 
 

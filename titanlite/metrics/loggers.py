@@ -40,9 +40,27 @@ VAL_LOSS = "validation_metrics/loss"
 VAL_PERPLEXITY = "validation_metrics/perplexity"
 
 ALL_TAGS = (
-    LOSS, MAX_LOSS, GRAD_NORM, LR, TOKENS_SEEN, TPS, TFLOPS, MFU, STEP_TIME, DATA_TIME, DATA_PCT,
-    MAX_ACTIVE_GIB, MAX_ACTIVE_PCT, MAX_RESERVED_GIB, MAX_RESERVED_PCT, NUM_ALLOC_RETRIES, NUM_OOMS,
-    RSS_GIB, PEAK_RSS_GIB, VAL_LOSS, VAL_PERPLEXITY,
+    LOSS,
+    MAX_LOSS,
+    GRAD_NORM,
+    LR,
+    TOKENS_SEEN,
+    TPS,
+    TFLOPS,
+    MFU,
+    STEP_TIME,
+    DATA_TIME,
+    DATA_PCT,
+    MAX_ACTIVE_GIB,
+    MAX_ACTIVE_PCT,
+    MAX_RESERVED_GIB,
+    MAX_RESERVED_PCT,
+    NUM_ALLOC_RETRIES,
+    NUM_OOMS,
+    RSS_GIB,
+    PEAK_RSS_GIB,
+    VAL_LOSS,
+    VAL_PERPLEXITY,
 )
 
 WANDB_MISSING = "metrics.enable_wandb is set but the wandb package is not installed (pip install wandb)"
@@ -62,8 +80,14 @@ class MetricLogger:
 
 _RESET = "\033[0m"
 _COLORS = {
-    "red": "\033[31m", "green": "\033[32m", "yellow": "\033[33m", "blue": "\033[34m",
-    "magenta": "\033[35m", "cyan": "\033[36m", "white": "\033[37m", "bright_black": "\033[90m",
+    "red": "\033[31m",
+    "green": "\033[32m",
+    "yellow": "\033[33m",
+    "blue": "\033[34m",
+    "magenta": "\033[35m",
+    "cyan": "\033[36m",
+    "white": "\033[37m",
+    "bright_black": "\033[90m",
 }
 
 

@@ -13,8 +13,20 @@ from contextlib import contextmanager
 
 from titanlite.metrics.flops import mfu, tflops
 from titanlite.metrics.loggers import (
-    DATA_PCT, DATA_TIME, GRAD_NORM, LOSS, LR, MAX_LOSS, MFU, STEP_TIME, TFLOPS, TOKENS_SEEN, TPS, VAL_LOSS,
-    VAL_PERPLEXITY, MetricLogger,
+    DATA_PCT,
+    DATA_TIME,
+    GRAD_NORM,
+    LOSS,
+    LR,
+    MAX_LOSS,
+    MFU,
+    STEP_TIME,
+    TFLOPS,
+    TOKENS_SEEN,
+    TPS,
+    VAL_LOSS,
+    VAL_PERPLEXITY,
+    MetricLogger,
 )
 from titanlite.metrics.memory import MemoryMonitor
 
@@ -50,9 +62,16 @@ class MetricsProcessor:
         steps = max(self.window_steps, 1)
         tokens_per_second = self.window_tokens / elapsed
         metrics = {
-            LOSS: loss, MAX_LOSS: max_loss, GRAD_NORM: grad_norm, LR: lr, TOKENS_SEEN: tokens_seen,
-            TPS: tokens_per_second, TFLOPS: tflops(tokens_per_second, self.flops_per_token),
-            STEP_TIME: elapsed / steps, DATA_TIME: self.data_seconds / steps, DATA_PCT: 100.0 * self.data_seconds / elapsed,
+            LOSS: loss,
+            MAX_LOSS: max_loss,
+            GRAD_NORM: grad_norm,
+            LR: lr,
+            TOKENS_SEEN: tokens_seen,
+            TPS: tokens_per_second,
+            TFLOPS: tflops(tokens_per_second, self.flops_per_token),
+            STEP_TIME: elapsed / steps,
+            DATA_TIME: self.data_seconds / steps,
+            DATA_PCT: 100.0 * self.data_seconds / elapsed,
         }
         if self.peak_flops:
             metrics[MFU] = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)

@@ -128,8 +128,9 @@ class Profiler:
         path = _iteration_file(self.traces_folder, self.current_step, f"rank{self.rank}_trace.json")
         began = time.perf_counter()
         torch_profiler.export_chrome_trace(path)
-        logger.info("profiler trace of step %d saved to %s in %.2f s", self.current_step, path,
-                    time.perf_counter() - began)
+        logger.info(
+            "profiler trace of step %d saved to %s in %.2f s", self.current_step, path, time.perf_counter() - began
+        )
 
     def _dump_memory_snapshot(self) -> None:
         path = _iteration_file(
@@ -182,7 +183,11 @@ def profiler_context(profiling_config, dump_folder: str, rank: int, start_step: 
         memory_snapshot_folder = os.path.join(dump_folder, profiling_config.save_memory_snapshot_folder)
     profiler = Profiler(profiling_config.profile_freq, rank, traces_folder, memory_snapshot_folder, start_step)
     if profiler.enabled:
-        logger.info("profiling every %d steps: traces in %s, memory snapshots in %s",
-                    profiler.profile_freq, profiler.traces_folder, profiler.memory_snapshot_folder)
+        logger.info(
+            "profiling every %d steps: traces in %s, memory snapshots in %s",
+            profiler.profile_freq,
+            profiler.traces_folder,
+            profiler.memory_snapshot_folder,
+        )
     with profiler:
         yield profiler

@@ -133,7 +133,10 @@ class Validator:
         if limit is not None and windows < limit:
             logger.warning(
                 "validation.steps %d needs %d windows but the held-out set has %d: evaluating them once (%d steps)",
-                requested_steps, limit, windows, steps,
+                requested_steps,
+                limit,
+                windows,
+                steps,
             )
         return windows, steps
 
@@ -157,8 +160,10 @@ class Validator:
         dist.all_reduce(bounds, op=dist.ReduceOp.MAX, group=self.process_group)
         most, fewest = int(bounds[0]), -int(bounds[1])
         if most != fewest:
-            raise RuntimeError(f"validation: ranks disagree on the step count ({fewest} to {most}); "
-                               "the held-out documents differ between ranks")
+            raise RuntimeError(
+                f"validation: ranks disagree on the step count ({fewest} to {most}); "
+                "the held-out documents differ between ranks"
+            )
         self._steps_agreed = True
 
     # --- evaluation -------------------------------------------------------------------------
@@ -229,6 +234,10 @@ def build_validator(
         training_local_batch_size if validation_config.local_batch_size == -1 else validation_config.local_batch_size
     )
     return Validator(
-        build_validation_documents(validation_config), tokenizer, seq_len=seq_len,
-        local_batch_size=local_batch_size, steps=validation_config.steps, **options,
+        build_validation_documents(validation_config),
+        tokenizer,
+        seq_len=seq_len,
+        local_batch_size=local_batch_size,
+        steps=validation_config.steps,
+        **options,
     )

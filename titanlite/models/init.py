@@ -30,9 +30,7 @@ def fill_normal_(param: torch.Tensor, std: float, generator: torch.Generator) ->
 
 
 @torch.no_grad()
-def fill_trunc_normal_(
-    param: torch.Tensor, std: float, generator: torch.Generator, cutoff: float = 2.0
-) -> None:
+def fill_trunc_normal_(param: torch.Tensor, std: float, generator: torch.Generator, cutoff: float = 2.0) -> None:
     """Normal(0, std) with values beyond cutoff * std redrawn."""
 
     def draw(t: torch.Tensor) -> None:

@@ -4,7 +4,12 @@ Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of 
 """
 
 from titanlite.parallel.distributed import (
-    destroy_distributed, exit_process, first_error_on_any_rank, init_distributed, pick_device, use_collective_timeout,
+    destroy_distributed,
+    exit_process,
+    first_error_on_any_rank,
+    init_distributed,
+    pick_device,
+    use_collective_timeout,
     world_size_from_env,
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_

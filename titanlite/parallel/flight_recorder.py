@@ -33,7 +33,9 @@ def flight_recorder_env(comm: Comm, dump_folder: str) -> dict[str, str]:
     return {
         "TORCH_NCCL_TRACE_BUFFER_SIZE": str(comm.trace_buf_size),
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(dump_folder, comm.save_traces_folder, comm.save_traces_file_prefix),
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(
+            dump_folder, comm.save_traces_folder, comm.save_traces_file_prefix
+        ),
     }
 
 

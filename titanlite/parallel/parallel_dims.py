@@ -25,8 +25,12 @@ class ParallelDims:
         if -1 in (dp_replicate, dp_shard):
             known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)
             if world_size % known != 0:
-                raise ValueError(f"{known_name} ({known}) must divide the world size ({world_size}) when the other degree is -1")
-            dp_replicate, dp_shard = (world_size // known, known) if dp_replicate == -1 else (known, world_size // known)
+                raise ValueError(
+                    f"{known_name} ({known}) must divide the world size ({world_size}) when the other degree is -1"
+                )
+            dp_replicate, dp_shard = (
+                (world_size // known, known) if dp_replicate == -1 else (known, world_size // known)
+            )
         if dp_replicate * dp_shard != world_size:
             raise ValueError(
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal the world size "

@@ -110,7 +110,9 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize_decoder(model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig) -> nn.Module:
+def parallelize_decoder(
+    model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
+) -> nn.Module:
     """Apply AC, compile and FSDP, in that order, to a decoder with a ``layers`` ModuleDict."""
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)

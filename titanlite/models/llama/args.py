@@ -56,9 +56,7 @@ LLAMA2_FLAVORS = {
     "debugmodel": _DEBUG,
     "7B": LlamaArgs(dim=4096, n_layers=32, n_heads=32),
     "13B": LlamaArgs(dim=5120, n_layers=40, n_heads=40),
-    "70B": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096
-    ),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
 }
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, multiple_of=1024)
@@ -68,15 +66,22 @@ LLAMA3_FLAVORS = {
     # fits; the same here, so its debug config and assets carry over. The byte tokenizer
     # uses the first 258 rows.
     "debugmodel": replace(_DEBUG, n_kv_heads=4, rope_theta=500000.0, vocab_size=2048),
-    "8B": LlamaArgs(
-        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, **_LLAMA3
-    ),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, **_LLAMA3),
     "70B": LlamaArgs(
-        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3,
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.3,
         **{**_LLAMA3, "multiple_of": 4096},
     ),
     "405B": LlamaArgs(
-        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2,
-        rope_scaling=RopeScaling(), **{**_LLAMA3, "multiple_of": 4096},
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        ffn_dim_multiplier=1.2,
+        rope_scaling=RopeScaling(),
+        **{**_LLAMA3, "multiple_of": 4096},
     ),
 }

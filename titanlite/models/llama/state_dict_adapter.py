@@ -87,7 +87,7 @@ class LlamaStateDictAdapter:
         per_head = self.args.head_dim
         first, last = start // per_head, -(-stop // per_head)
         block = _halves_to_pairs(read_hf_rows(first * per_head, last * per_head), last - first)
-        return block[start - first * per_head:stop - first * per_head]
+        return block[start - first * per_head : stop - first * per_head]
 
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.to_hf_name(k): self.to_hf_tensor(k, v) for k, v in state_dict.items()}

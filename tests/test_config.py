@@ -129,16 +129,18 @@ def docstrings_by_plain_text() -> dict[str, str]:
     """
     section_of_class = {f.type.__name__: f.name for f in JobConfig.__dataclass_fields__.values()}
     docs = {}
-    section = None
-    lines = Path(job_config_module.__file__).read_text().splitlines()
-    for line, next_line in zip(lines, lines[1:]):
+    section = key = None
+    for line in Path(job_config_module.__file__).read_text().splitlines():
         class_match = re.match(r"class (\w+)", line)
         if class_match:
             section = section_of_class.get(class_match.group(1))
-        field_match = re.match(r"    (\w+): .+ = ", line)
-        doc_match = re.match(r'    """(.*)"""$', next_line)
-        if section and field_match and doc_match:
-            docs[f"{section}.{field_match.group(1)}"] = doc_match.group(1)
+        field_match = re.match(r"    (\w+): .+ = ", line)  # a default may go on over more lines
+        if field_match:
+            key = field_match.group(1)
+        doc_match = re.match(r'    """(.*)"""$', line)
+        if section and key and doc_match:
+            docs[f"{section}.{key}"] = doc_match.group(1)
+            key = None
     return docs
 
 

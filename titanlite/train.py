@@ -43,6 +43,7 @@ from titanlite.parallel import (
     exit_process,
     first_error_on_any_rank,
     init_distributed,
+    is_collective_failure,
     pick_device,
     use_collective_timeout,
     world_size_from_env,
@@ -60,19 +61,10 @@ class DataError(RuntimeError):
     """The training data turned out to be unreadable after the run started."""
 
 
-# How a peer's death or a timeout shows up: DistError subclasses from c10d and NCCL, but
-# plain RuntimeErrors from gloo's transport.
-_COLLECTIVE_FAILURE_MARKS = ("gloo", "NCCL", "Timed out waiting", "Connection closed by peer", "Connection reset")
-
-
 # Steps between the host's reads of what the device decided (the steps' non-finite flags)
 # and of the ranks' stop signals; they are also read at every log step and save point.
 # Between reads the CPU queues work ahead of the GPU instead of waiting for it each step.
 SYNC_EVERY = 10
-
-
-def is_collective_failure(error: BaseException) -> bool:
-    return isinstance(error, dist.DistError) or any(mark in str(error) for mark in _COLLECTIVE_FAILURE_MARKS)
 
 
 @dataclass(frozen=True)
@@ -304,7 +296,9 @@ class Trainer(Stateful):
         }
         if self.ema is not None:
             states["ema"] = self.ema
-        self.checkpointer = CheckpointManager(states, job_config.checkpoint, job_config.job.dump_folder)
+        self.checkpointer = CheckpointManager(
+            states, job_config.checkpoint, job_config.job.dump_folder, job_config.comm.init_timeout_seconds
+        )
         loaded = self.checkpointer.load()
         if not loaded and job_config.checkpoint.initial_load_in_hf:
             self._seed_from_hf(model_spec)

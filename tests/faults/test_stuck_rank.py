@@ -1,6 +1,8 @@
 """A rank that hangs after the first step: the others give up within
 comm.train_timeout_seconds with one clear line, instead of waiting forever. Under HSDP
-the others wait in the mesh's own groups (shard and replicate), not the default one."""
+the others wait in the mesh's own groups (shard and replicate), not the default one. A rank
+that hangs inside a checkpoint save holds the others in the checkpoint's own group, which
+gives up after comm.init_timeout_seconds."""
 
 import os
 import socket
@@ -21,15 +23,25 @@ from tests.multiprocess import register_tiny_flavor
 from titanlite import train
 from titanlite.parallel import exit_process
 register_tiny_flavor()
+def hang(dump_folder):
+    mark = Path(dump_folder, ".hang-started")
+    mark.write_text(str(time.time()))
+    mark.rename(mark.with_name("hang-started"))  # whole, for the test polling it
+    time.sleep(600)
 step = train.Trainer.train_step
-def maybe_hang(self):
+def hang_in_step(self):
     if os.environ["RANK"] == "1" and self.step == 2:
-        mark = Path(self.job_config.job.dump_folder, ".hang-started")
-        mark.write_text(str(time.time()))
-        mark.rename(mark.with_name("hang-started"))  # whole, for the test polling it
-        time.sleep(600)
+        hang(self.job_config.job.dump_folder)
     return step(self)
-train.Trainer.train_step = maybe_hang
+save = train.CheckpointManager.save
+def hang_in_save(self, step, *args, **kwargs):
+    if os.environ["RANK"] == "1" and step == 2:
+        hang(self.folder.parent)
+    return save(self, step, *args, **kwargs)
+if os.environ["HANG_IN"] == "save":
+    train.CheckpointManager.save = hang_in_save
+else:
+    train.Trainer.train_step = hang_in_step
 exit_process(train.main(sys.argv[1:]))
 """
 TRAIN_TIMEOUT = 5
@@ -103,9 +115,7 @@ def ends_by(process: subprocess.Popen, deadline: float) -> bool:
     return True
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout):
-    world_size, layout_args = LAYOUTS[layout]
+def start_ranks(tmp_path: Path, world_size: int, args: list[str], hang_in: str):
     env = {
         **os.environ,
         "WORLD_SIZE": str(world_size),
@@ -113,28 +123,63 @@ def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout
         "MASTER_PORT": str(free_port()),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
+        "HANG_IN": hang_in,
     }
     dump_folder, logs = tmp_path / "dump", tmp_path / "logs"
     logs.mkdir()
     dump_folder.mkdir()
-    args = [*ARGS, *layout_args, "--job.dump_folder", str(dump_folder)]
-    ranks = [launch(rank, env, args, logs) for rank in range(world_size)]
+    args = [*args, "--job.dump_folder", str(dump_folder)]
+    return [launch(rank, env, args, logs) for rank in range(world_size)], dump_folder, logs
+
+
+def others_give_up(ranks, dump_folder: Path, logs: Path, limit: float) -> list[str]:
+    """Wait for the hang; check that every rank but the stuck one ended with status 1 within
+    ``limit`` seconds of it, and return their one titanlite line each."""
+    hang_started = wait_for_hang(dump_folder / "hang-started", ranks, logs)
+    lines = []
+    for rank in (rank for rank in range(len(ranks)) if rank != 1):
+        ended = ends_by(ranks[rank], hang_started + limit + SLACK)
+        assert ended, f"rank {rank} still waits {time.time() - hang_started:.0f} s after rank 1 stopped"
+        print(f"rank {rank} gave up {time.time() - hang_started:.1f} s after rank 1 stopped")
+        stderr = (logs / f"rank{rank}.err").read_text()
+        assert ranks[rank].returncode == 1, stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
+        assert len(errors) == 1, stderr
+        lines.append(errors[0])
+    assert ranks[1].poll() is None  # the stuck rank is still stuck: the others did not wait for it
+    return lines
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout):
+    world_size, layout_args = LAYOUTS[layout]
+    ranks, dump_folder, logs = start_ranks(tmp_path, world_size, [*ARGS, *layout_args], "step")
     try:
-        hang_started = wait_for_hang(dump_folder / "hang-started", ranks, logs)
-        for rank in (rank for rank in range(world_size) if rank != 1):
-            ended = ends_by(ranks[rank], hang_started + TRAIN_TIMEOUT + SLACK)
-            assert ended, f"rank {rank} still waits {time.time() - hang_started:.0f} s after rank 1 stopped"
-            print(f"rank {rank} gave up {time.time() - hang_started:.1f} s after rank 1 stopped")
-            stderr = (logs / f"rank{rank}.err").read_text()
-            assert ranks[rank].returncode == 1, stderr
-            errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
-            assert len(errors) == 1, stderr
-            assert errors[0].startswith(
-                f"titanlite: rank {rank}: a collective failed after step 2 (did another rank die or hang?"
-            ), errors[0]
-            assert "flight recorder" not in errors[0]  # gloo: no NCCL recorder, and no folder for it
-        assert ranks[1].poll() is None  # the stuck rank is still stuck: the others did not wait for it
+        for line in others_give_up(ranks, dump_folder, logs, TRAIN_TIMEOUT):
+            assert line.startswith("titanlite: rank "), line
+            assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
+            assert "flight recorder" not in line  # gloo: no NCCL recorder, and no folder for it
         assert not (dump_folder / "comm_traces").exists()
+    finally:
+        for process in ranks:
+            process.kill()
+            process.wait()
+
+
+# The checkpoint group's collectives wait for the slowest writer, so it keeps the start-up
+# timeout; long enough for start-up on a busy machine, far below PyTorch's 30 minutes.
+INIT_TIMEOUT = 30
+
+
+def test_a_rank_stuck_in_a_save_fails_the_others_within_the_init_timeout(tmp_path):
+    args = [*ARGS, "--checkpoint.enable", "--checkpoint.interval", "2"]
+    args += ["--comm.init_timeout_seconds", str(INIT_TIMEOUT)]
+    ranks, dump_folder, logs = start_ranks(tmp_path, 2, args, "save")
+    try:
+        [line] = others_give_up(ranks, dump_folder, logs, INIT_TIMEOUT)
+        assert line.startswith("titanlite: "), line
+        assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
+        assert not (dump_folder / "checkpoint" / "step-2").exists()
     finally:
         for process in ranks:
             process.kill()

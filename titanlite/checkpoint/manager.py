@@ -26,6 +26,7 @@ import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanlite.config import Checkpoint
+from titanlite.config import Checkpoint, Comm
+from titanlite.parallel import is_collective_failure
 
 logger = logging.getLogger("titanlite")
 
@@ -196,8 +198,16 @@ def top_level_names(path: Path) -> set[str]:
 
 
 class CheckpointManager:
-    def __init__(self, states: dict[str, Stateful], config: Checkpoint, dump_folder: str):
-        """`states` maps part names (model, optimizer, dataloader, ...) to Stateful objects."""
+    def __init__(
+        self,
+        states: dict[str, Stateful],
+        config: Checkpoint,
+        dump_folder: str,
+        timeout_seconds: int = Comm.init_timeout_seconds,
+    ):
+        """`states` maps part names (model, optimizer, dataloader, ...) to Stateful objects.
+        `timeout_seconds` bounds each collective of a save or load (comm.init_timeout_seconds:
+        ranks wait there for the slowest writer, so the shorter train timeout does not fit)."""
         self.states = states
         self.config = config
         self.folder = Path(dump_folder) / config.folder
@@ -205,7 +215,11 @@ class CheckpointManager:
         self.in_use = config.enable or config.initial_load_path is not None
         # A process group of its own, created once: saves in flight talk over it from a
         # background thread without interleaving with the training collectives.
-        self.process_group = dist.new_group(backend="gloo") if dist.is_initialized() and self.in_use else None
+        # Without a timeout of its own it would get PyTorch's 30-minute default for gloo, and a
+        # rank dead during a save would hold the others that long.
+        self.process_group = None
+        if dist.is_initialized() and self.in_use:
+            self.process_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
         self._writes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="titanlite-checkpoint")
         self._in_flight: Future | None = None
         self._in_flight_step = 0
@@ -372,6 +386,10 @@ class CheckpointManager:
         every rank raises CheckpointError (or, with continue_on_save_error, logs and goes on).
         With `agree`, the ranks first share their outcome (a failure in rank 0's publishing is
         seen by it alone), so that all of them stop or go on together."""
+        if error is not None and is_collective_failure(error):
+            # A peer died or hangs: the group cannot agree on anything any more, and no
+            # training collective will succeed either. The trainer reports it as such.
+            raise error
         text = None if error is None else _describe(error)
         if agree and self.process_group is not None:
             texts = [None] * dist.get_world_size(self.process_group)

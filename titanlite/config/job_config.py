@@ -299,7 +299,7 @@ class Profiling:
 @dataclass
 class Comm:
     init_timeout_seconds: int = 300
-    """Seconds before process-group creation, or a collective before the first step ends, gives up."""
+    """Seconds before process-group creation, a collective before the first step ends, or a checkpoint save's or load's collective (waiting for the slowest writer) gives up."""
 
     train_timeout_seconds: int = 100
     """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others instead of hanging them)."""

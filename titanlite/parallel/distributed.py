@@ -59,6 +59,23 @@ def use_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
+# How a peer's death or a timeout shows up: DistError subclasses from c10d and NCCL, but
+# plain RuntimeErrors from gloo's transport.
+_COLLECTIVE_FAILURE_MARKS = (
+    "gloo",
+    "NCCL",
+    "Timed out waiting",
+    "Connection closed by peer",
+    "Connection reset",
+    "pair closure",
+)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` says that a collective failed: a peer died, hung or was unreachable."""
+    return isinstance(error, dist.DistError) or any(mark in str(error) for mark in _COLLECTIVE_FAILURE_MARKS)
+
+
 def first_error_on_any_rank(error: str | None) -> str | None:
     """Gather every rank's error message (None: no error) and return the lowest rank's, the
     same on every rank, so that all ranks fail together instead of some waiting for the others."""

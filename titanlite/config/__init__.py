@@ -1,6 +1,7 @@
 """Job configuration: the JobConfig dataclasses and the TOML/command-line parser."""
 
 from titanlite.config.job_config import (
+    CHECKPOINT_PARTS,
     EMA,
     ActivationCheckpoint,
     Checkpoint,
@@ -27,6 +28,7 @@ from titanlite.config.manager import (
 )
 
 __all__ = [
+    "CHECKPOINT_PARTS",
     "ActivationCheckpoint",
     "Checkpoint",
     "Comm",

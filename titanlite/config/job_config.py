@@ -167,6 +167,10 @@ class Compile:
     """What to compile when enabled: model (each block) and/or loss."""
 
 
+# What a checkpoint holds, by the names its parts are saved under (ema only with ema.enable).
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
+
+
 @dataclass
 class Checkpoint:
     enable: bool = False

@@ -27,7 +27,7 @@ except ModuleNotFoundError:  # Python 3.10 has no tomllib; tomli is the same par
     import tomli as tomllib
 
 from titanlite.config import torchtitan_keys
-from titanlite.config.job_config import JobConfig
+from titanlite.config.job_config import CHECKPOINT_PARTS, JobConfig
 
 USAGE = (
     "usage: python -m titanlite.train [--job.config_file PATH] [--section.key VALUE ...]\n"
@@ -43,7 +43,6 @@ CLI_NONE_WORDS = ("none", "null")
 CLI_BOOL_WORDS = ("true", "false")
 COMPILE_COMPONENTS = ("model", "loss")
 # What a training checkpoint holds besides the model, by name (checkpoint.exclude_from_loading).
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
 
 
 class ConfigError(ValueError):

@@ -1,4 +1,4 @@
-"""The data room: tokenizers, document sources, prepared (tokenized-once) data, the global
+"""The data package: tokenizers, document sources, prepared (tokenized-once) data, the global
 window order, and the data-parallel loader that reads ahead and resumes anywhere.
 
 It takes plain arguments and imports nothing else from titanlite. The prepare command lives in

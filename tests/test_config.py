@@ -10,7 +10,7 @@ import pytest
 
 from titanlite.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from titanlite.config import job_config as job_config_module
-from titanlite.config.manager import tomllib  # tomllib, or tomli on Python 3.10
+from titanlite.config.parser import tomllib  # tomllib, or tomli on Python 3.10
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -197,11 +197,14 @@ MALFORMED_INPUTS = [
     ("cli bool given word", None, ["--compile.enable=yes"], ["compile.enable", "bool", "'yes'"]),
     ("toml bool given int", "[compile]\nenable = 1\n", [], ["compile.enable", "bool", "1"]),
     ("cli literal not a choice", None, ["--optimizer.name", "SGD"], ["optimizer.name", "AdamW|Adam", "'SGD'"]),
-    ("toml literal not a choice", '[training]\ndataset = "wikipedia"\n', [], ["training.dataset", "python_stdlib|text|huggingface|c4|c4_validation|c4_test", '"wikipedia"']),
+    ("toml literal not a choice", '[training]\ndataset = "wikipedia"\n', [],
+     ["training.dataset", "python_stdlib|text|huggingface|c4|c4_validation|c4_test", '"wikipedia"']),
     ("toml list given string", '[compile]\ncomponents = "model"\n', [], ["compile.components", "list of str"]),
     ("toml list of ints", "[compile]\ncomponents = [1]\n", [], ["compile.components", "list of str"]),
-    ("toml str given int", "[activation_checkpoint]\nselective_ac_option = 2\n", [], ["activation_checkpoint.selective_ac_option", "str"]),
-    ("toml optional given bool", "[lr_scheduler]\ndecay_ratio = true\n", [], ["lr_scheduler.decay_ratio", "float or none"]),
+    ("toml str given int", "[activation_checkpoint]\nselective_ac_option = 2\n", [],
+     ["activation_checkpoint.selective_ac_option", "str"]),
+    ("toml optional given bool", "[lr_scheduler]\ndecay_ratio = true\n", [],
+     ["lr_scheduler.decay_ratio", "float or none"]),
     ("bad toml syntax", "[training]\nsteps = = 3\n", [], ["{file}", "line 2"]),
     ("non-table section", "training = 5\n", [], ["'training'", "table", "{file}"]),
     ("key outside any section", "steps = 5\n", [], ["'steps'", "'training.steps'", "{file}"]),
@@ -224,17 +227,23 @@ MALFORMED_INPUTS = [
     ("negative warmup", None, ["--lr_scheduler.warmup_steps=-1"], ["lr_scheduler.warmup_steps"]),
     ("decay_ratio above one", None, ["--lr_scheduler.decay_ratio", "1.5"], ["lr_scheduler.decay_ratio", "[0, 1]"]),
     ("min_lr_factor above one", None, ["--lr_scheduler.min_lr_factor=2"], ["lr_scheduler.min_lr_factor"]),
-    ("selective_ac_option word", None, ["--activation_checkpoint.selective_ac_option", "all"], ["activation_checkpoint.selective_ac_option", "'op'"]),
-    ("selective_ac_option zero", None, ["--activation_checkpoint.selective_ac_option=0"], ["activation_checkpoint.selective_ac_option"]),
+    ("selective_ac_option word", None, ["--activation_checkpoint.selective_ac_option", "all"],
+     ["activation_checkpoint.selective_ac_option", "'op'"]),
+    ("selective_ac_option zero", None, ["--activation_checkpoint.selective_ac_option=0"],
+     ["activation_checkpoint.selective_ac_option"]),
     ("unknown compile component", None, ["--compile.components", "model,lossy"], ["compile.components", "'lossy'"]),
-    ("degree zero", None, ["--parallelism.data_parallel_replicate_degree=0"], ["parallelism.data_parallel_replicate_degree"]),
-    ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"], ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
+    ("degree zero", None, ["--parallelism.data_parallel_replicate_degree=0"],
+     ["parallelism.data_parallel_replicate_degree"]),
+    ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"],
+     ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
     ("zero log_freq", None, ["--metrics.log_freq=0"], ["metrics.log_freq"]),
-    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [], ["checkpoint.stop_save_seconds", ">= 1", "got 0"]),
+    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [],
+     ["checkpoint.stop_save_seconds", ">= 1", "got 0"]),
     ("zero init timeout", None, ["--comm.init_timeout_seconds=0"], ["comm.init_timeout_seconds"]),
     ("negative trace buffer", None, ["--comm.trace_buf_size=-1"], ["comm.trace_buf_size", ">= 0"]),
     ("text dataset without path", None, ["--training.dataset", "text"], ["training.dataset_path", "'text'"]),
-    ("huggingface dataset path unset", '[training]\ndataset = "huggingface"\ndataset_path = "c4"\n', ["--training.dataset_path=none"], ["training.dataset_path"]),
+    ("huggingface dataset path unset", '[training]\ndataset = "huggingface"\ndataset_path = "c4"\n',
+     ["--training.dataset_path=none"], ["training.dataset_path"]),
 ]  # fmt: skip
 
 

@@ -1,65 +1,34 @@
-"""Range and consistency rules, checked once the TOML file and the command line are merged."""
+"""Checks of a merged JobConfig: each value against the range written beside its field in
+job_config.py, then the rules that tie several keys together."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from titanlite.config.job_config import CHECKPOINT_PARTS, JobConfig
-from titanlite.config.schema import ConfigError, get_value
+from titanlite.config.job_config import JobConfig, Range, field_range
+from titanlite.config.schema import ConfigError
 
-COMPILE_COMPONENTS = ("model", "loss")
-
-
-def _is_selective_ac_option(option: str) -> bool:
-    return option == "op" or (option.isascii() and option.isdigit() and int(option) >= 1)
+# Datasets that read no path: a path given to one of them would be silently ignored.
+DATASETS_WITHOUT_PATH = ("python_stdlib",)
+DATASETS_NEEDING_PATH = ("prepared", "text", "huggingface")
 
 
-def _minus_one_or_positive(number: int) -> bool:
-    return number == -1 or number >= 1
+def ranged_values(config: JobConfig) -> Iterator[tuple[str, Any, Range]]:
+    """('section.key', value, allowed range) for every field that has a range, in field order."""
+    for section_field in dataclasses.fields(config):
+        section = getattr(config, section_field.name)
+        for config_field in dataclasses.fields(section):
+            allowed = field_range(config_field)
+            if allowed is not None:
+                yield f"{section_field.name}.{config_field.name}", getattr(section, config_field.name), allowed
 
 
-# (key, what is allowed, check). Every key listed here must exist in job_config.py.
-RANGE_RULES: tuple[tuple[str, str, Callable[[Any], bool]], ...] = (
-    ("training.steps",                              ">= 1",                    lambda v: v >= 1),
-    ("training.local_batch_size",                   ">= 1",                    lambda v: v >= 1),
-    ("training.global_batch_size",                  "-1 or >= 1",              _minus_one_or_positive),
-    ("training.seq_len",                            ">= 1",                    lambda v: v >= 1),
-    ("training.max_norm",                           ">= 0",                    lambda v: v >= 0),
-    ("training.gc_freq",                            ">= 1",                    lambda v: v >= 1),
-    ("optimizer.lr",                                "> 0",                     lambda v: v > 0),
-    ("optimizer.beta1",                             "in [0, 1)",               lambda v: 0 <= v < 1),
-    ("optimizer.beta2",                             "in [0, 1)",               lambda v: 0 <= v < 1),
-    ("optimizer.eps",                               "> 0",                     lambda v: v > 0),
-    ("optimizer.weight_decay",                      ">= 0",                    lambda v: v >= 0),
-    ("lr_scheduler.warmup_steps",                   ">= 0",                    lambda v: v >= 0),
-    ("lr_scheduler.decay_ratio",                    "in [0, 1] or unset",      lambda v: v is None or 0 <= v <= 1),
-    ("lr_scheduler.min_lr_factor",                  "in [0, 1]",               lambda v: 0 <= v <= 1),
-    ("parallelism.data_parallel_replicate_degree",  "-1 or >= 1",              _minus_one_or_positive),
-    ("parallelism.data_parallel_shard_degree",      "-1 or >= 1",              _minus_one_or_positive),
-    ("activation_checkpoint.selective_ac_option",   "'op' or a positive integer", _is_selective_ac_option),
-    ("compile.components",                          "a subset of model, loss", lambda v: set(v) <= set(COMPILE_COMPONENTS)),
-    ("checkpoint.interval",                         ">= 1",                    lambda v: v >= 1),
-    ("checkpoint.keep_latest_k",                    ">= 0",                    lambda v: v >= 0),
-    ("checkpoint.keep_every",                       ">= 0",                    lambda v: v >= 0),
-    ("checkpoint.load_step",                        "-1 or >= 0",              lambda v: v >= -1),
-    ("checkpoint.exclude_from_loading",             f"a subset of {', '.join(CHECKPOINT_PARTS)}", lambda v: set(v) <= set(CHECKPOINT_PARTS)),
-    ("checkpoint.stop_save_seconds",                ">= 1",                    lambda v: v >= 1),
-    ("ema.decay",                                   "in [0, 1)",               lambda v: 0 <= v < 1),
-    ("metrics.log_freq",                            ">= 1",                    lambda v: v >= 1),
-    ("metrics.peak_tflops",                         ">= 0",                    lambda v: v >= 0),
-    ("validation.local_batch_size",                 "-1 or >= 1",              _minus_one_or_positive),
-    ("validation.seq_len",                          "-1 or >= 1",              _minus_one_or_positive),
-    ("validation.freq",                             ">= 1",                    lambda v: v >= 1),
-    ("validation.steps",                            "-1 or >= 1",              _minus_one_or_positive),
-    ("profiling.profile_freq",                      ">= 1",                    lambda v: v >= 1),
-    ("comm.init_timeout_seconds",                   ">= 1",                    lambda v: v >= 1),
-    ("comm.train_timeout_seconds",                  ">= 1",                    lambda v: v >= 1),
-    ("comm.trace_buf_size",                         ">= 0",                    lambda v: v >= 0),
-    ("training.skip_nonfinite_steps",               ">= 0",                    lambda v: v >= 0),
-    ("data.prefetch",                               ">= 0",                    lambda v: v >= 0),
-)  # fmt: skip
+def _check_ranges(config: JobConfig) -> None:
+    for key, value, allowed in ranged_values(config):
+        if not allowed.check(value):
+            raise ConfigError(f"{key} must be {allowed.text}, got {value!r}")
 
 
 def _check_one_inferred_degree(config: JobConfig) -> None:
@@ -71,11 +40,6 @@ def _check_one_inferred_degree(config: JobConfig) -> None:
     ]
     if len(inferred) > 1:
         raise ConfigError(f"at most one parallelism degree may be -1, got -1 for {' and '.join(inferred)}")
-
-
-# Datasets that read no path: a path given to one of them would be silently ignored.
-DATASETS_WITHOUT_PATH = ("python_stdlib",)
-DATASETS_NEEDING_PATH = ("prepared", "text", "huggingface")
 
 
 def _check_dataset_path(section: str, dataset: str, dataset_path: str | None) -> None:
@@ -142,9 +106,6 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
 def validate(config: JobConfig) -> None:
     """Raise ConfigError for the first value out of its allowed range, then for the first
     broken rule between keys."""
-    for key, allowed, is_allowed in RANGE_RULES:
-        value = get_value(config, key)
-        if not is_allowed(value):
-            raise ConfigError(f"{key} must be {allowed}, got {value!r}")
+    _check_ranges(config)
     for check in CONSISTENCY_RULES:
         check(config)

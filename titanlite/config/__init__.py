@@ -1,6 +1,6 @@
 """Job configuration: the JobConfig dataclasses and the TOML/command-line parser.
 
-job_config.py holds the sections, keys, defaults and docstrings;
+job_config.py holds the sections, keys, defaults, docstrings and allowed ranges;
 parser.py reads the TOML file and the command line and writes --help and TOML;
 torchtitan_compat.py maps torchtitan 0.2 keys (tables in torchtitan_keys.py);
 validation.py checks the merged config; schema.py holds what those share.
@@ -9,6 +9,8 @@ validation.py checks the merged config; schema.py holds what those share.
 from titanlite.config.job_config import (
     CHECKPOINT_PARTS,
     EMA,
+    RAW_DATASETS,
+    TRAINING_DATASETS,
     ActivationCheckpoint,
     Checkpoint,
     Comm,
@@ -40,6 +42,8 @@ from titanlite.config.validation import validate
 
 __all__ = [
     "CHECKPOINT_PARTS",
+    "RAW_DATASETS",
+    "TRAINING_DATASETS",
     "ActivationCheckpoint",
     "Checkpoint",
     "Comm",

@@ -8,7 +8,7 @@ Section and key names follow torchtitan 0.2's TOML wherever the feature exists t
 
 from collections.abc import Callable, Sequence
 from dataclasses import Field, dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 # ---------------------------------------------------------------------------
 # Allowed ranges, kept in each field's metadata
@@ -64,6 +64,24 @@ FRACTION_BELOW_ONE = Range("in [0, 1)", lambda value: 0 <= value < 1)
 SELECTIVE_AC_OPTION = Range("'op' or a positive integer", _is_selective_ac_option)
 
 # ---------------------------------------------------------------------------
+# Dataset names, each written once
+# ---------------------------------------------------------------------------
+
+# Raw sources are tokenized as they are read (titanlite.data.sources reads exactly these).
+# They are grouped by what they make of dataset_path, which validation checks.
+DatasetWithoutPath = Literal["python_stdlib"]  # built in: a path would be silently ignored
+DatasetNeedingPath = Literal["text", "huggingface"]  # nothing to read without a path
+DatasetWithDefaultPath = Literal["c4", "c4_validation", "c4_test"]  # a path replaces their usual place
+RawDataset = Literal[DatasetWithoutPath, DatasetNeedingPath, DatasetWithDefaultPath]
+# Folders made by python -m titanlite.data.prepare; only training reads them.
+PreparedDataset = Literal["prepared"]
+TrainingDataset = Literal[PreparedDataset, RawDataset]
+
+# Literal flattens nested Literals, so these are plain tuples of names, in the order above.
+RAW_DATASETS = get_args(RawDataset)
+TRAINING_DATASETS = get_args(TrainingDataset)
+
+# ---------------------------------------------------------------------------
 # The sections
 # ---------------------------------------------------------------------------
 
@@ -97,9 +115,7 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["prepared", "python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = (
-        "python_stdlib"
-    )
+    dataset: TrainingDataset = "python_stdlib"
     """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None
@@ -326,7 +342,7 @@ class Validation:
     enable: bool = False
     """Compute the loss on held-out data every `freq` steps."""
 
-    dataset: Literal["python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
+    dataset: RawDataset = "python_stdlib"
     """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and c4_validation read allenai/c4's validation split)."""
 
     dataset_path: str | None = None

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, get_args
 
-from titanlite.config.job_config import JobConfig, Range, field_range
+from titanlite.config.job_config import (
+    DatasetNeedingPath,
+    DatasetWithoutPath,
+    JobConfig,
+    PreparedDataset,
+    Range,
+    field_range,
+)
 from titanlite.config.schema import ConfigError
 
-# Datasets that read no path: a path given to one of them would be silently ignored.
-DATASETS_WITHOUT_PATH = ("python_stdlib",)
-DATASETS_NEEDING_PATH = ("prepared", "text", "huggingface")
+# A dataset that reads no path would silently ignore one; one that needs a path has nothing to read without it.
+DATASETS_WITHOUT_PATH = get_args(DatasetWithoutPath)
+DATASETS_NEEDING_PATH = get_args(Literal[PreparedDataset, DatasetNeedingPath])
 
 
 def ranged_values(config: JobConfig) -> Iterator[tuple[str, Any, Range]]:

@@ -126,21 +126,29 @@ def docstrings_by_plain_text() -> dict[str, str]:
     """'section.key' -> docstring, read from job_config.py by a plain text scan.
 
     Independent of the parser's ast-based reader, so a broken reader fails the help test.
+    A docstring may be wrapped over several lines; its lines are joined with spaces.
     """
     section_of_class = {f.type.__name__: f.name for f in JobConfig.__dataclass_fields__.values()}
     docs = {}
     section = key = None
+    doc_lines = None  # the lines read so far of a field's docstring that has not ended yet
     for line in Path(job_config_module.__file__).read_text().splitlines():
+        if doc_lines is None and section and key and line.startswith('    """'):
+            doc_lines = []
+            line = line.replace('"""', "", 1)
+        if doc_lines is not None:
+            doc_lines.append(line.strip())
+            if doc_lines[-1].endswith('"""'):
+                doc_lines[-1] = doc_lines[-1].removesuffix('"""')
+                docs[f"{section}.{key}"] = " ".join(doc_lines)
+                doc_lines = key = None
+            continue  # a docstring's words are never a class or a field
         class_match = re.match(r"class (\w+)", line)
         if class_match:
             section = section_of_class.get(class_match.group(1))
         field_match = re.match(r"    (\w+): .+ = ", line)  # a default may go on over more lines
         if field_match:
             key = field_match.group(1)
-        doc_match = re.match(r'    """(.*)"""$', line)
-        if section and key and doc_match:
-            docs[f"{section}.{key}"] = doc_match.group(1)
-            key = None
     return docs
 
 

@@ -116,10 +116,15 @@ class Model:
 @dataclass
 class Training:
     dataset: TrainingDataset = "python_stdlib"
-    """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
+    """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that
+    scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they
+    are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)),
+    torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None
-    """For prepared: a prepared folder, or a mixture 'FOLDER:WEIGHT,FOLDER:WEIGHT' (weights > 0, normalised); for text: a file or folder; for huggingface: the name or folder given to datasets.load_dataset; for c4 / c4_test: another place than their default. python_stdlib takes none."""
+    """For prepared: a prepared folder, or a mixture 'FOLDER:WEIGHT,FOLDER:WEIGHT' (weights > 0, normalised); for text:
+    a file or folder; for huggingface: the name or folder given to datasets.load_dataset; for c4 / c4_test: another
+    place than their default. python_stdlib takes none."""
 
     local_batch_size: int = ranged(at_least(1), default=8)
     """Sequences per micro-batch on each data-parallel rank."""
@@ -149,25 +154,30 @@ class Training:
     """Run Python's garbage collector every this many steps (automatic collection is disabled in the loop)."""
 
     skip_nonfinite_steps: int = ranged(at_least(0), default=0)
-    """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at the first."""
+    """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at
+    the first."""
 
 
 @dataclass
 class Data:
     shuffle: bool = True
-    """Shuffle the window order of prepared data (and of python_stdlib) anew every epoch, seeded by data.seed; raw sources are always read in order."""
+    """Shuffle the window order of prepared data (and of python_stdlib) anew every epoch, seeded by data.seed; raw
+    sources are always read in order."""
 
     seed: int = 0
     """Seed of the window shuffle: the same seed gives the same global order on every layout."""
 
     prefetch: int = ranged(at_least(0), default=2)
-    """Micro-batches a background thread reads ahead of the training loop (into pinned memory on CUDA); 0 reads on the training thread."""
+    """Micro-batches a background thread reads ahead of the training loop (into pinned memory on CUDA); 0 reads on the
+    training thread."""
 
     verify_checksums: bool = True
-    """At start-up, check every prepared file's SHA-256 against its manifest (the ranks share the work); sizes are always checked."""
+    """At start-up, check every prepared file's SHA-256 against its manifest (the ranks share the work); sizes are
+    always checked."""
 
     allow_changed_data: bool = False
-    """Resume from a checkpoint trained on other data (folders, mixture, shuffle, seed, tokenizer) at the same global window count, instead of stopping with an error that names the change."""
+    """Resume from a checkpoint trained on other data (folders, mixture, shuffle, seed, tokenizer) at the same global
+    window count, instead of stopping with an error that names the change."""
 
     cache_folder: str = "~/.cache/titanlite"
     """Where python_stdlib is prepared with the run's tokenizer on first use."""
@@ -194,7 +204,9 @@ class Optimizer:
     """Decoupled weight decay (applied to every parameter)."""
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """Optimizer kernel: fused (one kernel for all tensors, on CUDA and CPU; it also skips a non-finite step on the device, with no wait), foreach (multi-tensor) or for-loop; the last two make the host wait for the gradient norm every step."""
+    """Optimizer kernel: fused (one kernel for all tensors, on CUDA and CPU; it also skips a non-finite step on the
+    device, with no wait), foreach (multi-tensor) or for-loop; the last two make the host wait for the gradient norm
+    every step."""
 
 
 @dataclass
@@ -203,7 +215,8 @@ class LRScheduler:
     """Steps of linear warmup from near zero to the peak learning rate."""
 
     decay_ratio: float | None = ranged(FRACTION_OR_UNSET, default=None)
-    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset means decay over every step after warmup."""
+    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset means decay over every step after
+    warmup."""
 
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
@@ -221,7 +234,8 @@ class Parallelism:
     """Number of ranks each replica is sharded over (FSDP); -1 uses all ranks left after replication."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the root)."""
+    """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the
+    root)."""
 
 
 @dataclass
@@ -230,7 +244,8 @@ class ActivationCheckpoint:
     """Activation checkpointing: none, full (every block) or selective (see selective_ac_option)."""
 
     selective_ac_option: str = ranged(SELECTIVE_AC_OPTION, default="2")
-    """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in every block."""
+    """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in
+    every block."""
 
 
 # What torch.compile may wrap (compile.components).
@@ -262,7 +277,8 @@ class Checkpoint:
     """Save every this many steps (and after the last step)."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """disabled (training waits for the write), async (a background thread writes a CPU copy) or async_with_pinned_mem (reused pinned/shared buffers, written by a background process)."""
+    """disabled (training waits for the write), async (a background thread writes a CPU copy) or async_with_pinned_mem
+    (reused pinned/shared buffers, written by a background process)."""
 
     keep_latest_k: int = ranged(at_least(0), default=10)
     """Keep the newest k complete checkpoints and delete older ones; 0 keeps all."""
@@ -283,10 +299,12 @@ class Checkpoint:
     """Parts of a checkpoint not to load on resume, e.g. optimizer,lr_scheduler,dataloader."""
 
     initial_load_path: str | None = None
-    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint folder has none."""
+    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint
+    folder has none."""
 
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank reads only its own slices."""
+    """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank
+    reads only its own slices."""
 
     initial_load_model_only: bool = True
     """Load only the model weights from initial_load_path (a fresh optimizer, schedule and data position)."""
@@ -295,10 +313,13 @@ class Checkpoint:
     """Write a manifest of file sizes and SHA-256 checksums with every checkpoint and verify it before loading."""
 
     continue_on_save_error: bool = False
-    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1; a failed final save (last step or stop signal) still ends the run with status 1."""
+    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status
+    1; a failed final save (last step or stop signal) still ends the run with status 1."""
 
     stop_save_seconds: int = ranged(at_least(1), default=300)
-    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks) and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before SIGKILL), and the Slurm script sends the run SIGTERM this long before the job's time limit."""
+    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks)
+    and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before
+    SIGKILL), and the Slurm script sends the run SIGTERM this long before the job's time limit."""
 
 
 @dataclass
@@ -343,10 +364,12 @@ class Validation:
     """Compute the loss on held-out data every `freq` steps."""
 
     dataset: RawDataset = "python_stdlib"
-    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and c4_validation read allenai/c4's validation split)."""
+    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and
+    c4_validation read allenai/c4's validation split)."""
 
     dataset_path: str | None = None
-    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test live."""
+    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test
+    live."""
 
     local_batch_size: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Sequences per rank per validation step; -1 means training.local_batch_size."""
@@ -382,13 +405,16 @@ class Profiling:
 @dataclass
 class Comm:
     init_timeout_seconds: int = ranged(at_least(1), default=300)
-    """Seconds before process-group creation, a collective before the first step ends, or a checkpoint save's or load's collective (waiting for the slowest writer) gives up."""
+    """Seconds before process-group creation, a collective before the first step ends, or a checkpoint save's or load's
+    collective (waiting for the slowest writer) gives up."""
 
     train_timeout_seconds: int = ranged(at_least(1), default=100)
-    """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others instead of hanging them)."""
+    """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others
+    instead of hanging them)."""
 
     trace_buf_size: int = ranged(at_least(0), default=20000)
-    """GPU runs: collective events PyTorch's NCCL flight recorder keeps per rank and writes to save_traces_folder when a collective times out; 0 turns it off. TORCH_NCCL_* variables already set in the environment win."""
+    """GPU runs: collective events PyTorch's NCCL flight recorder keeps per rank and writes to save_traces_folder when a
+    collective times out; 0 turns it off. TORCH_NCCL_* variables already set in the environment win."""
 
     save_traces_folder: str = "comm_traces"
     """Folder under job.dump_folder that receives the flight recorder's dumps, one file per rank."""

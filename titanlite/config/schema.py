@@ -51,7 +51,10 @@ def key_types() -> dict[str, Any]:
 
 @functools.cache
 def field_docstrings(section_cls: type) -> dict[str, str]:
-    """Field name -> the string literal written right below that field."""
+    """Field name -> the string literal written right below that field, as one line.
+
+    A docstring wrapped over several lines in job_config.py reads as the same text
+    written on one line, so --help does not depend on where the source breaks it."""
     class_node = ast.parse(textwrap.dedent(inspect.getsource(section_cls))).body[0]
     docs = {}
     for statement, following in itertools.pairwise(class_node.body):
@@ -62,7 +65,7 @@ def field_docstrings(section_cls: type) -> dict[str, str]:
             and isinstance(following.value, ast.Constant)
             and isinstance(following.value.value, str)
         ):
-            docs[statement.target.id] = inspect.cleandoc(following.value.value)
+            docs[statement.target.id] = " ".join(following.value.value.split())
     return docs
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from titanlite.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from titanlite.config import job_config as job_config_module
-from titanlite.config.manager import tomllib  # tomllib, or tomli on Python 3.10
+from titanlite.config.parser import tomllib  # tomllib, or tomli on Python 3.10
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -126,21 +126,29 @@ def docstrings_by_plain_text() -> dict[str, str]:
     """'section.key' -> docstring, read from job_config.py by a plain text scan.
 
     Independent of the parser's ast-based reader, so a broken reader fails the help test.
+    A docstring may be wrapped over several lines; its lines are joined with spaces.
     """
     section_of_class = {f.type.__name__: f.name for f in JobConfig.__dataclass_fields__.values()}
     docs = {}
     section = key = None
+    doc_lines = None  # the lines read so far of a field's docstring that has not ended yet
     for line in Path(job_config_module.__file__).read_text().splitlines():
+        if doc_lines is None and section and key and line.startswith('    """'):
+            doc_lines = []
+            line = line.replace('"""', "", 1)
+        if doc_lines is not None:
+            doc_lines.append(line.strip())
+            if doc_lines[-1].endswith('"""'):
+                doc_lines[-1] = doc_lines[-1].removesuffix('"""')
+                docs[f"{section}.{key}"] = " ".join(doc_lines)
+                doc_lines = key = None
+            continue  # a docstring's words are never a class or a field
         class_match = re.match(r"class (\w+)", line)
         if class_match:
             section = section_of_class.get(class_match.group(1))
         field_match = re.match(r"    (\w+): .+ = ", line)  # a default may go on over more lines
         if field_match:
             key = field_match.group(1)
-        doc_match = re.match(r'    """(.*)"""$', line)
-        if section and key and doc_match:
-            docs[f"{section}.{key}"] = doc_match.group(1)
-            key = None
     return docs
 
 
@@ -197,11 +205,14 @@ MALFORMED_INPUTS = [
     ("cli bool given word", None, ["--compile.enable=yes"], ["compile.enable", "bool", "'yes'"]),
     ("toml bool given int", "[compile]\nenable = 1\n", [], ["compile.enable", "bool", "1"]),
     ("cli literal not a choice", None, ["--optimizer.name", "SGD"], ["optimizer.name", "AdamW|Adam", "'SGD'"]),
-    ("toml literal not a choice", '[training]\ndataset = "wikipedia"\n', [], ["training.dataset", "python_stdlib|text|huggingface|c4|c4_validation|c4_test", '"wikipedia"']),
+    ("toml literal not a choice", '[training]\ndataset = "wikipedia"\n', [],
+     ["training.dataset", "python_stdlib|text|huggingface|c4|c4_validation|c4_test", '"wikipedia"']),
     ("toml list given string", '[compile]\ncomponents = "model"\n', [], ["compile.components", "list of str"]),
     ("toml list of ints", "[compile]\ncomponents = [1]\n", [], ["compile.components", "list of str"]),
-    ("toml str given int", "[activation_checkpoint]\nselective_ac_option = 2\n", [], ["activation_checkpoint.selective_ac_option", "str"]),
-    ("toml optional given bool", "[lr_scheduler]\ndecay_ratio = true\n", [], ["lr_scheduler.decay_ratio", "float or none"]),
+    ("toml str given int", "[activation_checkpoint]\nselective_ac_option = 2\n", [],
+     ["activation_checkpoint.selective_ac_option", "str"]),
+    ("toml optional given bool", "[lr_scheduler]\ndecay_ratio = true\n", [],
+     ["lr_scheduler.decay_ratio", "float or none"]),
     ("bad toml syntax", "[training]\nsteps = = 3\n", [], ["{file}", "line 2"]),
     ("non-table section", "training = 5\n", [], ["'training'", "table", "{file}"]),
     ("key outside any section", "steps = 5\n", [], ["'steps'", "'training.steps'", "{file}"]),
@@ -224,17 +235,23 @@ MALFORMED_INPUTS = [
     ("negative warmup", None, ["--lr_scheduler.warmup_steps=-1"], ["lr_scheduler.warmup_steps"]),
     ("decay_ratio above one", None, ["--lr_scheduler.decay_ratio", "1.5"], ["lr_scheduler.decay_ratio", "[0, 1]"]),
     ("min_lr_factor above one", None, ["--lr_scheduler.min_lr_factor=2"], ["lr_scheduler.min_lr_factor"]),
-    ("selective_ac_option word", None, ["--activation_checkpoint.selective_ac_option", "all"], ["activation_checkpoint.selective_ac_option", "'op'"]),
-    ("selective_ac_option zero", None, ["--activation_checkpoint.selective_ac_option=0"], ["activation_checkpoint.selective_ac_option"]),
+    ("selective_ac_option word", None, ["--activation_checkpoint.selective_ac_option", "all"],
+     ["activation_checkpoint.selective_ac_option", "'op'"]),
+    ("selective_ac_option zero", None, ["--activation_checkpoint.selective_ac_option=0"],
+     ["activation_checkpoint.selective_ac_option"]),
     ("unknown compile component", None, ["--compile.components", "model,lossy"], ["compile.components", "'lossy'"]),
-    ("degree zero", None, ["--parallelism.data_parallel_replicate_degree=0"], ["parallelism.data_parallel_replicate_degree"]),
-    ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"], ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
+    ("degree zero", None, ["--parallelism.data_parallel_replicate_degree=0"],
+     ["parallelism.data_parallel_replicate_degree"]),
+    ("two -1 degrees", None, ["--parallelism.data_parallel_replicate_degree=-1"],
+     ["parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree"]),
     ("zero log_freq", None, ["--metrics.log_freq=0"], ["metrics.log_freq"]),
-    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [], ["checkpoint.stop_save_seconds", ">= 1", "got 0"]),
+    ("zero stop save time", "[checkpoint]\nstop_save_seconds = 0\n", [],
+     ["checkpoint.stop_save_seconds", ">= 1", "got 0"]),
     ("zero init timeout", None, ["--comm.init_timeout_seconds=0"], ["comm.init_timeout_seconds"]),
     ("negative trace buffer", None, ["--comm.trace_buf_size=-1"], ["comm.trace_buf_size", ">= 0"]),
     ("text dataset without path", None, ["--training.dataset", "text"], ["training.dataset_path", "'text'"]),
-    ("huggingface dataset path unset", '[training]\ndataset = "huggingface"\ndataset_path = "c4"\n', ["--training.dataset_path=none"], ["training.dataset_path"]),
+    ("huggingface dataset path unset", '[training]\ndataset = "huggingface"\ndataset_path = "c4"\n',
+     ["--training.dataset_path=none"], ["training.dataset_path"]),
 ]  # fmt: skip
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.hf_folders import write_word_tokenizer
-from titanlite.config import ConfigError, torchtitan_keys
-from titanlite.config.manager import _key_types, _toml_value, parse_args, parse_args_with_warnings
+from titanlite.config import ConfigError, parse_args, parse_args_with_warnings, torchtitan_keys
+from titanlite.config.schema import key_types, toml_value
 
 REPO = Path(__file__).resolve().parent.parent
 DOC = REPO / "torchtitan_compat.md"
@@ -58,7 +58,7 @@ def changed_value(default):
 
 def toml_for(dotted_key: str, value) -> str:
     table, _, key = dotted_key.rpartition(".")
-    return f"[{table}]\n{key} = {_toml_value(value)}\n"
+    return f"[{table}]\n{key} = {toml_value(value)}\n"
 
 
 def load(tmp_path, dotted_key, value, capsys):
@@ -97,24 +97,24 @@ def test_every_torchtitan_key_is_documented_once():
 
 @pytest.mark.parametrize("key", by_status("same"))
 def test_same_keys_exist(key):
-    assert key in _key_types()
+    assert key in key_types()
     assert key in torchtitan_keys.SHARED_KEYS
 
 
 @pytest.mark.parametrize("key", by_status("titanlite only"))
 def test_titanlite_only_keys_exist_and_are_not_torchtitans(key):
-    assert key in _key_types()
+    assert key in key_types()
     assert key not in torchtitan_keys.ALL_KEYS
 
 
 def test_every_titanlite_key_is_documented():
-    assert set(_key_types()) <= set(ROWS)
+    assert set(key_types()) <= set(ROWS)
 
 
 @pytest.mark.parametrize("key", sorted(k for k, s in ROWS.items() if RENAMED.match(s)))
 def test_renamed_keys_map_with_one_warning(key, tmp_path, capsys):
     new_key = RENAMED.match(ROWS[key]).group(1)
-    assert new_key in _key_types() and torchtitan_keys.RENAMED[key] == new_key
+    assert new_key in key_types() and torchtitan_keys.RENAMED[key] == new_key
     config, warnings = load(tmp_path, key, "some/folder", capsys)
     section, _, name = new_key.partition(".")
     assert getattr(getattr(config, section), name) == "some/folder"
@@ -357,7 +357,7 @@ def quiet_process_state():
     saved = [(list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     yield
-    for lg, (lg_handlers, level, propagate) in zip(loggers, saved):
+    for lg, (lg_handlers, level, propagate) in zip(loggers, saved, strict=True):
         lg.handlers[:] = lg_handlers
         lg.setLevel(level)
         lg.propagate = propagate

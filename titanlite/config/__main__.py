@@ -5,7 +5,7 @@ checkpoint.stop_save_seconds this way, so that the TOML file and the command lin
 
 import sys
 
-from titanlite.config.manager import ConfigError, parse_args, to_toml, value_text
+from titanlite.config import ConfigError, parse_args, to_toml, value_text
 
 
 def _take_get(argv: list[str]) -> tuple[str | None, list[str]]:

@@ -1,12 +1,89 @@
 """The job configuration: one dataclass per TOML section.
 
-Each field carries a docstring right below it; the config manager reads those
-docstrings and prints them as ``--help``. Section and key names follow
-torchtitan 0.2's TOML wherever the feature exists there.
+Each field carries a docstring right below it; the config parser reads those
+docstrings and prints them as ``--help``. A field with a limited range says so
+beside its default (``ranged``), and validation reads the range from there.
+Section and key names follow torchtitan 0.2's TOML wherever the feature exists there.
 """
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import Field, dataclass, field
+from typing import Any, Literal, get_args
+
+# ---------------------------------------------------------------------------
+# Allowed ranges, kept in each field's metadata
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a field may take once the whole config is merged."""
+
+    text: str
+    """What is allowed, as an error message words it: 'training.steps must be >= 1, got 0'."""
+
+    check: Callable[[Any], bool]
+    """True for an allowed value."""
+
+
+_RANGE_KEY = "range"
+
+
+def ranged(allowed: Range, **field_args: Any) -> Any:
+    """A dataclass field (dataclasses.field(**field_args)) whose value must lie in ``allowed``."""
+    return field(metadata={_RANGE_KEY: allowed}, **field_args)
+
+
+def field_range(config_field: Field) -> Range | None:
+    """The range ``ranged`` gave a field, or None for a field any value of its type suits."""
+    return config_field.metadata.get(_RANGE_KEY)
+
+
+def at_least(low: int) -> Range:
+    return Range(f">= {low}", lambda value: value >= low)
+
+
+def subset_of(names: Sequence[str]) -> Range:
+    return Range(f"a subset of {', '.join(names)}", lambda value: set(value) <= set(names))
+
+
+def _is_selective_ac_option(option: str) -> bool:
+    # isdigit alone accepts other scripts' digits ('٣'), which int() reads but nobody means.
+    return option == "op" or (option.isascii() and option.isdigit() and int(option) >= 1)
+
+
+POSITIVE = Range("> 0", lambda value: value > 0)
+# -1 stands for a value worked out at run time (each such field's docstring says which).
+MINUS_ONE_OR_POSITIVE = Range("-1 or >= 1", lambda value: value == -1 or value >= 1)
+# -1 stands for "the newest".
+MINUS_ONE_OR_AT_LEAST_ZERO = Range("-1 or >= 0", lambda value: value >= -1)
+FRACTION = Range("in [0, 1]", lambda value: 0 <= value <= 1)
+FRACTION_OR_UNSET = Range("in [0, 1] or unset", lambda value: value is None or 0 <= value <= 1)
+# A decay of 1 would never move away from the first value.
+FRACTION_BELOW_ONE = Range("in [0, 1)", lambda value: 0 <= value < 1)
+SELECTIVE_AC_OPTION = Range("'op' or a positive integer", _is_selective_ac_option)
+
+# ---------------------------------------------------------------------------
+# Dataset names, each written once
+# ---------------------------------------------------------------------------
+
+# Raw sources are tokenized as they are read (titanlite.data.sources reads exactly these).
+# They are grouped by what they make of dataset_path, which validation checks.
+DatasetWithoutPath = Literal["python_stdlib"]  # built in: a path would be silently ignored
+DatasetNeedingPath = Literal["text", "huggingface"]  # nothing to read without a path
+DatasetWithDefaultPath = Literal["c4", "c4_validation", "c4_test"]  # a path replaces their usual place
+RawDataset = Literal[DatasetWithoutPath, DatasetNeedingPath, DatasetWithDefaultPath]
+# Folders made by python -m titanlite.data.prepare; only training reads them.
+PreparedDataset = Literal["prepared"]
+TrainingDataset = Literal[PreparedDataset, RawDataset]
+
+# Literal flattens nested Literals, so these are plain tuples of names, in the order above.
+RAW_DATASETS = get_args(RawDataset)
+TRAINING_DATASETS = get_args(TrainingDataset)
+
+# ---------------------------------------------------------------------------
+# The sections
+# ---------------------------------------------------------------------------
 
 
 @dataclass
@@ -38,27 +115,30 @@ class Model:
 
 @dataclass
 class Training:
-    dataset: Literal["prepared", "python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = (
-        "python_stdlib"
-    )
-    """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)), torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
+    dataset: TrainingDataset = "python_stdlib"
+    """Dataset: prepared (folders made by python -m titanlite.data.prepare, read through memory maps: the path that
+    scales), python_stdlib (built in; prepared into data.cache_folder on first use), or raw sources tokenized as they
+    are read: text (.txt/.jsonl/.jsonl.gz files at dataset_path), huggingface (datasets.load_dataset(dataset_path)),
+    torchtitan's c4 / c4_validation (allenai/c4 'en' on the Hub) and c4_test (JSON lines in tests/assets/c4_test)."""
 
     dataset_path: str | None = None
-    """For prepared: a prepared folder, or a mixture 'FOLDER:WEIGHT,FOLDER:WEIGHT' (weights > 0, normalised); for text: a file or folder; for huggingface: the name or folder given to datasets.load_dataset; for c4 / c4_test: another place than their default. python_stdlib takes none."""
+    """For prepared: a prepared folder, or a mixture 'FOLDER:WEIGHT,FOLDER:WEIGHT' (weights > 0, normalised); for text:
+    a file or folder; for huggingface: the name or folder given to datasets.load_dataset; for c4 / c4_test: another
+    place than their default. python_stdlib takes none."""
 
-    local_batch_size: int = 8
+    local_batch_size: int = ranged(at_least(1), default=8)
     """Sequences per micro-batch on each data-parallel rank."""
 
-    global_batch_size: int = -1
+    global_batch_size: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Sequences per optimizer step over all ranks; -1 means local_batch_size x dp degree (no accumulation)."""
 
-    seq_len: int = 2048
+    seq_len: int = ranged(at_least(1), default=2048)
     """Tokens per training sequence."""
 
-    max_norm: float = 1.0
+    max_norm: float = ranged(at_least(0), default=1.0)
     """Clip the global gradient 2-norm to this value; 0 disables clipping (the norm is still logged)."""
 
-    steps: int = 10000
+    steps: int = ranged(at_least(1), default=10000)
     """Number of optimizer steps to train for."""
 
     mixed_precision_param: Literal["bfloat16", "float32"] = "bfloat16"
@@ -70,29 +150,34 @@ class Training:
     enable_cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in CPU memory (FSDP CPUOffloadPolicy)."""
 
-    gc_freq: int = 50
+    gc_freq: int = ranged(at_least(1), default=50)
     """Run Python's garbage collector every this many steps (automatic collection is disabled in the loop)."""
 
-    skip_nonfinite_steps: int = 0
-    """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at the first."""
+    skip_nonfinite_steps: int = ranged(at_least(0), default=0)
+    """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at
+    the first."""
 
 
 @dataclass
 class Data:
     shuffle: bool = True
-    """Shuffle the window order of prepared data (and of python_stdlib) anew every epoch, seeded by data.seed; raw sources are always read in order."""
+    """Shuffle the window order of prepared data (and of python_stdlib) anew every epoch, seeded by data.seed; raw
+    sources are always read in order."""
 
     seed: int = 0
     """Seed of the window shuffle: the same seed gives the same global order on every layout."""
 
-    prefetch: int = 2
-    """Micro-batches a background thread reads ahead of the training loop (into pinned memory on CUDA); 0 reads on the training thread."""
+    prefetch: int = ranged(at_least(0), default=2)
+    """Micro-batches a background thread reads ahead of the training loop (into pinned memory on CUDA); 0 reads on the
+    training thread."""
 
     verify_checksums: bool = True
-    """At start-up, check every prepared file's SHA-256 against its manifest (the ranks share the work); sizes are always checked."""
+    """At start-up, check every prepared file's SHA-256 against its manifest (the ranks share the work); sizes are
+    always checked."""
 
     allow_changed_data: bool = False
-    """Resume from a checkpoint trained on other data (folders, mixture, shuffle, seed, tokenizer) at the same global window count, instead of stopping with an error that names the change."""
+    """Resume from a checkpoint trained on other data (folders, mixture, shuffle, seed, tokenizer) at the same global
+    window count, instead of stopping with an error that names the change."""
 
     cache_folder: str = "~/.cache/titanlite"
     """Where python_stdlib is prepared with the run's tokenizer on first use."""
@@ -103,50 +188,54 @@ class Optimizer:
     name: Literal["AdamW", "Adam"] = "AdamW"
     """Optimizer class from torch.optim."""
 
-    lr: float = 8e-4
+    lr: float = ranged(POSITIVE, default=8e-4)
     """Peak learning rate."""
 
-    beta1: float = 0.9
+    beta1: float = ranged(FRACTION_BELOW_ONE, default=0.9)
     """Adam's first-moment decay."""
 
-    beta2: float = 0.95
+    beta2: float = ranged(FRACTION_BELOW_ONE, default=0.95)
     """Adam's second-moment decay."""
 
-    eps: float = 1e-8
+    eps: float = ranged(POSITIVE, default=1e-8)
     """Adam's denominator epsilon."""
 
-    weight_decay: float = 0.1
+    weight_decay: float = ranged(at_least(0), default=0.1)
     """Decoupled weight decay (applied to every parameter)."""
 
     implementation: Literal["for-loop", "foreach", "fused"] = "fused"
-    """Optimizer kernel: fused (one kernel for all tensors, on CUDA and CPU; it also skips a non-finite step on the device, with no wait), foreach (multi-tensor) or for-loop; the last two make the host wait for the gradient norm every step."""
+    """Optimizer kernel: fused (one kernel for all tensors, on CUDA and CPU; it also skips a non-finite step on the
+    device, with no wait), foreach (multi-tensor) or for-loop; the last two make the host wait for the gradient norm
+    every step."""
 
 
 @dataclass
 class LRScheduler:
-    warmup_steps: int = 200
+    warmup_steps: int = ranged(at_least(0), default=200)
     """Steps of linear warmup from near zero to the peak learning rate."""
 
-    decay_ratio: float | None = None
-    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset means decay over every step after warmup."""
+    decay_ratio: float | None = ranged(FRACTION_OR_UNSET, default=None)
+    """Fraction of all steps spent decaying at the end (warmup-stable-decay); unset means decay over every step after
+    warmup."""
 
     decay_type: Literal["linear", "sqrt", "cosine"] = "linear"
     """Shape of the decay phase."""
 
-    min_lr_factor: float = 0.0
+    min_lr_factor: float = ranged(FRACTION, default=0.0)
     """Learning rate at the end of decay, as a fraction of the peak."""
 
 
 @dataclass
 class Parallelism:
-    data_parallel_replicate_degree: int = 1
+    data_parallel_replicate_degree: int = ranged(MINUS_ONE_OR_POSITIVE, default=1)
     """Number of model replicas (DDP across them; HSDP when the shard degree is also above 1)."""
 
-    data_parallel_shard_degree: int = -1
+    data_parallel_shard_degree: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Number of ranks each replica is sharded over (FSDP); -1 uses all ranks left after replication."""
 
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the root)."""
+    """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the
+    root)."""
 
 
 @dataclass
@@ -154,8 +243,13 @@ class ActivationCheckpoint:
     mode: Literal["none", "full", "selective"] = "selective"
     """Activation checkpointing: none, full (every block) or selective (see selective_ac_option)."""
 
-    selective_ac_option: str = "2"
-    """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in every block."""
+    selective_ac_option: str = ranged(SELECTIVE_AC_OPTION, default="2")
+    """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in
+    every block."""
+
+
+# What torch.compile may wrap (compile.components).
+COMPILE_COMPONENTS = ("model", "loss")
 
 
 @dataclass
@@ -163,7 +257,7 @@ class Compile:
     enable: bool = False
     """Compile each transformer block with torch.compile."""
 
-    components: list[str] = field(default_factory=lambda: ["model"])
+    components: list[str] = ranged(subset_of(COMPILE_COMPONENTS), default_factory=lambda: ["model"])
     """What to compile when enabled: model (each block) and/or loss."""
 
 
@@ -179,19 +273,20 @@ class Checkpoint:
     folder: str = "checkpoint"
     """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder."""
 
-    interval: int = 500
+    interval: int = ranged(at_least(1), default=500)
     """Save every this many steps (and after the last step)."""
 
     async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "disabled"
-    """disabled (training waits for the write), async (a background thread writes a CPU copy) or async_with_pinned_mem (reused pinned/shared buffers, written by a background process)."""
+    """disabled (training waits for the write), async (a background thread writes a CPU copy) or async_with_pinned_mem
+    (reused pinned/shared buffers, written by a background process)."""
 
-    keep_latest_k: int = 10
+    keep_latest_k: int = ranged(at_least(0), default=10)
     """Keep the newest k complete checkpoints and delete older ones; 0 keeps all."""
 
-    keep_every: int = 0
+    keep_every: int = ranged(at_least(0), default=0)
     """Never delete checkpoints whose step is a multiple of this (0: no such exception)."""
 
-    load_step: int = -1
+    load_step: int = ranged(MINUS_ONE_OR_AT_LEAST_ZERO, default=-1)
     """Resume from this step's checkpoint instead of the newest (needs checkpoint.enable); -1 means the newest."""
 
     last_save_model_only: bool = False
@@ -200,14 +295,16 @@ class Checkpoint:
     export_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Dtype of the weights in a model-only last save."""
 
-    exclude_from_loading: list[str] = field(default_factory=list)
+    exclude_from_loading: list[str] = ranged(subset_of(CHECKPOINT_PARTS), default_factory=list)
     """Parts of a checkpoint not to load on resume, e.g. optimizer,lr_scheduler,dataloader."""
 
     initial_load_path: str | None = None
-    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint folder has none."""
+    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint
+    folder has none."""
 
     initial_load_in_hf: bool = False
-    """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank reads only its own slices."""
+    """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank
+    reads only its own slices."""
 
     initial_load_model_only: bool = True
     """Load only the model weights from initial_load_path (a fresh optimizer, schedule and data position)."""
@@ -216,10 +313,13 @@ class Checkpoint:
     """Write a manifest of file sizes and SHA-256 checksums with every checkpoint and verify it before loading."""
 
     continue_on_save_error: bool = False
-    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status 1; a failed final save (last step or stop signal) still ends the run with status 1."""
+    """When a save fails (disk full, I/O error), log a loud error and keep training instead of stopping with exit status
+    1; a failed final save (last step or stop signal) still ends the run with status 1."""
 
-    stop_save_seconds: int = 300
-    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks) and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before SIGKILL), and the Slurm script sends the run SIGTERM this long before the job's time limit."""
+    stop_save_seconds: int = ranged(at_least(1), default=300)
+    """Seconds a stop signal (SIGTERM) gives the run to reach its next stop check (at most 10 steps with several ranks)
+    and save: run_train.sh and multinode_trainer.slurm pass it to torchrun as --shutdown-timeout (the wait before
+    SIGKILL), and the Slurm script sends the run SIGTERM this long before the job's time limit."""
 
 
 @dataclass
@@ -227,13 +327,13 @@ class EMA:
     enable: bool = False
     """Keep an exponential moving average of the weights, sharded like them and saved in checkpoints."""
 
-    decay: float = 0.9999
+    decay: float = ranged(FRACTION_BELOW_ONE, default=0.9999)
     """Weight of the old average at each step: ema = decay * ema + (1 - decay) * weights."""
 
 
 @dataclass
 class Metrics:
-    log_freq: int = 10
+    log_freq: int = ranged(at_least(1), default=10)
     """Log metrics every this many steps (and at step 1 and the last step)."""
 
     disable_color_printing: bool = False
@@ -254,7 +354,7 @@ class Metrics:
     enable_wandb: bool = False
     """Also log to Weights & Biases (needs the wandb package; settings from WANDB_* variables)."""
 
-    peak_tflops: float = 0.0
+    peak_tflops: float = ranged(at_least(0), default=0.0)
     """Peak dense TFLOPs of one device for MFU; 0 looks the GPU up by name (on CPU, no MFU unless set)."""
 
 
@@ -263,22 +363,24 @@ class Validation:
     enable: bool = False
     """Compute the loss on held-out data every `freq` steps."""
 
-    dataset: Literal["python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test"] = "python_stdlib"
-    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and c4_validation read allenai/c4's validation split)."""
+    dataset: RawDataset = "python_stdlib"
+    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and
+    c4_validation read allenai/c4's validation split)."""
 
     dataset_path: str | None = None
-    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test live."""
+    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test
+    live."""
 
-    local_batch_size: int = -1
+    local_batch_size: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Sequences per rank per validation step; -1 means training.local_batch_size."""
 
-    seq_len: int = -1
+    seq_len: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Tokens per validation sequence; -1 means training.seq_len."""
 
-    freq: int = 10
+    freq: int = ranged(at_least(1), default=10)
     """Validate every this many training steps (and after the last one)."""
 
-    steps: int = 10
+    steps: int = ranged(MINUS_ONE_OR_POSITIVE, default=10)
     """Validation batches per evaluation; -1 means the whole held-out set."""
 
 
@@ -290,7 +392,7 @@ class Profiling:
     save_traces_folder: str = "profile_traces"
     """Trace folder, relative to job.dump_folder; traces go to iteration_<step>/rank<N>_trace.json."""
 
-    profile_freq: int = 10
+    profile_freq: int = ranged(at_least(1), default=10)
     """Trace the last step of every window of this many steps."""
 
     enable_memory_snapshot: bool = False
@@ -302,14 +404,17 @@ class Profiling:
 
 @dataclass
 class Comm:
-    init_timeout_seconds: int = 300
-    """Seconds before process-group creation, a collective before the first step ends, or a checkpoint save's or load's collective (waiting for the slowest writer) gives up."""
+    init_timeout_seconds: int = ranged(at_least(1), default=300)
+    """Seconds before process-group creation, a collective before the first step ends, or a checkpoint save's or load's
+    collective (waiting for the slowest writer) gives up."""
 
-    train_timeout_seconds: int = 100
-    """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others instead of hanging them)."""
+    train_timeout_seconds: int = ranged(at_least(1), default=100)
+    """Seconds before a collective gives up once the first step is done (a dead or stuck rank then fails the others
+    instead of hanging them)."""
 
-    trace_buf_size: int = 20000
-    """GPU runs: collective events PyTorch's NCCL flight recorder keeps per rank and writes to save_traces_folder when a collective times out; 0 turns it off. TORCH_NCCL_* variables already set in the environment win."""
+    trace_buf_size: int = ranged(at_least(0), default=20000)
+    """GPU runs: collective events PyTorch's NCCL flight recorder keeps per rank and writes to save_traces_folder when a
+    collective times out; 0 turns it off. TORCH_NCCL_* variables already set in the environment win."""
 
     save_traces_folder: str = "comm_traces"
     """Folder under job.dump_folder that receives the flight recorder's dumps, one file per rank."""

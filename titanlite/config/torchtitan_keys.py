@@ -1,8 +1,8 @@
 """torchtitan 0.2 TOML keys that titanlite reads differently or not at all.
 
 A torchtitan 0.2 config file should load here after changing at most `[model] name`.
-The parser (manager.py) consults these tables only for names titanlite itself does not
-define, so a titanlite key always wins:
+The parser consults these tables (through torchtitan_compat.py) only for names titanlite
+itself does not define, so a titanlite key always wins:
 
 - RENAMED: torchtitan's name -> titanlite's name. The value is applied to titanlite's
   key, with one warning line.
@@ -63,7 +63,7 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):
         return a == b
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
@@ -153,7 +153,8 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     ),
     "checkpoint.load_only": _only_default(
         False,
-        "titanlite always saves when checkpoint.enable is set; use checkpoint.initial_load_path without checkpoint.enable",
+        "titanlite always saves when checkpoint.enable is set; "
+        "use checkpoint.initial_load_path without checkpoint.enable",
     ),
     # [activation_checkpoint]
     "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": _ignore(["moe.router.gate"]),

@@ -13,7 +13,8 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterator
 
-DATASETS = ("python_stdlib", "text", "huggingface", "c4", "c4_validation", "c4_test")
+from titanlite.config import RAW_DATASETS as DATASETS  # named once, in config/job_config.py
+
 STDLIB_SPLITS = ("train", "validation")
 
 # Every Nth standard-library file (in sorted order) is held out as the validation split.

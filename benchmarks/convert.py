@@ -2,6 +2,7 @@
 
     python benchmarks/convert.py                          # about 1.2 GB of float32 weights
     python benchmarks/convert.py --size-gb 2 --max-shard-size 500MB --folder /some/disk
+    python benchmarks/convert.py --quick                  # a smoke run: 0.31 GB, one turn
 
 The script builds a Llama 3 shaped model (dim 1024, 16 heads, vocabulary 32000, as many
 blocks as it takes to reach `--size-gb` GB of float32 weights) on the CPU with random
@@ -9,29 +10,38 @@ weights, saves it in one process (no process group) as a titanlite DCP checkpoin
 `step-0` (the weights plus the "model_args" description that export reads), and frees it.
 
 Then, with the checkpoint's files in the page cache (they were just written; a first,
-untimed copy makes sure they are read once more), it times, in --repeats turns (default 5):
+untimed copy makes sure they are read once more), it times, in --repeats turns (default 3,
+so that the whole script stays near three minutes on two busy cores):
 
-  copy      shutil.copyfile of every file of step-0 (the .distcp files and .metadata) to
-            a temporary folder, with an fsync of each copy: the bytes a conversion must
-            at least read and write, moved with no work at all
-  convert   titanlite.checkpoint.hf_export.export_to_hf(step-0, out, float32, --max-shard-size)
-            in a fresh Python process, followed by an fsync of each output file, so that
-            both rows end with their data handed to the disk
+  copy        shutil.copyfile of every file of step-0 (the .distcp files and .metadata) to
+              a temporary folder, with an fsync of each copy: the bytes a conversion must
+              at least read and write, moved with no work at all
+  ours        titanlite.checkpoint.hf_export.export_to_hf(step-0, out, float32, --max-shard-size)
+  dcp-reader  the same export with its hand-written reader of the .distcp archives and its
+              fsync thread swapped for DCP's own reader (hf_export._load_with_dcp: one dcp.load
+              per output shard) and an fsync of each file in turn
+  torchtitan  what a torchtitan user runs instead: a full dcp.load of the model's weights
+              into memory, the state-dict adapter's to_hf, then dcp.save with DCP's
+              HuggingFaceStorageWriter (save_distributed, enable_consolidation, the same
+              shard split as ours given as fqn_to_index_mapping): it writes DCP-framed
+              safetensors under out/sharded and consolidates them into out/. It writes no
+              config.json or tokenizer, and leaves the sharded copy behind (not removed)
 
-Both read from the page cache and write to the same disk (the page cache cannot be
-dropped without root). The checkpoint is built in a process of its own too, and the
-parent never imports torch: Linux carries the parent's peak RSS into a child's ru_maxrss
-across fork and exec, so with a 1.5 GB parent the converter's ru_maxrss read 1.56 GB. The
-converter reports VmHWM (its own address space's peak, used for the ratio) and ru_maxrss
-(now the same), its resident memory after its imports, before converting (the baseline),
-and the conversion's time without the fsync.
+Every row but copy runs in a fresh Python process and is followed by an fsync of each
+output file, so that every row ends with its data handed to the disk. All read from the
+page cache and write to the same disk (the page cache cannot be dropped without root).
+The checkpoint is built in a process of its own too, and the parent never imports torch:
+Linux carries the parent's peak RSS into a child's ru_maxrss across fork and exec, so with
+a 1.5 GB parent the converter's ru_maxrss read 1.56 GB. Each converter reports VmHWM (its
+own address space's peak) and ru_maxrss (now the same), its resident memory after its
+imports, before converting (the baseline), and the conversion's time without the fsync.
 
 Single timings vary several-fold on a shared virtual machine (page cache and fresh
-memory are sometimes slow to get), so copy and convert take turns and the throughput
-ratio is that of the median times; every turn is printed. The last lines are the two
-ratios of this run:
+memory are sometimes slow to get), so the rows take turns and every ratio is one of median
+times; every turn is printed. The last lines are this run's ratios:
+`time ours / dcp-reader = X.XX (...)`, `time ours / torchtitan = X.XX (...)`,
 `throughput ratio convert/copy = X.XX (target >= 0.7)` and
-`peak RSS / largest shard = X.XX (target <= 1.5)`, where the RSS is peak minus baseline.
+`peak RSS / largest shard = X.XX (target <= 1.5)`, where the RSS is ours, peak minus baseline.
 Every folder the script made is removed at the end.
 """
 
@@ -90,25 +100,99 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file())
 
 
-# --- the converter, run in a fresh process ---------------------------------------------
+# --- the converters, each run in a fresh process ---------------------------------------
+
+# Row name -> what it stands for in the tables.
+ROWS = {
+    "ours": "ours (hand-written reader, fsync thread)",
+    "dcp-reader": "ours with DCP's reader",
+    "torchtitan": "torchtitan: dcp.load + HuggingFaceStorageWriter",
+}
 
 
-def convert_child(step_dir: str, out_dir: str, max_shard_size: str) -> None:
-    """Runs as `python benchmarks/convert.py --child ...`; prints one JSON line."""
+def _export_with_dcp_reader(step_dir: str, out_dir: str, max_shard_size: str) -> None:
+    """export_to_hf with the hand-written reader and the fsync thread swapped for the library
+    path: DCP's reader (one dcp.load per output shard into new tensors) and fsyncs in turn."""
+    from titanlite.checkpoint import hf_export
+
+    class LibraryReader:
+        def __init__(self, step_dir, metadata, largest_group=0):
+            self._step_dir = step_dir
+
+        def load(self, items):
+            return hf_export._load_with_dcp(self._step_dir, items)
+
+        def close(self):
+            pass
+
+    class InlineSyncer:
+        def add(self, path):
+            hf_export.fsync_path(path)
+
+        def join(self):
+            pass
+
+        def wait(self):
+            pass
+
+    hf_export._CheckpointReader, hf_export._Syncer = LibraryReader, InlineSyncer
+    hf_export.export_to_hf(step_dir, out_dir, dtype="float32", max_shard_size=max_shard_size)
+
+
+def _torchtitan_path(step_dir: str, out_dir: str, max_shard_size: str) -> None:
+    """The whole model loaded by dcp.load, converted by the adapter, and saved by DCP's
+    HuggingFaceStorageWriter with consolidation, in the same shards as our export."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    from titanlite.checkpoint.hf import _single_process, _titanlite_names, read_model_description
+    from titanlite.checkpoint.hf_export import parse_size
+    from titanlite.registry import get_model_spec
+
+    description = read_model_description(step_dir)
+    args = description["args"]
+    saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in _titanlite_names(args)}
+    _single_process(dcp.load, state, checkpoint_id=step_dir, no_dist=True)
+    hf_state = get_model_spec(description["name"]).state_dict_adapter(args).to_hf(state)
+    del state
+    split = split_torch_state_dict_into_shards(
+        hf_state, filename_pattern="model{suffix}.safetensors", max_shard_size=parse_size(max_shard_size)
+    )
+    file_of = {name: i for i, names in enumerate(split.filename_to_tensors.values(), start=1) for name in names}
+    writer = dcp.HuggingFaceStorageWriter(
+        out_dir,
+        fqn_to_index_mapping=file_of,
+        save_distributed=True,  # in 2.13 finish() consolidates only a "distributed" save
+        enable_consolidation=True,
+        thread_count_consolidation=os.cpu_count() or 1,
+    )
+    _single_process(dcp.save, hf_state, storage_writer=writer, no_dist=True)
+
+
+def convert_child(row: str, step_dir: str, out_dir: str, max_shard_size: str) -> None:
+    """Runs as `python benchmarks/convert.py --child ROW ...`; prints one JSON line."""
     import torch  # noqa: F401  (counted in the baseline, as the scripts import it too)
+    import torch.distributed.checkpoint  # noqa: F401
 
     from titanlite.checkpoint.hf_export import export_to_hf
 
+    def ours(step_dir: str, out_dir: str, max_shard_size: str) -> None:
+        export_to_hf(step_dir, out_dir, dtype="float32", max_shard_size=max_shard_size)
+
+    convert = {"ours": ours, "dcp-reader": _export_with_dcp_reader, "torchtitan": _torchtitan_path}[row]
     baseline = _rss_bytes()
     baseline_peak = _peak_rss_bytes()
     start = time.perf_counter()
-    export_to_hf(step_dir, out_dir, dtype="float32", max_shard_size=max_shard_size)
+    convert(step_dir, out_dir, max_shard_size)
     converted = time.perf_counter()
     outputs = _files(Path(out_dir))
     for path in outputs:
         _fsync_file(path)
     synced = time.perf_counter()
-    shards = [p for p in outputs if p.suffix == ".safetensors"]
+    # The consolidated shards: those in out_dir itself, not the torchtitan row's sharded/ copy.
+    shards = [p for p in outputs if p.suffix == ".safetensors" and p.parent == Path(out_dir)]
     print(
         json.dumps(
             {
@@ -181,27 +265,41 @@ def _run_self(*arguments: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _median(reports: list[dict], field: str = "convert_fsync_seconds") -> float:
+    return statistics.median(report[field] for report in reports)
+
+
+def _growth(report: dict) -> int:
+    return report["hwm"] - report["baseline_rss"]
+
+
 def main() -> int:
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
         convert_child(*sys.argv[2:])
         return 0
     if len(sys.argv) == 4 and sys.argv[1] == "--build":
         build_child(*sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gb", type=float, default=1.2, help="float32 weights to build, in GB (at least 1)")
+    parser.add_argument("--size-gb", type=float, default=1.2, help="float32 weights to build, in GB")
     parser.add_argument("--max-shard-size", default="300MB", help="export's shard limit, e.g. 300MB or 1GiB")
     parser.add_argument("--folder", default=None, help="where to write (default: a temporary folder)")
     parser.add_argument(
         "--repeats",
         type=int,
-        default=5,
-        help="turns of copy then convert; the ratio is of the median times (single runs vary a lot "
-        "on a shared machine)",
+        default=3,
+        help="turns of every row; the ratios are of the median times (single runs vary a lot on a shared machine)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: the smallest model (0.31 GB), 10MB shards, one turn (timings mean nothing)",
     )
     args = parser.parse_args()
-    if args.size_gb < 1:
-        parser.error("--size-gb must be at least 1")
+    if args.quick:
+        args.size_gb, args.max_shard_size, args.repeats = 0.05, "10MB", 1
+    elif args.size_gb < 1:
+        parser.error("--size-gb must be at least 1 (below that the fixed costs dominate); --quick for a smoke run")
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
 
@@ -214,51 +312,67 @@ def main() -> int:
 
         copy_folder(step_dir, folder / "warm-copy")  # untimed: reads step-0 once more
         shutil.rmtree(folder / "warm-copy")
-        # Copy and convert take turns, so that both meet the machine in the same states.
-        copies, reports = [], []
+        # The rows take turns, so that all meet the machine in the same states.
+        copies, reports = [], {row: [] for row in ROWS}
         for _ in range(args.repeats):
             copies.append(copy_folder(step_dir, folder / "copy"))
             shutil.rmtree(folder / "copy")
-            reports.append(_run_self("--child", str(step_dir), str(folder / "hf"), args.max_shard_size))
-            shutil.rmtree(folder / "hf")
+            for row, row_reports in reports.items():
+                row_reports.append(_run_self("--child", row, str(step_dir), str(folder / "hf"), args.max_shard_size))
+                shutil.rmtree(folder / "hf")
 
+    first = reports["ours"][0]
     print(
         f"HF export: llama3 {built['params'] / 1e6:.1f} M params (dim {DIM}, {built['n_layers']} blocks, "
         f"vocabulary {VOCAB}), float32 in and out, --max-shard-size {args.max_shard_size}; "
         f"checkpoint written in {built['save_seconds']:.1f} s"
     )
     print(
-        f"torch {reports[0]['torch']}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}; "
+        f"torch {first['torch']}, {os.cpu_count()} cores, {datetime.date.today().isoformat()}; "
         f"step-0 in the page cache for every row (copied once, untimed, before); {args.repeats} turns of "
-        f"copy then convert; {source_bytes:,} bytes read, {reports[0]['output_bytes']:,} written by convert\n"
+        f"every row; {source_bytes:,} bytes read; written: "
+        + ", ".join(f"{row} {reports[row][0]['output_bytes']:,}" for row in ROWS)
+        + "\n"
     )
-    print("| turn | copy s (GB/s) | convert s (GB/s) | convert without fsync s | convert peak RSS - baseline |")
-    print("|---|---|---|---|---|")
-    for turn, (copy_seconds, report) in enumerate(zip(copies, reports), start=1):
+    print("| turn | copy s (GB/s) | " + " | ".join(f"{row} s (GB/s)" for row in ROWS) + " |")
+    print("|---|---|" + "---|" * len(ROWS))
+    for turn, copy_seconds in enumerate(copies):
+        cells = [f"{copy_seconds:.2f} ({source_bytes / copy_seconds / 1e9:.2f})"]
+        for row in ROWS:
+            seconds = reports[row][turn]["convert_fsync_seconds"]
+            cells.append(f"{seconds:.2f} ({source_bytes / seconds / 1e9:.2f})")
+        print(f"| {turn + 1} | " + " | ".join(cells) + " |")
+    print()
+    print(
+        "| row (the turn with the largest growth) | median s | median s without fsync | baseline RSS | "
+        "peak RSS (VmHWM) | ru_maxrss | peak - baseline | largest shard (shards) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for row, title in ROWS.items():
+        worst = max(reports[row], key=_growth)
         print(
-            f"| {turn} | {copy_seconds:.2f} ({source_bytes / copy_seconds / 1e9:.2f}) | "
-            f"{report['convert_fsync_seconds']:.2f} ({source_bytes / report['convert_fsync_seconds'] / 1e9:.2f}) | "
-            f"{report['convert_seconds']:.2f} | {report['hwm'] - report['baseline_rss']:,} |"
+            f"| {title} | {_median(reports[row]):.2f} | {_median(reports[row], 'convert_seconds'):.2f} | "
+            f"{worst['baseline_rss']:,} | {worst['hwm']:,} | {worst['peak_rss']:,} | {_growth(worst):,} | "
+            f"{worst['largest_shard']:,} ({worst['shards']}) |"
         )
-    worst = max(reports, key=lambda r: r["hwm"] - r["baseline_rss"])
-    rss_growth = worst["hwm"] - worst["baseline_rss"]
     print()
-    print("| converter memory (the turn with the largest growth) | bytes |")
-    print("|---|---|")
-    print(f"| RSS after imports (baseline) | {worst['baseline_rss']:,} |")
-    print(f"| peak RSS (VmHWM) | {worst['hwm']:,} |")
-    print(f"| ru_maxrss (for comparison) | {worst['peak_rss']:,} |")
-    print(f"| peak - baseline | {rss_growth:,} |")
-    print(f"| largest output shard ({worst['shards']} shards) | {worst['largest_shard']:,} |")
-    print()
+    ours = _median(reports["ours"])
+    ours_growth = max(_growth(r) for r in reports["ours"])
+    for row in ("dcp-reader", "torchtitan"):
+        growth = max(_growth(r) for r in reports[row])
+        print(
+            f"time ours / {row} = {ours / _median(reports[row]):.2f}; "
+            f"peak RSS - baseline ours / {row} = {ours_growth / growth:.2f} "
+            f"({ours_growth / 1e9:.2f} GB against {growth / 1e9:.2f} GB)"
+        )
     copy_median = statistics.median(copies)
-    convert_median = statistics.median(r["convert_fsync_seconds"] for r in reports)
     print(
-        f"throughput ratio convert/copy = {copy_median / convert_median:.2f} (target >= {THROUGHPUT_TARGET}; "
-        f"median seconds of {args.repeats} turns: copy {copy_median:.2f}, convert {convert_median:.2f})"
+        f"throughput ratio convert/copy = {copy_median / ours:.2f} (target >= {THROUGHPUT_TARGET}; "
+        f"median seconds of {args.repeats} turns: copy {copy_median:.2f}, ours {ours:.2f})"
     )
+    worst = max(reports["ours"], key=_growth)
     print(
-        f"peak RSS / largest shard = {rss_growth / worst['largest_shard']:.2f} (target <= {RSS_TARGET}); "
+        f"peak RSS / largest shard = {ours_growth / worst['largest_shard']:.2f} (target <= {RSS_TARGET}); "
         f"raw peak RSS {worst['hwm'] / 1e9:.2f} GB = {worst['hwm'] / worst['largest_shard']:.2f} x largest shard"
     )
     return 0

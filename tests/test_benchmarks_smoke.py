@@ -90,3 +90,16 @@ def test_data_loader_quick_prints_the_table_and_both_key_lines():
     assert seek_line.startswith("resume seek at 1e11 tokens = ") and seek_line.endswith(" ms (target <= 10)"), lines
     float(ratio_line.split(" = ")[1].split()[0])
     float(seek_line.split(" = ")[1].split()[0])
+
+
+def test_convert_quick_prints_every_row_and_the_ratios():
+    lines = _run("convert.py", "--quick")
+    for title in ("ours (", "ours with DCP's reader", "torchtitan: dcp.load + HuggingFaceStorageWriter"):
+        assert any(line.startswith(f"| {title}") for line in lines), lines
+    dcp_reader, torchtitan, throughput, memory = lines[-4:]
+    assert dcp_reader.startswith("time ours / dcp-reader = "), lines
+    assert torchtitan.startswith("time ours / torchtitan = "), lines
+    assert throughput.startswith("throughput ratio convert/copy = "), lines
+    assert memory.startswith("peak RSS / largest shard = "), lines
+    for line in lines[-4:]:
+        float(line.split(" = ")[1].split(";")[0].split()[0])

@@ -255,7 +255,10 @@ class _CheckpointReader:
     compression, a non-contiguous or big-endian tensor, another storage layout, an
     archive that does not parse) is read by dcp.load, which understands every layout
     DCP writes. The profile that motivated this: reading through dcp.load cost 1.9 s of
-    a 4.8 s export of 1.24 GB.
+    a 4.8 s export of 1.24 GB. It stays only while it is at least 1.5x faster than DCP's
+    reader alone (issue #16): benchmarks/convert.py's dcp-reader row measures that, with
+    fsyncs in turn instead of _Syncer's thread; its medians were 2.5x and 3.0x (1.24 GB,
+    two busy cores, 2026-11-25).
     """
 
     def __init__(self, step_dir: Path, metadata, largest_group: int = 0):
@@ -338,26 +341,35 @@ class _CheckpointReader:
     def load(self, items: list[tuple[str, TensorStorageMetadata]]) -> dict[str, torch.Tensor]:
         """Saved key -> tensor for the given (key, metadata) pairs. The tensors of one call
         are valid until the next call (they may share the reused buffer)."""
-        located, rest = {}, {}
+        located, rest = {}, []
         for key, entry in items:
             where = self._locate(key, entry)
             if where is None:
-                rest[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+                rest.append((key, entry))
             else:
                 located[key] = (entry, where)
         tensors = self._read_into_buffer(located)
         if rest:
-            # One dcp.load for the whole group: planning a load and opening the data files
-            # per tensor cost as much as the reading itself.
-            try:
-                _single_process(dcp.load, rest, storage_reader=FileSystemReader(str(self._step_dir)), no_dist=True)
-            except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
-                raise ValueError(
-                    f"{self._step_dir}: cannot read {next(iter(rest))} ({type(error).__name__}); "
-                    "the checkpoint files may be damaged"
-                ) from None
-            tensors.update(rest)
+            tensors.update(_load_with_dcp(self._step_dir, rest))
         return tensors
+
+
+def _load_with_dcp(step_dir: Path, items: list[tuple[str, TensorStorageMetadata]]) -> dict[str, torch.Tensor]:
+    """Saved key -> a new tensor for the given (key, metadata) pairs, read by DCP's own
+    FileSystemReader, which understands every layout DCP writes. One dcp.load for the whole
+    group: planning a load and opening the data files per tensor cost as much as the reading
+    itself."""
+    tensors = {key: torch.empty(entry.size, dtype=entry.properties.dtype) for key, entry in items}
+    if not tensors:
+        return tensors
+    try:
+        _single_process(dcp.load, tensors, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        raise ValueError(
+            f"{step_dir}: cannot read {next(iter(tensors))} ({type(error).__name__}); "
+            "the checkpoint files may be damaged"
+        ) from None
+    return tensors
 
 
 # --- writing --------------------------------------------------------------------------------

@@ -30,8 +30,6 @@ from titanlite.estimate import device_memory_bytes, step_floor_bytes
 from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
 from titanlite.metrics.processor import MetricsProcessor
-from titanlite.metrics.profiling import profiler_context
-from titanlite.metrics.validation import build_validation_documents, build_validator
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import (
@@ -48,7 +46,9 @@ from titanlite.parallel import (
     use_collective_timeout,
     world_size_from_env,
 )
+from titanlite.profiling import profiler_context
 from titanlite.registry import get_model_args, get_model_spec
+from titanlite.validation import build_validation_documents, build_validator
 
 logger = logging.getLogger("titanlite")
 
@@ -388,7 +388,7 @@ class Trainer(Stateful):
         training, ac = job_config.training, job_config.activation_checkpoint
         settings = {
             "strategy": dims.strategy,
-            "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape)),
+            "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
             "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
             "param_dtype": training.mixed_precision_param,
             "reduce_dtype": training.mixed_precision_reduce,
@@ -560,10 +560,12 @@ class Trainer(Stateful):
         if not self._unread_steps:
             return
         steps = [step for step, *_ in self._unread_steps]
-        flags, norms, shares = (torch.stack(column).tolist() for column in zip(*(u[1:] for u in self._unread_steps)))
+        flags, norms, shares = (
+            torch.stack(column).tolist() for column in zip(*(u[1:] for u in self._unread_steps), strict=True)
+        )
         self._unread_steps = []
         limit = self.job_config.training.skip_nonfinite_steps
-        for step, nonfinite, norm, share in zip(steps, flags, norms, shares):
+        for step, nonfinite, norm, share in zip(steps, flags, norms, shares, strict=True):
             if not nonfinite:
                 self.nonfinite_in_a_row = 0
                 continue

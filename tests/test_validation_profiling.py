@@ -18,8 +18,9 @@ from titanlite.config import parse_args
 from titanlite.config.job_config import Profiling, Validation
 from titanlite.data import ByteTokenizer
 from titanlite.data.sources import python_stdlib_documents, stdlib_split_files
+from titanlite.loss import cross_entropy_sum
 from titanlite.profiling import Profiler, profiler_context
-from titanlite.train import Trainer, cross_entropy_sum
+from titanlite.train import Trainer
 from titanlite.validation import Validator, build_validation_documents, build_validator, count_windows
 
 SEQ_LEN = 32

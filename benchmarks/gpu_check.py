@@ -173,7 +173,8 @@ def _host_copy(value):
 
 def training_rows(argv: list[str], compiled: bool, device: torch.device) -> tuple[list[dict], dict]:
     from titanlite.config import parse_args
-    from titanlite.train import SYNC_EVERY, Trainer
+    from titanlite.nonfinite import SYNC_EVERY
+    from titanlite.train import Trainer
 
     job_config = parse_args(argv)
     trainer = Trainer(job_config)

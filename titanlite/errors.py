@@ -25,3 +25,22 @@ def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
     close = closest_name(name, choices)
     hint = f"; did you mean '{close}'?" if close else ""
     return f"{kind} '{name}' is not known (choose from {', '.join(choices)}){hint}"
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced NaN or inf gradients and no more skips were allowed."""
+
+
+class DataError(RuntimeError):
+    """The training data turned out to be unreadable after the run started."""
+
+
+def collective_failure_line(error: BaseException, rank: int, step: int, flight_recorder_dump: str | None) -> str:
+    """The line for a collective that failed on this rank: most often another rank died or
+    hung, whose own log tells why; the error's first line and where NCCL's record went."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    where = "" if flight_recorder_dump is None else f"; NCCL flight recorder dump: {flight_recorder_dump}"
+    return (
+        f"titanlite: rank {rank}: a collective failed after step {step} (did another "
+        f"rank die or hang? see its log): {first_line[:300]}{where}"
+    )

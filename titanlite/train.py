@@ -3,222 +3,59 @@
     python -m titanlite.train --job.config_file train_configs/debug_model.toml
     torchrun --nproc_per_node 8 -m titanlite.train --job.config_file train_configs/llama7b.toml
 
-The trainer composes the rooms (config, models via the registry, parallel, data, optim)
-and is imported by nobody.
+The trainer composes the packages (config, models via the registry, parallel, data, optim,
+checkpoint, metrics) and is imported by nobody.
 """
 
 import dataclasses
 import gc
 import logging
 import os
-import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
-from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
-from titanlite.data import DataLoader, build_tokenizer, open_windows, stream_warning, tokenizer_file, verify_share
-from titanlite.estimate import device_memory_bytes, step_floor_bytes
-from titanlite.metrics import TPS, MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
-from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
-from titanlite.metrics.processor import MetricsProcessor
-from titanlite.metrics.profiling import profiler_context
-from titanlite.metrics.validation import build_validation_documents, build_validator
+from titanlite.data import tokenizer_file
+from titanlite.errors import DataError, NonFiniteError, collective_failure_line
+from titanlite.estimate import check_memory_floor
+from titanlite.loss import cross_entropy_sum, global_loss
+from titanlite.metrics import TPS
+from titanlite.metrics.processor import StepRecord
+from titanlite.nonfinite import SYNC_EVERY, UnreadSteps, step_unless
 from titanlite.optim import build_lr_scheduler, build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import (
-    DTYPES,
-    ParallelDims,
     clip_grad_norm_,
     compute_context,
     destroy_distributed,
     exit_process,
-    first_error_on_any_rank,
-    init_distributed,
     is_collective_failure,
-    pick_device,
     use_collective_timeout,
     world_size_from_env,
 )
-from titanlite.registry import get_model_args, get_model_spec
+from titanlite.plan import build_model, load_tokenizer_and_data, plan_run
+from titanlite.profiling import profiler_context
+from titanlite.registry import get_model_spec
+from titanlite.stop_signal import StopSignal
+from titanlite.trainer_setup import (
+    build_loader,
+    build_metrics,
+    build_run_validator,
+    check_config,
+    log_built_model,
+    log_resharded_resume,
+    log_run_summary,
+    seed_weights_from_hf,
+    start_processes,
+)
 
 logger = logging.getLogger("titanlite")
-
-
-class NonFiniteError(RuntimeError):
-    """A step produced NaN or inf gradients and no more skips were allowed."""
-
-
-class DataError(RuntimeError):
-    """The training data turned out to be unreadable after the run started."""
-
-
-# Steps between the host's reads of what the device decided (the steps' non-finite flags)
-# and of the ranks' stop signals; they are also read at every log step and save point.
-# Between reads the CPU queues work ahead of the GPU instead of waiting for it each step.
-SYNC_EVERY = 10
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Everything decided from the config before any process group or tensor exists."""
-
-    parallel_dims: ParallelDims
-    model_args: object
-    global_batch_size: int
-    grad_accum_steps: int
-
-
-def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
-    """Cross-check the config against the registry, the world size and the tokenizer.
-    Every problem is a one-line ConfigError; nothing is created or written."""
-    training, parallelism = job_config.training, job_config.parallelism
-    model_args = get_model_args(job_config.model.name, job_config.model.flavor).with_seq_len(training.seq_len)
-    try:
-        parallel_dims = ParallelDims.resolve(
-            parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
-        )
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if training.enable_cpu_offload and parallel_dims.world_size == 1:
-        raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one rank")
-
-    try:
-        global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return RunPlan(parallel_dims, model_args, global_batch, accumulation)
-
-
-def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
-    """Refuse a run whose rank surely cannot fit in this machine's device (the host's memory
-    on CPU): told in one line before start-up, instead of by the out-of-memory killer."""
-    training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
-    with torch.device("meta"):
-        model = get_model_spec(job_config.model.name).model_cls(model_args)
-    compute_bytes = torch.empty((), dtype=DTYPES[training.mixed_precision_param]).element_size()
-    floor = step_floor_bytes(
-        model,
-        model_args.vocab_size,
-        parallel_dims.dp_shard,
-        training.local_batch_size,
-        training.seq_len,
-        compute_bytes,
-        training.enable_cpu_offload,
-    )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
-    available, what = device_memory_bytes(device_type, ranks_per_node)
-    needed = sum(floor.values())
-    if needed <= available:
-        return
-
-    def gib(size: int) -> str:
-        return f"{size / 2**30:,.1f} GiB" if size < 2**50 else f"{size / 2**30:.2e} GiB"
-
-    parts = ", ".join(f"{name} {gib(size)}" for name, size in floor.items())
-    if floor["logits"] >= floor["weights and Adam state"]:
-        key = f"training.local_batch_size {training.local_batch_size} (x seq_len {training.seq_len})"
-        fix = "lower training.local_batch_size (training.global_batch_size keeps the batch through accumulation)"
-    else:
-        key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s)"
-        fix = "shard over more ranks (parallelism.data_parallel_shard_degree) or offload (training.enable_cpu_offload)"
-    raise ConfigError(
-        f"{key}: one rank needs at least {gib(needed)} ({parts}), more than {what} holds "
-        f"({gib(available)}); {fix}. scripts/estimate.py estimates the whole step"
-    )
-
-
-def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
-    """The tokenizer and the training windows (prepared data opened, or a raw stream), checked
-    against the model's vocabulary. The built-in corpus is prepared on first use."""
-    training, data = job_config.training, job_config.data
-    hf_assets_path = job_config.model.hf_assets_path
-    try:
-        tokenizer = build_tokenizer(hf_assets_path)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    if tokenizer.eos_id is None:
-        raise ConfigError(
-            f"model.hf_assets_path: the tokenizer at {hf_assets_path} has no EOS token, "
-            "which packing needs between documents"
-        )
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
-            f"{job_config.model.flavor} embeds only {vocab_size}; pick a matching model.flavor or model.hf_assets_path"
-        )
-    try:
-        windows = open_windows(
-            training.dataset,
-            training.dataset_path,
-            tokenizer,
-            training.seq_len,
-            hf_assets_path=hf_assets_path,
-            shuffle=data.shuffle,
-            seed=data.seed,
-            cache_folder=data.cache_folder,
-        )
-        if job_config.validation.enable:
-            build_validation_documents(job_config.validation)  # only to find a bad path now
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
-    return tokenizer, windows
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) next-token loss; the caller divides by the global token count."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes each record to whatever sys.stdout is at that moment, so a handler made
-    for one run never writes into a stream that was swapped or closed since (a later
-    run in the same process, tests capturing output)."""
-
-    def __init__(self):
-        super().__init__()
-        self.setFormatter(logging.Formatter("[titanlite] %(message)s"))
-
-    @property
-    def stream(self):
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value) -> None:  # StreamHandler.__init__ assigns one; ours is looked up
-        pass
-
-
-def setup_logging(rank: int) -> None:
-    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere;
-    lines every rank must print about itself (e.g. its shard size) on all ranks."""
-    shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
-    logging.basicConfig(handlers=[_StdoutHandler()], force=True)
-    logger.setLevel(logging.INFO if rank in shown else logging.WARNING)
-    every_rank = logging.getLogger("titanlite.every_rank")
-    every_rank.setLevel(logging.INFO)
-    every_rank.propagate = False
-    if not any(isinstance(h, _StdoutHandler) for h in every_rank.handlers):
-        every_rank.addHandler(_StdoutHandler())
-
-
-@dataclass
-class StepRecord:
-    """What one logged step measured (the same numbers the console line shows)."""
-
-    step: int
-    loss: float
-    grad_norm: float
-    lr: float
-    tokens_per_second: float
 
 
 class Trainer(Stateful):
@@ -236,44 +73,24 @@ class Trainer(Stateful):
         self.tokenizer, windows = load_tokenizer_and_data(job_config, self.plan.model_args.vocab_size)
 
         # 2. Devices and processes.
-        self.device = pick_device()
-        self.flight_recorder_dump = init_distributed(self.device, job_config.comm, job_config.job.dump_folder)
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        setup_logging(self.rank)
-        if self.flight_recorder_dump is not None:
-            # NCCL's watchdog may end the process on a timeout before any error reaches
-            # Python, so the place is said up front too.
-            logger.info(
-                "NCCL flight recorder on: a collective timeout writes this rank's record to %s",
-                self.flight_recorder_dump,
-            )
-        torch.manual_seed(job_config.debug.seed)
-        if job_config.debug.deterministic:
-            torch.use_deterministic_algorithms(True)
-        parallel_dims = self.plan.parallel_dims
-        mesh = parallel_dims.build_mesh(self.device.type)
-        # init_device_mesh makes HSDP's and DDP's sub-groups with PyTorch's default timeout
-        # (30 min on gloo, 10 on NCCL): they get the run's, here and after the first step.
-        use_collective_timeout(mesh, job_config.comm.init_timeout_seconds)
-        self.mesh = mesh
+        self.device, self.rank, mesh, self.flight_recorder_dump = start_processes(job_config, self.plan)
+        parallel_dims, self.mesh = self.plan.parallel_dims, mesh
 
-        # 3. Data: every rank reads a disjoint part of each global batch. Data parallelism
-        # is the only dimension, so the data-parallel rank is the global rank.
-        self.loader = self._build_loader(windows)
+        # 3. Data: every rank reads a disjoint part of each global batch.
+        self.loader = build_loader(job_config, self.plan, windows, self.rank, self.device)
 
         # 4. Model: built on meta, parallelised, then materialised shard by shard.
-        with torch.device("meta"):
-            model = model_spec.model_cls(self.plan.model_args)
-        model = model_spec.parallelize_fn(model, parallel_dims, mesh, job_config)
-        model.to_empty(device="cpu" if training.enable_cpu_offload else self.device)
-        model.init_weights(seed=job_config.debug.seed, buffer_device=self.device)
-        model.train()
+        model = build_model(
+            job_config, self.plan, mesh, "cpu" if training.enable_cpu_offload else self.device, self.device
+        )
         self.model = model
         self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
         self.loss_fn = cross_entropy_sum
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
-        self._log_diagnostics(model, mesh)
+        self.dtype_probe, self.phase_memory = log_built_model(
+            job_config, self.plan, model, mesh, self.rank, self.device
+        )
 
         # 5. Optimizer, schedule and the weight average.
         self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
@@ -281,9 +98,7 @@ class Trainer(Stateful):
         self.ema = EMA(model, job_config.ema.decay) if job_config.ema.enable else None
         self.step = 0
         self.tokens_seen = 0
-        self.nonfinite_in_a_row = 0
-        # (step, non-finite flag, gradient norm, loss share) of the steps the host has not read yet.
-        self._unread_steps: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.unread_steps = UnreadSteps(training.skip_nonfinite_steps)
 
         # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
         states = {
@@ -301,120 +116,21 @@ class Trainer(Stateful):
         )
         loaded = self.checkpointer.load()
         if not loaded and job_config.checkpoint.initial_load_in_hf:
-            self._seed_from_hf(model_spec)
+            adapter, group = model_spec.state_dict_adapter, self.checkpointer.process_group
+            seed_weights_from_hf(job_config, self.plan, model, adapter, group)
             loaded = ["model"]
         if self.ema is not None and loaded and "ema" not in loaded:
             self.ema.restart()  # average the loaded weights, not the random ones
-        self._stop_signal = None
-        self._stop_signal_at: float | None = None  # time.monotonic() at the first stop signal
+        self.stop_signal = StopSignal()
         if job_config.checkpoint.enable:
-            self._save_on_signals()
+            self.stop_signal.install()
 
         # 7. Metrics and held-out loss.
-        self.metrics = self._build_metrics()
-        self.validator = None
-        if job_config.validation.enable:
-            try:
-                self.validator = build_validator(
-                    job_config.validation,
-                    tokenizer=self.tokenizer,
-                    training_seq_len=training.seq_len,
-                    training_local_batch_size=training.local_batch_size,
-                    loss_fn=self.loss_fn,
-                    compute_context=self.compute_context,
-                    device=self.device,
-                    dp_rank=self.rank,
-                    dp_degree=parallel_dims.dp_degree,
-                )
-            except ValueError as error:
-                raise ConfigError(str(error)) from None
-
-        logger.info(
-            "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
-            "global batch %d = local %d x dp %d x accumulation %d",
-            job_config.job.description,
-            job_config.model.name,
-            job_config.model.flavor,
-            sum(p.numel() for p in model.parameters()) / 1e6,
-            parallel_dims.strategy,
-            parallel_dims.world_size,
-            parallel_dims.dp_replicate,
-            parallel_dims.dp_shard,
-            self.device.type,
-            self.plan.global_batch_size,
-            training.local_batch_size,
-            parallel_dims.dp_degree,
-            self.plan.grad_accum_steps,
+        self.metrics = build_metrics(job_config, self.plan, self.rank, self.device)
+        self.validator = build_run_validator(
+            job_config, self.plan, self.tokenizer, self.loss_fn, self.compute_context, self.rank, self.device
         )
-
-    def _build_loader(self, windows) -> DataLoader:
-        """The loader over ``windows``, once the ranks agree the prepared files are intact."""
-        job_config, dims = self.job_config, self.plan.parallel_dims
-        data = job_config.data
-        if data.verify_checksums:
-            world_size = dist.get_world_size() if dist.is_initialized() else 1
-            error = first_error_on_any_rank(verify_share(windows, self.rank, world_size))
-            if error is not None:
-                raise ConfigError(error)
-        warning = stream_warning(windows, job_config.training.dataset, dims.dp_degree)
-        if warning is not None and self.rank == 0:
-            logger.warning(warning)
-        return DataLoader(
-            windows,
-            job_config.training.local_batch_size,
-            dp_rank=self.rank,
-            dp_degree=dims.dp_degree,
-            prefetch=data.prefetch,
-            pin_memory=self.device.type == "cuda",
-            allow_changed_data=data.allow_changed_data,
-        )
-
-    def _seed_from_hf(self, model_spec) -> None:
-        """Start from a Hugging Face folder's weights; the RoPE tables (not in the folder)
-        were set by init_weights."""
-        path = self.job_config.checkpoint.initial_load_path
-        try:
-            fingerprint = seed_from_hf(
-                path, self.model, self.plan.model_args, model_spec.state_dict_adapter, self.checkpointer.process_group
-            )
-        except ValueError as error:
-            raise CheckpointError(f"checkpoint.initial_load_path {error}") from error
-        logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
-
-    def _log_diagnostics(self, model, mesh) -> None:
-        """What was really built: settings, FSDP units, shard sizes; the compute dtype and
-        per-phase memory follow during the first steps."""
-        job_config, dims = self.job_config, self.plan.parallel_dims
-        training, ac = job_config.training, job_config.activation_checkpoint
-        settings = {
-            "strategy": dims.strategy,
-            "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape)),
-            "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
-            "param_dtype": training.mixed_precision_param,
-            "reduce_dtype": training.mixed_precision_reduce,
-            "cpu_offload": training.enable_cpu_offload,
-            "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
-            "compile": job_config.compile.components if job_config.compile.enable else "off",
-        }
-        blocks = list(model.layers.values())
-        log_startup(model, settings, len(blocks), sharded=mesh is not None, rank=self.rank)
-        self.dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
-        self.phase_memory = PhaseMemory(MemoryMonitor(self.device))
-
-    def _build_metrics(self) -> MetricsProcessor:
-        job_config = self.job_config
-        run_name = [default_run_name()]
-        if dist.is_initialized():  # one folder name for all ranks: rank 0's clock decides
-            dist.broadcast_object_list(run_name, src=0)
-        loggers = build_loggers(
-            job_config.metrics, job_config.job.dump_folder, self.rank, run_name[0], dataclasses.asdict(job_config)
-        )
-        return MetricsProcessor(
-            loggers,
-            MemoryMonitor(self.device),
-            flops_per_token(self.plan.model_args, job_config.training.seq_len),
-            resolve_peak_flops(job_config.metrics.peak_tflops, self.device),
-        )
+        log_run_summary(job_config, self.plan, model, self.device)
 
     # --- one optimizer step ------------------------------------------------------------
 
@@ -458,7 +174,7 @@ class Trainer(Stateful):
         nonfinite = ~torch.isfinite(grad_norm)
         # An async save may still be copying the weights; they must not change under it.
         self.checkpointer.wait_for_staging()
-        self._update_unless(nonfinite)
+        step_unless(self.optimizer, nonfinite)
         self.phase_memory.mark("optimizer")
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
@@ -466,18 +182,8 @@ class Trainer(Stateful):
             self.ema.update(skip=nonfinite)
         self.step += 1
         self.tokens_seen += global_tokens
-        self._unread_steps.append((self.step, nonfinite, grad_norm, loss_share))
+        self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share)
         return loss_share, grad_norm
-
-    def _update_unless(self, nonfinite: torch.Tensor) -> None:
-        """Apply the optimizer's update unless ``nonfinite`` (a flag on the device) is set."""
-        if self.optimizer.defaults.get("fused"):
-            # The fused kernel reads the flag on the device and then leaves the weights, the
-            # moments and the step count alone: the host does not wait for the norm.
-            self.optimizer.found_inf = nonfinite.float()
-            self.optimizer.step()
-        elif not nonfinite.item():  # the other kernels cannot skip by themselves: one wait per step
-            self.optimizer.step()
 
     # --- train_state, signals -----------------------------------------------------------
 
@@ -505,30 +211,7 @@ class Trainer(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step, self.tokens_seen = state_dict["step"], state_dict["tokens_seen"]
-        dims = self.plan.parallel_dims
-        saved = (state_dict["world_size"], state_dict["dp_replicate"], state_dict["dp_shard"])
-        if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard):
-            logger.info(
-                "resuming at step %d on %d rank(s) (replicate %d x shard %d) from a checkpoint written by "
-                "%d rank(s) (replicate %d x shard %d): model, optimizer and data position are resharded",
-                self.step,
-                dims.world_size,
-                dims.dp_replicate,
-                dims.dp_shard,
-                *saved,
-            )
-
-    def _save_on_signals(self) -> None:
-        """A scheduler preempting the job sends SIGTERM (SIGINT from a terminal): finish the
-        step, save, and exit cleanly instead of dying mid-step."""
-
-        def remember(signum, frame):
-            if self._stop_signal is None:
-                self._stop_signal_at = time.monotonic()
-            self._stop_signal = signum
-
-        signal.signal(signal.SIGTERM, remember)
-        signal.signal(signal.SIGINT, remember)
+        log_resharded_resume(self.step, self.plan.parallel_dims, state_dict)
 
     def _stop_requested(self) -> bool:
         """Whether any rank got a stop signal; all ranks must agree to save together, so
@@ -536,13 +219,9 @@ class Trainer(Stateful):
         if not self.job_config.checkpoint.enable:
             return False
         if not dist.is_initialized():
-            return self._stop_signal is not None
+            return self.stop_signal.received
         due = self.step % SYNC_EVERY == 0 or self.checkpointer.should_save(self.step, self.job_config.training.steps)
-        if not due:
-            return False
-        flag = torch.tensor([0 if self._stop_signal is None else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
-        return bool(flag.item())
+        return due and self.stop_signal.on_any_rank()
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         # Documents are read as training goes, so a bad record far into a file shows up
@@ -553,47 +232,12 @@ class Trainer(Stateful):
             raise DataError(str(error)) from error
 
     def _read_unread_steps(self) -> None:
-        """Read the flags of the steps since the last read (one wait for the device) and act
-        on them in order: warn about each skipped step, or stop at the first one past
-        training.skip_nonfinite_steps in a row. Called before every log line and save, so a
-        checkpoint never follows a step that should have stopped the run."""
-        if not self._unread_steps:
-            return
-        steps = [step for step, *_ in self._unread_steps]
-        flags, norms, shares = (torch.stack(column).tolist() for column in zip(*(u[1:] for u in self._unread_steps)))
-        self._unread_steps = []
-        limit = self.job_config.training.skip_nonfinite_steps
-        for step, nonfinite, norm, share in zip(steps, flags, norms, shares):
-            if not nonfinite:
-                self.nonfinite_in_a_row = 0
-                continue
-            what = f"gradient norm {norm}, this rank's loss share {share}"
-            if self.nonfinite_in_a_row < limit:
-                self.nonfinite_in_a_row += 1
-                logger.warning(
-                    "step %d skipped, the weights are unchanged: %s (%d in a row, at most %d)",
-                    step,
-                    what,
-                    self.nonfinite_in_a_row,
-                    limit,
-                )
-                continue
-            later = "" if step == self.step else f"; found at step {self.step}, and no step after it was saved"
-            raise NonFiniteError(
-                f"step {step}: {what}; its update was not applied, so every checkpoint holds finite weights"
-                f"{later} (training.skip_nonfinite_steps skips such steps instead)"
-            )
+        """Act on the non-finite flags of the steps since the last read (see UnreadSteps.read)."""
+        self.unread_steps.read(self.step)
 
     def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
-        """The loss over the global batch, and the largest of the ranks' own mean losses.
-        Every rank holds the same number of tokens, so a rank's mean is its share times
-        the number of ranks."""
-        if not dist.is_initialized():
-            return loss_share.item(), loss_share.item()
-        shares = [torch.zeros_like(loss_share) for _ in range(dist.get_world_size())]
-        dist.all_gather(shares, loss_share)
-        shares = torch.stack(shares)
-        return shares.sum().item(), (shares.max() * len(shares)).item()
+        """The loss over the global batch, and the largest of the ranks' own mean losses."""
+        return global_loss(loss_share)
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -612,7 +256,10 @@ class Trainer(Stateful):
                     record = self._one_step(log_freq)
                     profiler.step()
                     if self.step == first_step + 1:
-                        self._use_train_timeout()
+                        # Start-up (compiles, first all-gathers, loading) may be slow; after the first
+                        # step a collective that waits longer than train_timeout_seconds means a dead or
+                        # stuck rank, and failing beats hanging until the job's wall-clock limit.
+                        use_collective_timeout(self.mesh, self.job_config.comm.train_timeout_seconds)
                     if record is not None:
                         records.append(record)
                     self._validate_if_due()
@@ -625,12 +272,6 @@ class Trainer(Stateful):
             self.metrics.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
         return records
-
-    def _use_train_timeout(self) -> None:
-        """Start-up (compiles, first all-gathers, loading) may be slow; after the first
-        step a collective that waits longer than train_timeout_seconds means a dead or
-        stuck rank, and failing beats hanging until the job's wall-clock limit."""
-        use_collective_timeout(self.mesh, self.job_config.comm.train_timeout_seconds)  # checkpoint saves keep theirs
 
     def _one_step(self, log_freq: int) -> StepRecord | None:
         """Train one step; log it when it is due and return what was logged."""
@@ -681,24 +322,9 @@ class Trainer(Stateful):
         if stop:
             self.checkpointer.save_at_stop(self.step)  # waits for a save still in flight, or saves this step
             self._fail_if_not_saved("the save on a stop signal")
-            self._report_stop_time()
+            self.stop_signal.report_time(self.job_config.checkpoint.stop_save_seconds)
             return True
         return False
-
-    def _report_stop_time(self) -> None:
-        """Say how much of the launchers' grace after a stop signal the stop used, the figure
-        to size checkpoint.stop_save_seconds by."""
-        if self._stop_signal_at is None:  # the signal reached other ranks only
-            return
-        took, grace = time.monotonic() - self._stop_signal_at, self.job_config.checkpoint.stop_save_seconds
-        # A shared filesystem's write speed varies from save to save: ask for room to spare.
-        tight = took > grace / 2
-        (logger.warning if tight else logger.info)(
-            "stop signal: saved %.1f s after it, of the %d s the launchers give (checkpoint.stop_save_seconds)%s",
-            took,
-            grace,
-            "; raise it to leave room" if tight else "",
-        )
 
     def _fail_if_not_saved(self, which: str) -> None:
         """continue_on_save_error lets training go on past a failed save, trusting a later
@@ -733,13 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"titanlite: config error: {error}", 2, rank0)
     try:
         if job_config.job.validate_only:
-            plan = plan_run(job_config, world_size_from_env())
-            check_memory_floor(job_config, plan)
-            load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
-            print(
-                f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
-                f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
-            )
+            print(check_config(job_config))
             return 0
         trainer = Trainer(job_config)
     except (ConfigError, CheckpointError) as error:
@@ -759,14 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     except (dist.DistError, RuntimeError) as error:
         if not is_collective_failure(error):
             raise
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        dump = trainer.flight_recorder_dump
-        where = "" if dump is None else f"; NCCL flight recorder dump: {dump}"
-        return fail(
-            f"titanlite: rank {trainer.rank}: a collective failed after step {trainer.step} (did another "
-            f"rank die or hang? see its log): {first_line[:300]}{where}",
-            1,
-        )
+        return fail(collective_failure_line(error, trainer.rank, trainer.step, trainer.flight_recorder_dump), 1)
     finally:
         destroy_distributed()
     return 0

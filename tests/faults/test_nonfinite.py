@@ -6,7 +6,8 @@ import torch
 
 from tests.multiprocess import register_tiny_flavor
 from titanlite.config import parse_args
-from titanlite.train import NonFiniteError, Trainer
+from titanlite.errors import NonFiniteError
+from titanlite.train import Trainer
 
 ARGS = [
     "--model.flavor",

@@ -1,21 +1,16 @@
 """Estimates made before a run: how long a step takes (step_time) on which hardware,
-and how much memory each rank needs (memory)."""
+how much memory each rank needs (memory, simulated), and the floor below which a run
+surely cannot fit (floor, by arithmetic)."""
 
-# --- step time and hardware ---
-from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
-
-# --- memory ---
-from titanlite.estimate.memory import (
-    EstimateError,
-    MemoryEstimate,
+from titanlite.estimate.floor import (
     ModelStateBytes,
+    check_memory_floor,
     device_memory_bytes,
-    estimate_memory,
     exact_model_state_bytes,
-    fits,
-    measure_real_memory,
     step_floor_bytes,
 )
+from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
+from titanlite.estimate.memory import EstimateError, MemoryEstimate, estimate_memory, fits, measure_real_memory
 from titanlite.estimate.step_time import (
     DEFAULT_EFFICIENCY,
     StepTimeEstimate,
@@ -26,6 +21,7 @@ from titanlite.estimate.step_time import (
 
 __all__ = [
     "EstimateError",
+    "check_memory_floor",
     "MemoryEstimate",
     "ModelStateBytes",
     "device_memory_bytes",

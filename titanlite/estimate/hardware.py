@@ -12,9 +12,9 @@ Peak FLOP/s are not written here: they come from ``titanlite.metrics.flops`` (th
 MFU is logged against), so the estimate and the training log use the same number.
 """
 
-import difflib
 from dataclasses import dataclass, fields, replace
 
+from titanlite.errors import unknown_name
 from titanlite.metrics.flops import peak_flops_per_device
 
 GiB = 2**30
@@ -85,17 +85,10 @@ HARDWARE: dict[str, Hardware] = {
 _FIELD_TYPES = {f.name: f.type for f in fields(Hardware) if f.name != "name"}
 
 
-def _unknown(kind: str, value: str, choices) -> ValueError:
-    """'x is not known (choose from ...)' with a did-you-mean hint when one name is close."""
-    close = difflib.get_close_matches(value, list(choices), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return ValueError(f"{kind} '{value}' is not known (choose from {', '.join(choices)}){hint}")
-
-
 def _check_override(field_name: str, value) -> float | int:
     """An override must be a positive number; gpus_per_node must be a whole number."""
     if field_name not in _FIELD_TYPES:
-        raise _unknown("hardware field", field_name, _FIELD_TYPES)
+        raise ValueError(unknown_name("hardware field", field_name, _FIELD_TYPES))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"hardware {field_name} must be a positive number, got {value!r}")
     if field_name in ("gpus_per_node", "memory_bytes"):
@@ -113,7 +106,7 @@ def get_hardware(name: str, **overrides) -> Hardware:
     """
     key = name.strip().lower().replace("-", "").replace("_", "")
     if key not in HARDWARE:
-        raise _unknown("hardware", name, HARDWARE)
+        raise ValueError(unknown_name("hardware", name, HARDWARE))
     changes = {k: _check_override(k, v) for k, v in overrides.items() if v is not None}
     return replace(HARDWARE[key], **changes)
 

@@ -27,13 +27,22 @@ Assumptions (each is also stated where it is used):
 """
 
 import math
+import typing
 from dataclasses import dataclass, replace
 
+from titanlite.config import Training
+from titanlite.dtypes import DTYPES
+from titanlite.estimate.communication import (
+    fsdp_bytes,
+    group_spans_nodes,
+    link,
+    regathered_params,
+    replicate_all_reduce_bytes,
+)
 from titanlite.estimate.hardware import Hardware, get_hardware
-from titanlite.metrics.flops import count_params, flops_per_token, mfu
+from titanlite.metrics.flops import count_params, flops_per_token, mfu, param_counts
 from titanlite.models.llama.args import LlamaArgs
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.parallelize import DTYPES
 
 # Fraction of the peak a well-tuned bf16 transformer step reaches on its matmuls
 # (attention and elementwise kernels included). Llama pretraining on H100/A100 with
@@ -76,7 +85,7 @@ class StepTimeEstimate:
     step_s: float
     # verdict
     verdict: str  # "compute-bound" or "communication-bound"
-    threshold_tokens_per_device: float | None  # the seed's C / W; None with no communication
+    threshold_tokens_per_device: float | None  # the compute-to-communication ratio C / W; None with no communication
     break_even_tokens_per_device: float  # per micro-batch, where compute_s == comm_s here
     tokens_per_second_per_device: float
     mfu_percent: float
@@ -106,19 +115,8 @@ class StepTimeEstimate:
 # --- formulas: one small function each ------------------------------------------------------
 
 
-def ring_bytes(total_bytes: float, group_size: int) -> float:
-    """Bytes one rank sends in a ring all-gather or reduce-scatter of ``total_bytes``:
-
-        total_bytes x (n - 1) / n
-
-    Each rank owns 1/n of the data and must pass on the other n - 1 pieces. An
-    all-reduce (reduce-scatter then all-gather) is twice this. n = 1 sends nothing.
-    """
-    return total_bytes * (group_size - 1) / group_size
-
-
 def threshold_tokens_per_device(peak_flops: float, bandwidth: float) -> float:
-    """The seed's roofline threshold (data parallelism and FSDP alike):
+    """The roofline threshold, the compute-to-communication ratio (data parallelism and FSDP alike):
 
         tokens per device > C / W   =>   compute-bound
 
@@ -127,37 +125,6 @@ def threshold_tokens_per_device(peak_flops: float, bandwidth: float) -> float:
     all-reduce (2 x 2 bytes): the per-token FLOPs and the per-parameter bytes cancel.
     """
     return peak_flops / bandwidth
-
-
-def param_counts(args: LlamaArgs) -> tuple[int, int, int]:
-    """(all parameters, one block's, the root unit's), from metrics.flops.count_params:
-
-        root  = embedding + final norm + output = V x d + d + d x V
-        block = (count_params(no embedding) - d - d x V) / n_layers
-
-    The FSDP units are one per block plus the root (embedding, final norm, output).
-    """
-    total = count_params(args, include_embedding=True)
-    head = args.dim + args.dim * args.vocab_size  # final norm + output projection
-    block = (count_params(args, include_embedding=False) - head) // args.n_layers
-    return total, block, head + args.vocab_size * args.dim
-
-
-def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
-    """Parameters all-gathered a second time in backward, per micro-batch:
-
-    always  -> all of them (FULL_SHARD / ZeRO-3: every unit freed after forward)
-    default -> all - last block - root (titanlite keeps the last block, which backward
-               needs first, and the root unsharded after forward: the seed's
-               "don't drop the last layer" optimisation)
-    never   -> 0 (SHARD_GRAD_OP / ZeRO-2: forward's gathered weights stay)
-    """
-    total, block, root = param_counts(args)
-    if reshard_after_forward == "always":
-        return total
-    if reshard_after_forward == "default":
-        return total - block - root
-    return 0
 
 
 def recompute_fraction(n_layers: int, ac_mode: str, selective_ac_option: str) -> float:
@@ -180,14 +147,15 @@ def recompute_fraction(n_layers: int, ac_mode: str, selective_ac_option: str) ->
 def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float) -> float:
     """Extra FLOPs per token from recomputation: that fraction of the blocks' forward,
 
-        fraction x (F - 6 x (d + d x V)) / 3
+        fraction x (F - 6 x head) / 3,   head = final norm + output projection parameters
 
     F is metrics.flops.flops_per_token; removing the output layer (and final norm) leaves
     the blocks' forward + backward, and the forward is 2 of its 6 FLOPs per weight (and
     a third of attention's). Full AC is therefore a little under +1 forward (8/6 of F):
-    the output projection, outside the blocks, is never recomputed.
+    the output projection, outside the blocks, is never recomputed. The final norm's and the
+    output's parameters are counted on the model (metrics.flops.param_counts).
     """
-    blocks = model_flops_per_token - 6 * (args.dim + args.dim * args.vocab_size)
+    blocks = model_flops_per_token - 6 * param_counts(args).head
     return fraction * blocks / 3
 
 
@@ -197,61 +165,6 @@ def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float,
     (model FLOPs + recomputed FLOPs) per token x tokens per device / (peak x efficiency)
     """
     return flops_per_token_done * tokens / (peak_flops * efficiency)
-
-
-def fsdp_bytes(
-    params: int, regathered: int, param_bytes: int, reduce_bytes: int, dp_shard: int, micro_batches: int
-) -> tuple[float, float]:
-    """Per-device (all-gather, reduce-scatter) bytes in one step of the shard group:
-
-        all-gather     = micro_batches x (params + regathered) x param_bytes x (s - 1) / s
-        reduce-scatter = micro_batches x params x reduce_bytes x (s - 1) / s
-
-    Every micro-batch gathers every parameter for its forward (FSDP reshards after each
-    backward) and, unless resharding is "never", again for its backward; every
-    micro-batch reduce-scatters its gradients (titanlite only skips the replicate
-    all-reduce on early micro-batches). With reshard "always" and one dtype that is
-    3 collectives per layer, each moving one model's worth: the seed's "3x intra-group".
-    """
-    gather = micro_batches * ring_bytes((params + regathered) * param_bytes, dp_shard)
-    scatter = micro_batches * ring_bytes(params * reduce_bytes, dp_shard)
-    return gather, scatter
-
-
-def replicate_all_reduce_bytes(params: int, reduce_bytes: int, dp_shard: int, dp_replicate: int) -> float:
-    """Per-device bytes of the all-reduce across replicas (HSDP, DDP), once per step:
-
-        2 x (params / s) x reduce_bytes x (r - 1) / r
-
-    Each device all-reduces only its gradient shard (1/s of the model) with the devices
-    holding the same shard in the other replicas: the seed's "1 all_reduce at the end".
-    """
-    return 2 * ring_bytes(params / dp_shard * reduce_bytes, dp_replicate)
-
-
-def group_spans_nodes(dp_replicate: int, dp_shard: int, gpus_per_node: int, dim: str) -> bool:
-    """Whether any group of mesh dimension ``dim`` ("shard" or "replicate") has ranks on
-    two nodes. Ranks fill the (replicate, shard) mesh row by row, rank = i x s + j, and
-    nodes hold consecutive ranks, so a group spans nodes when its first and last rank
-    sit on different nodes: shard groups are s consecutive ranks, replicate groups have
-    stride s. One straddling group is enough: a collective waits for its slowest group.
-    """
-    g = gpus_per_node
-    if dim == "shard":
-        firsts, span = range(0, dp_replicate * dp_shard, dp_shard), dp_shard - 1
-    else:
-        firsts, span = range(dp_shard), (dp_replicate - 1) * dp_shard
-    return any(first // g != (first + span) // g for first in firsts)
-
-
-def link(hardware: Hardware, group_size: int, spans_nodes: bool) -> tuple[str, float]:
-    """(name, bytes/s) of the link a group's collective runs over: none for a group of one,
-    inter-node when the group spans nodes, intra-node otherwise."""
-    if group_size == 1:
-        return "none", math.inf
-    if spans_nodes:
-        return "inter-node", hardware.inter_node_bw
-    return "intra-node", hardware.intra_node_bw
 
 
 def overlapped_step_seconds(compute_s: float, comm_s: float, n_units: int) -> tuple[float, float]:
@@ -277,7 +190,7 @@ def break_even_tokens(
         comm per micro-batch x peak x efficiency / FLOPs done per token
 
     With bf16 parameters and gradients, reshard "always", no recomputation, efficiency 1
-    and a large group this is the seed's C / W (to within the embedding's share of the
+    and a large group this is the roofline's C / W (to within the embedding's share of the
     parameters and attention's share of the FLOPs): 6 bytes and 6 FLOPs per parameter.
     """
     return comm_s / micro_batches * peak_flops * efficiency / flops_per_token_done
@@ -307,6 +220,12 @@ def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None) ->
     return ParallelDims.resolve(dp_replicate, dp_shard, world_size)
 
 
+def _precision_choices(field_name: str) -> tuple[str, ...]:
+    """The dtype names the config accepts for training.``field_name``, in DTYPES' order."""
+    allowed = typing.get_args(Training.__annotations__[field_name])
+    return tuple(name for name in DTYPES if name in allowed)
+
+
 def _check_choices(
     ac_mode: str,
     selective_ac_option: str,
@@ -319,8 +238,8 @@ def _check_choices(
     for name, value, choices in (
         ("reshard_after_forward", reshard_after_forward, RESHARD_POLICIES),
         ("ac_mode", ac_mode, AC_MODES),
-        ("param_dtype", param_dtype, tuple(DTYPES)),
-        ("reduce_dtype", reduce_dtype, tuple(DTYPES)),
+        ("param_dtype", param_dtype, _precision_choices("mixed_precision_param")),
+        ("reduce_dtype", reduce_dtype, _precision_choices("mixed_precision_reduce")),
     ):
         if value not in choices:
             raise ValueError(f"{name} '{value}' is not known (choose from {', '.join(choices)})")
@@ -397,7 +316,7 @@ def estimate_step_time(
 
     step_s, exposed_s = overlapped_step_seconds(compute_s, comm_s, model_args.n_layers + 1)
     tokens_per_s = step_tokens / step_s
-    # The seed's C / W uses the link that carries the heavy traffic: the FSDP shard group,
+    # The threshold C / W uses the link that carries the heavy traffic: the FSDP shard group,
     # or the replicate group for pure DDP.
     heavy_bw = shard_bw if s > 1 else replicate_bw
     return StepTimeEstimate(
@@ -424,7 +343,7 @@ def estimate_step_time(
         exposed_comm_s=exposed_s,
         overlapped=True,
         step_s=step_s,
-        # The seed: compute-bound when T_math / T_comms > 1.
+        # Compute-bound when the compute time exceeds the communication time.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         threshold_tokens_per_device=(
             None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)

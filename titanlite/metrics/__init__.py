@@ -3,7 +3,7 @@ go under, model FLOPs and MFU, and peak memory per logging window.
 
 The trainer builds one logger with build_loggers(...) and calls log({tag: value}, step)
 on it; the tag constants (LOSS, TPS, MFU, ...) name every series. Nothing here imports
-the trainer, the parallel room or the checkpoint room.
+the trainer, the parallel package or the checkpoint package.
 """
 
 from titanlite.metrics.flops import (

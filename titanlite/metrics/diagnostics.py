@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.metrics.memory import MemoryMonitor
 
 logger = logging.getLogger("titanlite")
-# Per-rank lines go through their own logger, shown on every rank (see train.setup_logging).
+# Per-rank lines go through their own logger, shown on every rank (see titanlite.logs.setup_logging).
 rank_logger = logging.getLogger("titanlite.every_rank")
 SAMPLE_UNITS = 4
 

@@ -6,32 +6,54 @@ token, times the tokens per second achieved, with the device's dense peak. Recom
 useful work, not work done.
 """
 
+import functools
 import re
+from dataclasses import dataclass
 
 import torch
 
-from titanlite.models.llama.args import LlamaArgs
+from titanlite.models.llama import LlamaArgs, Transformer
 
 # --- parameter counts ----------------------------------------------------------------------
 
 
-def _block_params(args: LlamaArgs) -> int:
-    """Parameters of one transformer block."""
-    d, hd, hidden = args.dim, args.head_dim, args.ffn_hidden_dim
-    attention = d * args.n_heads * hd + 2 * d * args.kv_heads * hd + args.n_heads * hd * d  # wq, wk+wv, wo
-    feed_forward = 3 * d * hidden  # w1, w2, w3 (SwiGLU)
-    norms = 2 * d  # attention_norm, ffn_norm
-    return attention + feed_forward + norms
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of titanlite's Llama Transformer, by the parts FSDP shards as units."""
+
+    total: int
+    embedding: int  # the token embedding table
+    blocks: tuple[int, ...]  # each transformer block's, in order
+
+    @property
+    def root(self) -> int:
+        """The root unit's: the embedding, the final norm and the output projection."""
+        return self.total - sum(self.blocks)
+
+    @property
+    def head(self) -> int:
+        """The final norm's and the output projection's (the root without the embedding)."""
+        return self.root - self.embedding
+
+
+def _numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@functools.lru_cache(maxsize=64)
+def param_counts(args: LlamaArgs) -> ParamCounts:
+    """Counted on the model itself, built on the meta device (shapes only, no memory), so
+    the counts follow the model's layout wherever it changes."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    return ParamCounts(_numel(model), _numel(model.tok_embeddings), tuple(_numel(b) for b in model.layers.values()))
 
 
 def count_params(args: LlamaArgs, include_embedding: bool = True) -> int:
-    """Parameters of titanlite's Llama Transformer, from the hyper-parameters alone (no
-    model needed). The output projection is not tied to the embedding, so it counts
-    even when the embedding table is left out."""
-    embedding = args.vocab_size * args.dim
-    final_norm_and_output = args.dim + args.dim * args.vocab_size
-    total = args.n_layers * _block_params(args) + final_norm_and_output
-    return total + embedding if include_embedding else total
+    """Parameters of titanlite's Llama Transformer. The output projection is not tied to the
+    embedding, so it counts even when the embedding table is left out."""
+    counts = param_counts(args)
+    return counts.total if include_embedding else counts.total - counts.embedding
 
 
 def flops_per_token(args: LlamaArgs, seq_len: int) -> int:

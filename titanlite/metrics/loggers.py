@@ -134,7 +134,7 @@ class ConsoleLogger(MetricLogger):
         mfu: 41.20%  memory: 12.30GiB(15.5%)  step_time: 0.512s
 
     (on one line). Fields a step does not carry (MFU on CPU, say) are left out. Which
-    ranks actually print is decided by the logger's level (see setup_logging in train.py).
+    ranks actually print is decided by the logger's level (see setup_logging in titanlite/logs.py).
     """
 
     def __init__(self, color: bool = True):

@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 from titanlite.metrics.flops import mfu, tflops
 from titanlite.metrics.loggers import (
@@ -29,6 +30,17 @@ from titanlite.metrics.loggers import (
     MetricLogger,
 )
 from titanlite.metrics.memory import MemoryMonitor
+
+
+@dataclass
+class StepRecord:
+    """What one logged step measured (the same numbers the console line shows)."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens_per_second: float
 
 
 class MetricsProcessor:

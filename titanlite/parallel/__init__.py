@@ -15,10 +15,9 @@ from titanlite.parallel.distributed import (
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.parallelize import DTYPES, compute_context, parallelize_decoder
+from titanlite.parallel.parallelize import compute_context, parallelize_decoder
 
 __all__ = [
-    "DTYPES",
     "ParallelDims",
     "clip_grad_norm_",
     "compute_context",

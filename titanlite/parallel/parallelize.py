@@ -19,9 +19,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config import JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.parallel.parallel_dims import ParallelDims
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Ops whose outputs per-op selective checkpointing keeps: the matmuls and the attention
 # kernels, which are most of the FLOPs. Everything else (norms, RoPE, SwiGLU's gate) is

@@ -45,7 +45,7 @@ def build_validation_documents(validation_config) -> DocumentSource:
     try:
         return build_documents(validation_config.dataset, validation_config.dataset_path, split=VALIDATION_SPLIT)
     except ValueError as error:
-        # The data room names "dataset" / "dataset_path"; say which section they belong to.
+        # The data package names "dataset" / "dataset_path"; say which section they belong to.
         message = str(error)
         prefix = "validation." if message.startswith("dataset") else "validation dataset: "
         raise ValueError(prefix + message) from None

@@ -1,0 +1,173 @@
+"""One training step under PyTorch's memory tracker, and its bytes folded into the figures
+the memory estimate reports (see titanlite.estimate.memory for what each figure means).
+
+``FSDPMemTracker`` running under an outer ``FakeTensorMode`` also counts the global-shape fake
+tensors DTensor creates to infer output shapes (during gradient clipping and the optimizer
+step); those are never allocated, so the trackers here ignore them.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+from titanlite.estimate.floor import ModelStateBytes
+from titanlite.loss import cross_entropy_sum
+from titanlite.parallel import clip_grad_norm_
+
+# The tracker's category names (FSDPMemTracker's, then the plain MemTracker's used for a
+# single process) folded into the figures this module reports.
+_CATEGORY = {
+    "Sharded Param": "parameters",
+    "Parameter": "parameters",
+    "Sharded Grad": "gradients",
+    "Gradient": "gradients",
+    "OptState": "optimizer_state",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Unsharded Param": "temporary",
+    "Unsharded Grad": "temporary",
+    "All Gather": "temporary",
+    "Reduce Scatter": "temporary",
+    "Temp": "temporary",
+    "Buffer": "other",
+    "Inputs": "other",
+    "Other": "other",
+}
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporary", "other")
+
+
+def _snapshot_totals(snapshot: dict) -> dict[str, int]:
+    """A tracker snapshot ({device: {category: bytes}}) summed over devices, by name."""
+    totals: dict[str, int] = {}
+    for device_snapshot in snapshot.values():
+        for kind, nbytes in device_snapshot.items():
+            name = getattr(kind, "value", kind)
+            totals[name] = totals.get(name, 0) + nbytes
+    return totals
+
+
+def _category_sum(totals: dict[str, int], category: str) -> int:
+    """Bytes of the tracker's categories that fold into one of CATEGORIES."""
+    return sum(nbytes for name, nbytes in totals.items() if _CATEGORY.get(name) == category)
+
+
+class _CategoryPeaks:
+    """Mixin for the memory trackers: remembers every category's own peak, and ignores
+    DTensor's shape-inference tensors (see the module docstring)."""
+
+    def _setup_extras(self) -> None:
+        self.category_peaks: dict[str, int] = {}
+        self._inferring_shapes = 0
+
+    def _update_peak_stats(self, peak_state) -> None:
+        super()._update_peak_stats(peak_state)
+        for name, nbytes in _snapshot_totals(self._curr_mem_snap).items():
+            self.category_peaks[name] = max(self.category_peaks.get(name, 0), nbytes)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._inferring_shapes:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    @contextlib.contextmanager
+    def ignoring_shape_inference(self):
+        """DTensor infers an op's output shape by running it on global-shape fake tensors in
+        the active fake mode, which is ours in a fake run; nothing of that is allocated."""
+        original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def propagate(propagator, op_schema):
+            self._inferring_shapes += 1
+            try:
+                return original(propagator, op_schema)
+            finally:
+                self._inferring_shapes -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+        try:
+            yield
+        finally:
+            ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+class _FSDPTracker(_CategoryPeaks, FSDPMemTracker):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__(model, optimizer)
+        self._setup_extras()
+
+
+class _PlainTracker(_CategoryPeaks, MemTracker):
+    """A single process has no FSDP module, which FSDPMemTracker requires."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        super().__init__()
+        self._setup_extras()
+        self.track_external(model, optimizer)
+
+
+@dataclass
+class StepMemory:
+    """What the tracker saw during one step (tracker category names, bytes)."""
+
+    at_start: dict[str, int]
+    at_peak: dict[str, int]
+    category_peaks: dict[str, int]
+
+
+def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, keep_gradients: bool) -> None:
+    """Create the optimizer state with one step on zero gradients, so that the measured
+    step is like every step after the first (state resident during forward/backward).
+    With gradient accumulation the gradients of the earlier micro-batches are resident
+    during the last one, the worst; keeping the zero gradients measures that one."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    if not keep_gradients:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def tracked_step(model, optimizer, batch, global_tokens: int, max_norm: float, context) -> StepMemory:
+    """One training step as the trainer runs it, under the memory tracker. The gradients are
+    left in place so that the caller can look at them."""
+    inputs, labels = batch
+    tracker_cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
+    tracker = tracker_cls(model, optimizer)
+    if isinstance(tracker, FSDPMemTracker):
+        tracker.track_inputs(batch)
+    with tracker.ignoring_shape_inference(), tracker:
+        at_start = _snapshot_totals(tracker.get_tracker_snapshot())
+        with context:
+            logits = model(inputs)
+            loss = cross_entropy_sum(logits, labels) / global_tokens
+        del logits
+        loss.backward()
+        clip_grad_norm_(model.parameters(), max_norm)
+        optimizer.step()
+    return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)
+
+
+def fold_step(step: StepMemory) -> tuple[dict[str, int], ModelStateBytes, int]:
+    """Tracker categories -> (peak breakdown, resident model state, activation peak).
+
+    The tracker files the optimizer step's scratch tensors as optimizer state; the resident
+    state is what was there when tracking started (the primed state), and anything above
+    it at the peak is moved to "temporary".
+    """
+    peak = {category: _category_sum(step.at_peak, category) for category in CATEGORIES}
+    resident_state = _category_sum(step.at_start, "optimizer_state")
+    scratch = max(0, peak["optimizer_state"] - resident_state)
+    peak["optimizer_state"] -= scratch
+    peak["temporary"] += scratch
+    peak["total"] = sum(peak[name] for name in CATEGORIES)
+    measured = ModelStateBytes(
+        parameters=_category_sum(step.at_start, "parameters"),
+        # Each gradient's own category peak is when all of them exist, after backward.
+        gradients=_category_sum(step.category_peaks, "gradients"),
+        optimizer_state=resident_state,
+    )
+    return peak, measured, _category_sum(step.category_peaks, "activations")

@@ -1,0 +1,24 @@
+"""The training loss: one definition for the trainer (and its held-out evaluation) and the memory
+estimator; and its value over the global batch, for the log."""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) next-token loss; the caller divides by the global token count.
+    The float32 copy of the logits is one of the step's largest activations."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+def global_loss(loss_share: torch.Tensor) -> tuple[float, float]:
+    """The loss over the global batch, and the largest of the ranks' own mean losses, from
+    this rank's share of the global mean (a collective on every rank). Every rank holds the
+    same number of tokens, so a rank's mean is its share times the number of ranks."""
+    if not dist.is_initialized():
+        return loss_share.item(), loss_share.item()
+    shares = [torch.zeros_like(loss_share) for _ in range(dist.get_world_size())]
+    dist.all_gather(shares, loss_share)
+    shares = torch.stack(shares)
+    return shares.sum().item(), (shares.max() * len(shares)).item()

@@ -1,0 +1,111 @@
+"""Run planning: what a job config asks for, checked before any process group or tensor
+exists, and the one way a run's model is built.
+
+The trainer and the estimators both start here, so an estimate describes exactly the run
+the trainer would make (same layout, same batch plan, same model build)."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from titanlite.config import ConfigError, JobConfig
+from titanlite.data import build_tokenizer, open_windows
+from titanlite.parallel import ParallelDims
+from titanlite.registry import get_model_args, get_model_spec
+from titanlite.validation import build_validation_documents
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything decided from the config before any process group or tensor exists."""
+
+    parallel_dims: ParallelDims
+    model_args: object
+    global_batch_size: int
+    grad_accum_steps: int
+
+
+def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
+    """Cross-check the config against the registry, the world size and the tokenizer.
+    Every problem is a one-line ConfigError; nothing is created or written."""
+    training, parallelism = job_config.training, job_config.parallelism
+    model_args = get_model_args(job_config.model.name, job_config.model.flavor).with_seq_len(training.seq_len)
+    try:
+        parallel_dims = ParallelDims.resolve(
+            parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if training.enable_cpu_offload and parallel_dims.world_size == 1:
+        raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one rank")
+
+    try:
+        global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return RunPlan(parallel_dims, model_args, global_batch, accumulation)
+
+
+def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
+    """The tokenizer and the training windows (prepared data opened, or a raw stream), checked
+    against the model's vocabulary. The built-in corpus is prepared on first use."""
+    training, data = job_config.training, job_config.data
+    hf_assets_path = job_config.model.hf_assets_path
+    try:
+        tokenizer = build_tokenizer(hf_assets_path)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if tokenizer.eos_id is None:
+        raise ConfigError(
+            f"model.hf_assets_path: the tokenizer at {hf_assets_path} has no EOS token, "
+            "which packing needs between documents"
+        )
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
+            f"{job_config.model.flavor} embeds only {vocab_size}; pick a matching model.flavor or model.hf_assets_path"
+        )
+    try:
+        windows = open_windows(
+            training.dataset,
+            training.dataset_path,
+            tokenizer,
+            training.seq_len,
+            hf_assets_path=hf_assets_path,
+            shuffle=data.shuffle,
+            seed=data.seed,
+            cache_folder=data.cache_folder,
+        )
+        if job_config.validation.enable:
+            build_validation_documents(job_config.validation)  # only to find a bad path now
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return tokenizer, windows
+
+
+def meta_model(job_config: JobConfig, model_args) -> nn.Module:
+    """The config's model on the meta device: every parameter's shape and dtype, no memory."""
+    with torch.device("meta"):
+        return get_model_spec(job_config.model.name).model_cls(model_args)
+
+
+def build_model(
+    job_config: JobConfig,
+    plan: RunPlan,
+    mesh,
+    device: torch.device | str | None = None,
+    buffer_device: torch.device | None = None,
+) -> nn.Module:
+    """The run's model in training mode: built on meta, parallelised by the registry's function
+    (activation checkpointing, compile, FSDP over ``mesh``), then, when ``device`` is given,
+    materialised there shard by shard and initialised from debug.seed, its buffers (the RoPE
+    tables) on ``buffer_device`` (default: ``device``). Without ``device`` it stays on meta,
+    for a caller that materialises it its own way (e.g. as fake tensors)."""
+    model = meta_model(job_config, plan.model_args)
+    model = get_model_spec(job_config.model.name).parallelize_fn(model, plan.parallel_dims, mesh, job_config)
+    if device is not None:
+        model.to_empty(device=device)
+        model.init_weights(seed=job_config.debug.seed, buffer_device=buffer_device or torch.device(device))
+    model.train()
+    return model

@@ -1,0 +1,201 @@
+"""The parts of a run the Trainer builds from the config beside the model and optimizer:
+this rank's processes, the data loader, the metrics, the held-out validator, a seed from
+Hugging Face weights, and what start-up logs about them. Each is a plain function of what
+it needs, so the Trainer's constructor reads as a list; ``check_config`` is the same
+start-up's checks alone (job.validate_only)."""
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanlite.checkpoint import CheckpointError
+from titanlite.checkpoint.hf import seed_from_hf
+from titanlite.config import ConfigError, JobConfig
+from titanlite.data import DataLoader, stream_warning, verify_share
+from titanlite.dtypes import DTYPES
+from titanlite.estimate import check_memory_floor
+from titanlite.logs import setup_logging
+from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
+from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
+from titanlite.metrics.processor import MetricsProcessor
+from titanlite.parallel import (
+    ParallelDims,
+    first_error_on_any_rank,
+    init_distributed,
+    pick_device,
+    use_collective_timeout,
+    world_size_from_env,
+)
+from titanlite.plan import RunPlan, load_tokenizer_and_data, plan_run
+from titanlite.validation import Validator, build_validator
+
+logger = logging.getLogger("titanlite")
+
+
+def check_config(job_config: JobConfig) -> str:
+    """Every check the trainer makes before it starts (layout, memory floor, tokenizer, data),
+    and nothing else; the one line that says the plan. A problem is a ConfigError."""
+    plan = plan_run(job_config, world_size_from_env())
+    check_memory_floor(job_config, plan)
+    load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
+    return (
+        f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
+        f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+    )
+
+
+def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device, int, object, str | None]:
+    """(device, rank, mesh, flight recorder dump path): this rank's device and process group,
+    its logging and seeds, and the device mesh with the run's start-up timeout."""
+    device = pick_device()
+    flight_recorder_dump = init_distributed(device, job_config.comm, job_config.job.dump_folder)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    setup_logging(rank)
+    if flight_recorder_dump is not None:
+        # NCCL's watchdog may end the process on a timeout before any error reaches
+        # Python, so the place is said up front too.
+        logger.info(
+            "NCCL flight recorder on: a collective timeout writes this rank's record to %s", flight_recorder_dump
+        )
+    torch.manual_seed(job_config.debug.seed)
+    if job_config.debug.deterministic:
+        torch.use_deterministic_algorithms(True)
+    mesh = plan.parallel_dims.build_mesh(device.type)
+    # init_device_mesh makes HSDP's and DDP's sub-groups with PyTorch's default timeout
+    # (30 min on gloo, 10 on NCCL): they get the run's, here and after the first step.
+    use_collective_timeout(mesh, job_config.comm.init_timeout_seconds)
+    return device, rank, mesh, flight_recorder_dump
+
+
+def build_loader(job_config: JobConfig, plan: RunPlan, windows, rank: int, device: torch.device) -> DataLoader:
+    """The loader over ``windows``, once the ranks agree the prepared files are intact. Data
+    parallelism is the only dimension, so the data-parallel rank is the global rank."""
+    data, dims = job_config.data, plan.parallel_dims
+    if data.verify_checksums:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        error = first_error_on_any_rank(verify_share(windows, rank, world_size))
+        if error is not None:
+            raise ConfigError(error)
+    warning = stream_warning(windows, job_config.training.dataset, dims.dp_degree)
+    if warning is not None and rank == 0:
+        logger.warning(warning)
+    return DataLoader(
+        windows,
+        job_config.training.local_batch_size,
+        dp_rank=rank,
+        dp_degree=dims.dp_degree,
+        prefetch=data.prefetch,
+        pin_memory=device.type == "cuda",
+        allow_changed_data=data.allow_changed_data,
+    )
+
+
+def log_built_model(
+    job_config: JobConfig, plan: RunPlan, model: nn.Module, mesh, rank: int, device: torch.device
+) -> tuple[ComputeDtypeProbe, PhaseMemory]:
+    """Log what was really built (settings, FSDP units, shard sizes); returns the probes that
+    report the compute dtype and the per-phase memory during the first steps."""
+    dims, training, ac = plan.parallel_dims, job_config.training, job_config.activation_checkpoint
+    settings = {
+        "strategy": dims.strategy,
+        "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+        "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
+        "param_dtype": training.mixed_precision_param,
+        "reduce_dtype": training.mixed_precision_reduce,
+        "cpu_offload": training.enable_cpu_offload,
+        "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
+        "compile": job_config.compile.components if job_config.compile.enable else "off",
+    }
+    blocks = list(model.layers.values())
+    log_startup(model, settings, len(blocks), sharded=mesh is not None, rank=rank)
+    dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
+    return dtype_probe, PhaseMemory(MemoryMonitor(device))
+
+
+def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch.device) -> MetricsProcessor:
+    run_name = [default_run_name()]
+    if dist.is_initialized():  # one folder name for all ranks: rank 0's clock decides
+        dist.broadcast_object_list(run_name, src=0)
+    loggers = build_loggers(
+        job_config.metrics, job_config.job.dump_folder, rank, run_name[0], dataclasses.asdict(job_config)
+    )
+    return MetricsProcessor(
+        loggers,
+        MemoryMonitor(device),
+        flops_per_token(plan.model_args, job_config.training.seq_len),
+        resolve_peak_flops(job_config.metrics.peak_tflops, device),
+    )
+
+
+def build_run_validator(
+    job_config: JobConfig, plan: RunPlan, tokenizer, loss_fn, compute_context, rank: int, device: torch.device
+) -> Validator | None:
+    """The held-out loss's validator, or None when validation is off; a bad setting is a ConfigError."""
+    if not job_config.validation.enable:
+        return None
+    training = job_config.training
+    try:
+        return build_validator(
+            job_config.validation,
+            tokenizer=tokenizer,
+            training_seq_len=training.seq_len,
+            training_local_batch_size=training.local_batch_size,
+            loss_fn=loss_fn,
+            compute_context=compute_context,
+            device=device,
+            dp_rank=rank,
+            dp_degree=plan.parallel_dims.dp_degree,
+        )
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
+    """The one start-up line that says what runs where: model, layout and batch."""
+    dims, training = plan.parallel_dims, job_config.training
+    logger.info(
+        "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
+        "global batch %d = local %d x dp %d x accumulation %d",
+        job_config.job.description,
+        job_config.model.name,
+        job_config.model.flavor,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        dims.strategy,
+        dims.world_size,
+        dims.dp_replicate,
+        dims.dp_shard,
+        device.type,
+        plan.global_batch_size,
+        training.local_batch_size,
+        dims.dp_degree,
+        plan.grad_accum_steps,
+    )
+
+
+def seed_weights_from_hf(job_config: JobConfig, plan: RunPlan, model: nn.Module, adapter, process_group) -> None:
+    """Start from a Hugging Face folder's weights; the RoPE tables (not in the folder)
+    were set by init_weights."""
+    path = job_config.checkpoint.initial_load_path
+    try:
+        fingerprint = seed_from_hf(path, model, plan.model_args, adapter, process_group)
+    except ValueError as error:
+        raise CheckpointError(f"checkpoint.initial_load_path {error}") from error
+    logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
+
+
+def log_resharded_resume(step: int, dims: ParallelDims, train_state: dict) -> None:
+    """Say so when the checkpoint being resumed was written by another layout."""
+    saved = (train_state["world_size"], train_state["dp_replicate"], train_state["dp_shard"])
+    if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard):
+        logger.info(
+            "resuming at step %d on %d rank(s) (replicate %d x shard %d) from a checkpoint written by "
+            "%d rank(s) (replicate %d x shard %d): model, optimizer and data position are resharded",
+            step,
+            dims.world_size,
+            dims.dp_replicate,
+            dims.dp_shard,
+            *saved,
+        )

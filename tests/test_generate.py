@@ -17,9 +17,8 @@ import transformers
 
 from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf as hf_convert
-from titanlite.checkpoint import hf_export
+from titanlite.checkpoint import hf_export, top_level_names
 from titanlite.checkpoint.load import load_model
-from titanlite.checkpoint.manager import top_level_names
 from titanlite.models.generate import generate
 from titanlite.models.llama.model import Transformer, rope_tables
 

@@ -12,9 +12,6 @@ All renaming and the q/k RoPE permutation come from the model's state-dict adapt
 import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +22,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, single_process, write_atomically
 from titanlite.checkpoint.states import MODEL_ARGS
+from titanlite.errors import one_line
 from titanlite.models.llama.args import LlamaArgs, RopeScaling
 from titanlite.registry import get_model_spec
 
@@ -34,63 +33,6 @@ EMA_PREFIX = "ema."
 _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 # Bytes read from the start, middle and end of each weight file to fingerprint a folder.
 _SAMPLE = 64 * 1024
-
-
-def _single_process(call, *args, **kwargs):
-    """Run a dcp.save/dcp.load call without DCP's warning that no process group exists:
-    one process working alone is what these tools do."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        return call(*args, **kwargs)
-
-
-# --- helpers ---------------------------------------------------------------------------
-
-
-def _check_output(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir}: the output folder already exists and is not empty")
-
-
-def _temporary_sibling(out_dir: Path) -> Path:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    if temporary.exists():
-        shutil.rmtree(temporary)
-    temporary.mkdir()
-    return temporary
-
-
-def _publish(temporary: Path, out_dir: Path) -> None:
-    _check_output(out_dir)  # it may have appeared meanwhile
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(temporary, out_dir)
-
-
-def _write_atomically(out_dir: Path, write) -> None:
-    """Run write(folder) on a temporary sibling folder and rename it to out_dir at the end;
-    on any failure the temporary folder is removed and out_dir is left untouched."""
-    out_dir = Path(out_dir)
-    _check_output(out_dir)
-    temporary = _temporary_sibling(out_dir)
-    try:
-        write(temporary)
-        _publish(temporary, out_dir)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-
-
-def _checkpoint_metadata(step_dir: Path):
-    if not step_dir.is_dir():
-        raise ValueError(f"{step_dir}: no such checkpoint folder")
-    if not (step_dir / ".metadata").is_file():
-        raise ValueError(f"{step_dir}: not a checkpoint folder (no .metadata)")
-    try:
-        return FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as error:  # corrupt or unreadable metadata
-        raise ValueError(f"{step_dir}: cannot read the checkpoint metadata ({type(error).__name__})") from None
 
 
 def _nest(flat_keys: list[str], prefix: str) -> dict:
@@ -113,12 +55,12 @@ def read_model_description(step_dir: str | Path) -> dict:
     LlamaArgs, "tokenizer_path" the run's tokenizer.json (None for the byte tokenizer or
     a checkpoint that predates the field)."""
     step_dir = Path(step_dir)
-    metadata = _checkpoint_metadata(step_dir)
+    metadata = read_checkpoint_metadata(step_dir)
     keys = [k for k in metadata.state_dict_metadata if k.startswith(MODEL_ARGS + ".")]
     if not keys:
         raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")
     state = {MODEL_ARGS: _nest(keys, MODEL_ARGS)}
-    _single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
     description = state[MODEL_ARGS]
     args = dict(description["args"])
     if isinstance(args.get("rope_scaling"), dict):
@@ -251,13 +193,8 @@ def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
             with safe_open(str(single), framework="pt") as handle:
                 return {name: single for name in handle.keys()}
         except Exception as error:  # safetensors raises its own error types for bad files
-            raise ValueError(f"{single}: not a readable safetensors file ({_first_line(error)})") from None
+            raise ValueError(f"{single}: not a readable safetensors file ({one_line(error)})") from None
     raise ValueError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
@@ -339,7 +276,8 @@ class HFWeights:
                 part = handle.get_slice(hf_name)
                 if tuple(part.get_shape()) != tuple(shape):
                     raise ValueError(
-                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {tuple(shape)}"
+                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, "
+                        f"the model needs {tuple(shape)}"
                     )
                 return part[(slice(start, stop), *columns)]
 
@@ -348,7 +286,7 @@ class HFWeights:
         except ValueError:
             raise
         except Exception as error:  # a damaged file: safetensors raises its own error types
-            raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({_first_line(error)})") from None
+            raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({one_line(error)})") from None
 
     def copy_into(self, name: str, target: torch.Tensor) -> None:
         """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
@@ -381,7 +319,7 @@ def _on_every_rank(work, process_group):
     try:
         result = work()
     except (ValueError, OSError) as error:
-        failure = _first_line(error)
+        failure = one_line(error)
     if process_group is None:
         if failure:
             raise ValueError(failure)
@@ -442,7 +380,7 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     folder's dtype. Returns step-0."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     args, weights = open_hf_folder(hf_dir)
-    _check_output(out_dir)
+    check_output(out_dir)
     with torch.device("meta"):
         shapes = {
             name: tuple(t.shape) for name, t in get_model_spec(hf_model_name(args)).model_cls(args).state_dict().items()
@@ -451,9 +389,9 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     state[MODEL_ARGS] = {"name": hf_model_name(args), "flavor": "hf", "args": dataclasses.asdict(args)}
 
     def write(folder: Path) -> None:
-        _single_process(
+        single_process(
             dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True
         )
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return out_dir / "step-0"

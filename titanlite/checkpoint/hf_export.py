@@ -28,17 +28,11 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from titanlite.checkpoint.hf import (
-    EMA_PREFIX,
-    _check_output,
-    _checkpoint_metadata,
-    _single_process,
-    _titanlite_names,
-    _write_atomically,
-    read_model_description,
-)
-from titanlite.checkpoint.manager import EXPORT_DTYPES, fsync_path
+from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, single_process, write_atomically
+from titanlite.checkpoint.hf import EMA_PREFIX, _titanlite_names, read_model_description
+from titanlite.checkpoint.manager import EXPORT_DTYPES
 from titanlite.data.tokenizer import HFTokenizer
+from titanlite.files import fsync_path
 from titanlite.registry import get_model_spec
 
 logger = logging.getLogger("titanlite")
@@ -350,7 +344,7 @@ class _CheckpointReader:
             # One dcp.load for the whole group: planning a load and opening the data files
             # per tensor cost as much as the reading itself.
             try:
-                _single_process(dcp.load, rest, storage_reader=FileSystemReader(str(self._step_dir)), no_dist=True)
+                single_process(dcp.load, rest, storage_reader=FileSystemReader(str(self._step_dir)), no_dist=True)
             except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
                 raise ValueError(
                     f"{self._step_dir}: cannot read {next(iter(rest))} ({type(error).__name__}); "
@@ -420,8 +414,8 @@ def export_to_hf(
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     dtype = _export_dtype(dtype)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    _check_output(out_dir)
-    metadata = _checkpoint_metadata(step_dir)
+    check_output(out_dir)
+    metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
     tokenizer_json = _tokenizer_file(step_dir, description.get("tokenizer_path"), tokenizer)
     special_ids = _special_ids(tokenizer_json)
@@ -474,5 +468,5 @@ def export_to_hf(
             reader.close()
             syncer.join()
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return out_dir

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import hf
+from titanlite.checkpoint.files import single_process
 from titanlite.models.llama.model import rope_tables
 from titanlite.registry import get_model_spec
 
@@ -52,7 +53,7 @@ def _load_dcp(step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema:
         raise ValueError(f"{step_dir}: use_ema asks for EMA weights but the checkpoint has no 'ema.' entries")
     if missing:
         raise ValueError(f"{step_dir}: the checkpoint lacks {len(missing)} model weight(s), e.g. {missing[0]}")
-    hf._single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
     for name, tensor in weights.items():
         if tensor.data_ptr() != state[prefix + name].data_ptr():  # loaded into a new tensor, not in place
             tensor.copy_(state[prefix + name])

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
@@ -24,6 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
 from titanlite.checkpoint.files import check_output, single_process, write_atomically
 from titanlite.errors import one_line
+from titanlite.parallel.distributed import first_error_on_any_rank, gather_from_every_rank
 from titanlite.registry import get_model_spec, model_from_hf_config
 
 EMA_PREFIX = "ema."
@@ -75,7 +75,7 @@ def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
     raise ValueError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def _local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
+def local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
     """[start, stop) along each dimension of the part of `tensor` this rank holds: all of a
     plain tensor, or the local shard of a DTensor. Shards follow torch.chunk: every
     part but the last has ceil(size / parts) rows, and trailing ranks may hold none."""
@@ -168,7 +168,7 @@ class HFWeights:
 
     def copy_into(self, name: str, target: torch.Tensor) -> None:
         """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
-        box = _local_box(target)
+        box = local_box(target)
         local = target.to_local() if isinstance(target, DTensor) else target
         local.copy_(self.read(name, tuple(target.shape), box))
 
@@ -193,15 +193,10 @@ def _on_every_rank(work, process_group):
         result = work()
     except (ValueError, OSError) as error:
         failure = one_line(error)
-    if process_group is None:
-        if failure:
-            raise ValueError(failure)
-        return result
-    failures = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(failures, failure, group=process_group)
-    for rank, message in enumerate(failures):
-        if message:
-            raise ValueError(message if rank == dist.get_rank(process_group) else f"{message} (on rank {rank})")
+    if process_group is not None:
+        failure = first_error_on_any_rank(failure, process_group, name_rank=True)
+    if failure:
+        raise ValueError(failure)
     return result
 
 
@@ -230,8 +225,7 @@ def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args, adapter_cls, pr
 
     weights, fingerprint = _on_every_rank(open_and_check, process_group)
     if process_group is not None:
-        fingerprints = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(fingerprints, fingerprint, group=process_group)
+        fingerprints = gather_from_every_rank(fingerprint, process_group)
         if len(set(fingerprints)) > 1:
             seen = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(fingerprints))
             raise ValueError(f"{hf_dir}: the ranks read different files ({seen})")

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from titanlite.checkpoint.description import ModelDescription, read_model_description
 from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, single_process, write_atomically
 from titanlite.checkpoint.hf import EMA_PREFIX
-from titanlite.checkpoint.manager import EXPORT_DTYPES
 from titanlite.data.tokenizer import HFTokenizer
+from titanlite.dtypes import DTYPES
 from titanlite.files import fsync_path
 from titanlite.registry import get_model_spec
 
@@ -70,11 +70,11 @@ def parse_size(size: str | int) -> int:
 
 def _export_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
-        if dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype '{dtype}': choose from {', '.join(EXPORT_DTYPES)}")
-        dtype = EXPORT_DTYPES[dtype]
-    if dtype not in EXPORT_DTYPES.values():
-        raise ValueError(f"dtype {dtype}: choose from {', '.join(EXPORT_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype '{dtype}': choose from {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype}: choose from {', '.join(DTYPES)}")
     return dtype
 
 

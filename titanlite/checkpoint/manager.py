@@ -19,7 +19,6 @@ against the byte ranges DCP's ``.metadata`` records, so a truncated file is name
 import logging
 import os
 import shutil
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -44,16 +43,14 @@ from titanlite.checkpoint.files import (
     leftover_folders,
     top_level_names,
 )
-from titanlite.checkpoint.manifest import check_data_files, verify_manifest, write_manifest
+from titanlite.checkpoint.manifest import write_manifest
+from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
+from titanlite.dtypes import DTYPES
 from titanlite.files import fsync_path
-from titanlite.parallel import is_collective_failure
+from titanlite.parallel import first_error_on_any_rank, is_collective_failure
 
 logger = logging.getLogger("titanlite")
-
-MODEL = "model"
-# Dtypes a model-only save or an export may cast the weights to, by config name.
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class CheckpointManager:
@@ -127,7 +124,7 @@ class CheckpointManager:
         At most one save is in flight: an earlier one is waited for first."""
         self.wait()
         if model_only:
-            state = self._collect([MODEL], EXPORT_DTYPES[self.config.export_dtype])
+            state = self._collect([MODEL], DTYPES[self.config.export_dtype])
         else:
             state = self._collect(list(self.states))
         partial = self.folder / f".step-{step}.partial"
@@ -251,9 +248,7 @@ class CheckpointManager:
             raise error
         text = None if error is None else describe_failure(error)
         if agree and self.process_group is not None:
-            texts = [None] * dist.get_world_size(self.process_group)
-            dist.all_gather_object(texts, text, group=self.process_group)
-            text = next((t for t in texts if t is not None), None)
+            text = first_error_on_any_rank(text, self.process_group)
         self.failed_save = None
         if text is None:
             self._saved_step = step
@@ -307,23 +302,7 @@ class CheckpointManager:
     # --- purging -----------------------------------------------------------------------
 
     def _purge(self) -> None:
-        keep_latest = self.config.keep_latest_k
-        steps = list(complete_steps(self.folder))
-        if keep_latest == 0 or len(steps) <= keep_latest:
-            return
-        every = self.config.keep_every
-        # A model-only save (the last one, say) cannot resume a run: the newest checkpoint
-        # that can is kept whatever its age.
-        resumable = next((s for s in reversed(steps) if self._is_resumable(self.folder / f"step-{s}")), None)
-        for step in steps[:-keep_latest]:
-            if (every and step % every == 0) or step == resumable:
-                continue
-            delete_step_folder(self.folder / f"step-{step}")
-            logger.info("checkpoint deleted (keep_latest_k=%d): step-%d", keep_latest, step)
-
-    @staticmethod
-    def _is_resumable(path: Path) -> bool:
-        return "train_state" in top_level_names(path)
+        purge_old_steps(self.folder, self.config.keep_latest_k, self.config.keep_every)
 
     def _remove_leftovers(self) -> None:
         """Remove what interrupted saves and purges left behind (only names we create)."""
@@ -332,58 +311,6 @@ class CheckpointManager:
             logger.info("removed an incomplete checkpoint folder: %s", entry)
 
     # --- loading -----------------------------------------------------------------------
-
-    def _resume_source(self) -> tuple[Path, bool] | None:
-        """The checkpoint to start from and whether to load the model only."""
-        steps = complete_steps(self.folder) if self.config.enable else {}
-        load_step = self.config.load_step
-        if load_step >= 0:
-            if load_step not in steps:
-                available = ", ".join(map(str, steps)) or "none"
-                raise CheckpointError(
-                    f"checkpoint.load_step {load_step}: no complete step-{load_step} in {self.folder} "
-                    f"(complete steps: {available})"
-                )
-            if not self._is_resumable(steps[load_step]):
-                raise CheckpointError(
-                    f"checkpoint.load_step {load_step}: {steps[load_step]} holds model weights only and cannot "
-                    "resume a run; start from its weights with checkpoint.initial_load_path instead"
-                )
-            self._set_aside_newer_than(load_step, steps)
-            return steps[load_step], False
-        # Newest first; a model-only save (e.g. the last one) cannot resume training.
-        for _, path in reversed(steps.items()):
-            if self._is_resumable(path):
-                return path, False
-            logger.info("skipping %s for resume: it holds model weights only", path)
-        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF: the trainer seeds
-            path = Path(self.config.initial_load_path)
-            if not (path / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint.initial_load_path {path}: not a checkpoint folder (no .metadata)")
-            return path, self.config.initial_load_model_only
-        return None
-
-    def _set_aside_newer_than(self, load_step: int, steps: dict[int, Path]) -> None:
-        """Resuming from an older step abandons the checkpoints after it. Left in place they
-        would be resumed from next time and purged in the new run's place, so they are
-        moved (never deleted) into a folder that is not a step folder."""
-        newer = [path for step, path in steps.items() if step > load_step]
-        if not newer:
-            return
-        aside = self.folder / f"abandoned-after-step-{load_step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        aside.mkdir()
-        for path in newer:
-            os.replace(path, aside / path.name)
-        fsync_path(self.folder)
-        logger.warning("resuming from step %d: moved the %d newer checkpoint(s) to %s", load_step, len(newer), aside)
-
-    def _parts_in(self, path: Path) -> set[str]:
-        """The parts a checkpoint holds; top-level names that are no part are model weights."""
-        names = top_level_names(path)
-        parts = names & set(self.states)
-        if names - set(self.states):
-            parts.add(MODEL)
-        return parts
 
     def _agree(self, decide):
         """Run `decide` on rank 0 only and give every rank its result (or its error): ranks
@@ -402,44 +329,6 @@ class CheckpointManager:
         if status == "error":
             raise CheckpointError(value)
         return value
-
-    def _plan_load(self) -> tuple[Path, list[str]] | None:
-        """The checkpoint to start from and the parts to load from it, or None."""
-        source = self._resume_source()
-        if source is None:
-            return None
-        path, model_only = source
-        available = self._parts_in(path)
-        self._check_files(path)
-        wanted = [MODEL] if model_only else [n for n in self.states if n not in self.config.exclude_from_loading]
-        missing = [name for name in wanted if name not in available]
-        if MODEL in missing:
-            raise CheckpointError(f"{path}: the checkpoint holds no model weights")
-        for name in missing:
-            logger.warning("%s holds no '%s'; it starts fresh", path, name)
-        return path, [name for name in wanted if name in available]
-
-    def _check_files(self, path: Path) -> None:
-        """Catch damaged files before DCP reads them (a truncated shard, and with a manifest
-        any change of size, or of content with verify_integrity), naming the file."""
-        start = time.perf_counter()
-        checksums = self.config.verify_integrity
-        try:
-            if verify_manifest(path, checksums):
-                logger.info(
-                    "%s matches its integrity manifest (%s, %.2f s)",
-                    path,
-                    "sizes and sha256" if checksums else "sizes",
-                    time.perf_counter() - start,
-                )
-            elif checksums:
-                logger.warning(
-                    "%s has no integrity manifest (saved without checkpoint.verify_integrity): loading it unverified",
-                    path,
-                )
-            check_data_files(path)
-        except CheckpointError as error:
-            raise CheckpointError(f"{error}; to resume from an earlier checkpoint, set checkpoint.load_step") from None
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
@@ -465,7 +354,7 @@ class CheckpointManager:
         if not self.in_use:
             return []
         self.wait()
-        plan = self._agree(self._plan_load)
+        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states)))
         if plan is None:
             return []
         path, parts = plan

@@ -146,16 +146,17 @@ def _torchtitan_path(step_dir: str, out_dir: str, max_shard_size: str) -> None:
     import torch.distributed.checkpoint as dcp
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from titanlite.checkpoint.hf import _single_process, _titanlite_names, read_model_description
+    from titanlite.checkpoint.description import read_model_description
+    from titanlite.checkpoint.files import single_process
     from titanlite.checkpoint.hf_export import parse_size
     from titanlite.registry import get_model_spec
 
     description = read_model_description(step_dir)
-    args = description["args"]
     saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in _titanlite_names(args)}
-    _single_process(dcp.load, state, checkpoint_id=step_dir, no_dist=True)
-    hf_state = get_model_spec(description["name"]).state_dict_adapter(args).to_hf(state)
+    names = description.weight_shapes()
+    state = {name: torch.empty(saved[name].size, dtype=saved[name].properties.dtype) for name in names}
+    single_process(dcp.load, state, checkpoint_id=step_dir, no_dist=True)
+    hf_state = get_model_spec(description.name).state_dict_adapter(description.args).to_hf(state)
     del state
     split = split_torch_state_dict_into_shards(
         hf_state, filename_pattern="model{suffix}.safetensors", max_shard_size=parse_size(max_shard_size)

@@ -54,20 +54,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: --top_k {args.top_k} must be >= 1", file=sys.stderr)
         return 2
     from titanlite.checkpoint.load import load_model
-    from titanlite.checkpoint.manager import EXPORT_DTYPES
     from titanlite.data.tokenizer import build_tokenizer
+    from titanlite.dtypes import DTYPES
     from titanlite.models.generate import generate
 
     checkpoint = Path(args.checkpoint)
     try:
-        model, description = load_model(
-            checkpoint, device=args.device, dtype=EXPORT_DTYPES[args.dtype], use_ema=args.ema
-        )
-        tokenizer = build_tokenizer(args.hf_assets_path or description["tokenizer_path"])
+        model, description = load_model(checkpoint, device=args.device, dtype=DTYPES[args.dtype], use_ema=args.ema)
+        tokenizer = build_tokenizer(args.hf_assets_path or description.tokenizer_path)
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    vocab = description["args"].vocab_size
+    vocab = description.args.vocab_size
     prompt_ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(args.prompt)
     if not prompt_ids:
         print(f"{PROG}: error: the prompt is empty and the tokenizer has no BOS token", file=sys.stderr)

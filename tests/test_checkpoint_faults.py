@@ -15,6 +15,7 @@ Most tests drive a CheckpointManager over a small Linear model in this process; 
 ones run the trainer's main() on the tiny model.
 """
 
+import dataclasses
 import errno
 import json
 import logging
@@ -32,10 +33,15 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 import titanlite.checkpoint.manager as manager_module
 from tests.multiprocess import register_tiny_flavor, run_on_ranks
-from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, complete_steps
+from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState, complete_steps
 from titanlite.config import Checkpoint
 
 SHARD = "__0_0.distcp"
+
+
+@dataclasses.dataclass(frozen=True)
+class NoArgs:
+    """The hyper-parameters of the test's Linear model: none to record."""
 
 
 class _TrainState(Stateful):
@@ -56,7 +62,7 @@ class Run:
         torch.manual_seed(0)
         self.model, self.train_state = torch.nn.Linear(8, 8), _TrainState()
         states = {
-            "model": ModelState(self.model, {"name": "linear", "flavor": "8x8", "args": {}}),
+            "model": ModelState(self.model, ModelDescription("linear", "8x8", NoArgs())),
             "train_state": self.train_state,
         }
         self.manager = CheckpointManager(states, Checkpoint(enable=True, keep_latest_k=0, **options), str(dump))

@@ -7,6 +7,7 @@ The in-process runs use the tiny flavor through ``run_on_ranks``, and the purge 
 leftover rules drive a CheckpointManager directly on a small Linear model.
 """
 
+import dataclasses
 import os
 import re
 import signal
@@ -26,11 +27,18 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tests.multiprocess import run_on_ranks
-from titanlite.checkpoint import CheckpointManager, ModelState, complete_steps, top_level_names
+from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
 from titanlite.config import Checkpoint, parse_args
 from titanlite.train import SYNC_EVERY, Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class NoArgs:
+    """The hyper-parameters of the test's Linear model: none to record."""
+
+
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
 STEP_LINE = re.compile(r"\[titanlite\] step:\s+(\d+)\s+loss: (\S+)\s+grad_norm: (\S+)")
 STOP_LINE = re.compile(r"stop signal received: saving step (\d+) and exiting")
@@ -149,7 +157,7 @@ def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear,
     """A manager over a small Linear "model" and a step counter, as a trainer would build it."""
     model, train_state = torch.nn.Linear(4, 3), _TrainState()
     manager = CheckpointManager(
-        {"model": ModelState(model, {"name": "linear", "flavor": "4x3", "args": {}}), "train_state": train_state},
+        {"model": ModelState(model, ModelDescription("linear", "4x3", NoArgs())), "train_state": train_state},
         Checkpoint(enable=True, **options),
         str(dump),
     )

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from titanlite.checkpoint import ModelState
+from titanlite.checkpoint import ModelDescription, ModelState
 from titanlite.models.llama import LLAMA2_FLAVORS, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def description(**changes) -> dict:
 def test_same_shapes_but_other_hyperparameters_are_refused():
     with torch.device("meta"):
         model = Transformer(LLAMA2_FLAVORS["debugmodel"])
-    state = ModelState(model, description())
+    state = ModelState(model, ModelDescription.from_state(description(), "test"))
     saved = {"model_args": description(rope_theta=500000.0, norm_eps=1e-6)}
     with pytest.raises(ValueError, match=r"differ in norm_eps, rope_theta"):
         state.load_state_dict(saved)
@@ -77,6 +77,6 @@ def test_another_sequence_length_is_not_a_different_model():
     model = Transformer(LLAMA2_FLAVORS["debugmodel"].with_seq_len(16))
     model.init_weights(seed=0)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
-    ModelState(model, description(max_seq_len=16)).load_state_dict(
+    ModelState(model, ModelDescription.from_state(description(max_seq_len=16), "test")).load_state_dict(
         {**weights, "model_args": description(max_seq_len=4096)}
     )

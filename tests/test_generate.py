@@ -17,9 +17,8 @@ import transformers
 
 from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf as hf_convert
-from titanlite.checkpoint import hf_export
+from titanlite.checkpoint import hf_export, top_level_names
 from titanlite.checkpoint.load import load_model
-from titanlite.checkpoint.manager import top_level_names
 from titanlite.models.generate import generate
 from titanlite.models.llama.model import Transformer, rope_tables
 
@@ -50,13 +49,13 @@ def test_full_checkpoint_gives_the_trainers_logits(trained):
     step_dir, tokens, logits, _, _ = trained
     assert "optimizer" in top_level_names(step_dir)  # really a full save
     model, description = load_model(step_dir)
-    assert description["name"] == "llama3" and description["flavor"] == "tiny"
+    assert description.name == "llama3" and description.flavor == "tiny"
     assert not model.training
     with torch.no_grad():
         assert _max_diff(model(tokens), logits) <= 1e-6
     assert logits.abs().max().item() > 1e-2
     # The weights came from the checkpoint, not from a fresh initialisation.
-    fresh = Transformer(description["args"])
+    fresh = Transformer(description.args)
     fresh.init_weights(seed=0)
     with torch.no_grad():
         assert _max_diff(fresh.eval()(tokens), logits) > 1e-3
@@ -83,7 +82,7 @@ def test_use_ema_gives_the_averages(trained):
 def test_rope_tables_and_dtype(trained):
     model, description = load_model(trained[0], dtype=torch.bfloat16)
     assert model.output.weight.dtype == torch.bfloat16
-    cos, sin = rope_tables(description["args"])
+    cos, sin = rope_tables(description.args)
     assert (
         model.rope_cos.dtype == torch.float32 and torch.equal(model.rope_cos, cos) and torch.equal(model.rope_sin, sin)
     )
@@ -92,7 +91,7 @@ def test_rope_tables_and_dtype(trained):
 def test_hf_folder_gives_the_same_logits(trained, hf_folder):
     _, tokens, logits, _, _ = trained
     model, description = load_model(hf_folder)
-    assert description["flavor"] == "hf"
+    assert description.flavor == "hf"
     with torch.no_grad():
         assert _max_diff(model(tokens), logits) <= 1e-5
 
@@ -184,7 +183,7 @@ def test_stops_at_eos(trained):
 
 def test_prefix_is_cut_to_max_seq_len(trained):
     loaded, description = load_model(trained[0])
-    args = dataclasses.replace(description["args"], max_seq_len=8)
+    args = dataclasses.replace(description.args, max_seq_len=8)
     short = Transformer(args)
     short.load_state_dict(loaded.state_dict())
     short.rope_cos, short.rope_sin = rope_tables(args)

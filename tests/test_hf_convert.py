@@ -18,7 +18,9 @@ from safetensors import safe_open
 
 from tests.tiny_run import train_tiny
 from titanlite.checkpoint import hf as hf_convert
-from titanlite.checkpoint import hf_export
+from titanlite.checkpoint import hf_export, read_model_description
+from titanlite.models.llama import LlamaArgs
+from titanlite.models.llama.hf_config import ffn_sizing
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
@@ -70,10 +72,10 @@ def test_hf_to_dcp_to_hf_is_bit_identical(hf_model, tmp_path):
     original_dir, original = hf_model
     result = run_script(IMPORT, original_dir, tmp_path / "dcp")
     assert result.returncode == 0, result.stderr
-    description = hf_convert.read_model_description(tmp_path / "dcp" / "step-0")
-    assert description["name"] == "llama3" and description["flavor"] == "hf"
-    assert description["args"].ffn_hidden_dim == 128 and description["args"].kv_heads == 2
-    assert description["args"].rope_theta == 500000.0 and description["args"].norm_eps == 1e-6
+    description = read_model_description(tmp_path / "dcp" / "step-0")
+    assert description.name == "llama3" and description.flavor == "hf"
+    assert description.args.ffn_hidden_dim == 128 and description.args.kv_heads == 2
+    assert description.args.rope_theta == 500000.0 and description.args.norm_eps == 1e-6
 
     result = run_script(EXPORT, tmp_path / "dcp" / "step-0", tmp_path / "back", "--max-shard-size", "50KB")
     assert result.returncode == 0, result.stderr
@@ -107,8 +109,8 @@ def test_tied_embeddings_become_two_copies(tmp_path):
 
 def test_ffn_sizing_matches_or_refuses():
     for dim, intermediate in [(64, 128), (64, 192), (4096, 14336), (4096, 11008), (8192, 28672), (48, 100)]:
-        multiple_of, multiplier = hf_convert._ffn_sizing(dim, intermediate)
-        args = hf_convert.LlamaArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+        multiple_of, multiplier = ffn_sizing(dim, intermediate)
+        args = LlamaArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
         assert args.ffn_hidden_dim == intermediate
 
 

@@ -21,8 +21,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tests.multiprocess import TINY
 from tests.prepared_data import make_documents, write_jsonl
 from tests.tiny_run import train_tiny
-from titanlite.checkpoint import hf_export
-from titanlite.checkpoint.hf import _titanlite_names
+from titanlite.checkpoint import ModelDescription, hf_export
 from titanlite.data.tokenizer import HFTokenizer
 from titanlite.models.llama import LlamaArgs, Transformer
 
@@ -184,7 +183,9 @@ def test_shards_and_index_are_huggingface_hubs(tmp_path, dtype):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     # The library's own split of the written tensors, in the model's order, is the one used.
     adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
-    in_model_order = {adapter.to_hf_name(name): tensors[adapter.to_hf_name(name)] for name in _titanlite_names(TINY)}
+    with torch.device("meta"):
+        names = list(Transformer(TINY).state_dict())
+    in_model_order = {adapter.to_hf_name(name): tensors[adapter.to_hf_name(name)] for name in names}
     split = split_torch_state_dict_into_shards(in_model_order, max_shard_size=30_000)
     assert index["weight_map"] == split.tensor_to_filename
     assert index["metadata"] == split.metadata
@@ -217,7 +218,7 @@ def test_expected_shapes_are_the_models():
         with torch.device("meta"):
             model = Transformer(args)
         actual = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        assert hf_export._expected_shapes(args) == actual
+        assert ModelDescription("llama3", "tiny", args).weight_shapes() == actual
 
 
 # --- the reader -----------------------------------------------------------------------------

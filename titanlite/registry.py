@@ -1,19 +1,36 @@
-"""Model registry: name -> model class, flavors, parallelize function, state-dict adapter.
+"""Model registry: name -> model class, args type, flavors, parallelize function, state-dict
+adapter and Hugging Face config conversion.
 
-The trainer looks a model up here and holds no model-specific line itself. The
-registry lives beside the rooms, not in models/, because it joins a model to its
-parallelize function and models must not import parallel code.
+The trainer and the checkpoint tools look a model up here and hold no model-specific line
+themselves. The registry lives beside the packages, not in models/, because it joins a
+model to its parallelize function and models must not import parallel code.
 """
 
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from titanlite.config import ConfigError
-from titanlite.models.llama import LLAMA2_FLAVORS, LLAMA3_FLAVORS, LlamaStateDictAdapter, Transformer
+from titanlite.errors import unknown_name
+from titanlite.models.llama import (
+    LLAMA2_FLAVORS,
+    LLAMA3_FLAVORS,
+    LlamaArgs,
+    LlamaStateDictAdapter,
+    Transformer,
+    hf_config_to_args,
+    hf_model_name,
+    rope_tables,
+)
 from titanlite.parallel import parallelize_decoder
+
+
+def _set_llama_buffers(model: nn.Module, device: torch.device) -> None:
+    # The RoPE tables: derived from the args, never saved. Kept in float32 whatever the
+    # weights' dtype, as init_weights does.
+    model.rope_cos, model.rope_sin = rope_tables(model.args, device=device)
 
 
 @dataclass(frozen=True)
@@ -23,6 +40,9 @@ class ModelSpec:
     flavors: dict
     parallelize_fn: Callable
     state_dict_adapter: type
+    args_cls: type = LlamaArgs
+    # Fills a loaded model's non-persistent buffers (model, device): checkpoints do not hold them.
+    set_buffers: Callable[[nn.Module, torch.device], None] = _set_llama_buffers
 
 
 MODELS = {
@@ -31,20 +51,21 @@ MODELS = {
 }
 
 
-def _unknown(kind: str, value: str, choices) -> ConfigError:
-    close = difflib.get_close_matches(value, list(choices), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    return ConfigError(f"{kind} '{value}' is not known (choose from {', '.join(choices)}){hint}")
-
-
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
-        raise _unknown("model.name", name, MODELS)
+        raise ConfigError(unknown_name("model.name", name, MODELS))
     return MODELS[name]
 
 
 def get_model_args(name: str, flavor: str):
     spec = get_model_spec(name)
     if flavor not in spec.flavors:
-        raise _unknown(f"model.flavor of {name}", flavor, spec.flavors)
+        raise ConfigError(unknown_name(f"model.flavor of {name}", flavor, spec.flavors))
     return spec.flavors[flavor]
+
+
+def model_from_hf_config(config: dict, where: str = "config.json") -> tuple[str, object]:
+    """(registry name, model args) for a Hugging Face config.json; ValueError naming `where`
+    for a model no registered class builds. Llama is the one family read from Hugging Face."""
+    args = hf_config_to_args(config, where)
+    return hf_model_name(args), args

@@ -7,7 +7,6 @@ The trainer composes the packages (config, models via the registry, parallel, da
 checkpoint, metrics) and is imported by nobody.
 """
 
-import dataclasses
 import gc
 import logging
 import os
@@ -20,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
+from titanlite.checkpoint.description import ModelDescription
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
 from titanlite.data import tokenizer_file
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line
@@ -187,16 +187,13 @@ class Trainer(Stateful):
 
     # --- train_state, signals -----------------------------------------------------------
 
-    def model_description(self) -> dict:
+    def model_description(self) -> ModelDescription:
         model = self.job_config.model
-        return {
-            "name": model.name,
-            "flavor": model.flavor,
-            "args": dataclasses.asdict(self.plan.model_args),
-            # Where the run's tokenizer.json is (None: the byte tokenizer), so that an
-            # export can ship the tokenizer beside the weights.
-            "tokenizer_path": tokenizer_file(model.hf_assets_path),
-        }
+        # tokenizer_path: where the run's tokenizer.json is (None: the byte tokenizer), so
+        # that an export can ship the tokenizer beside the weights.
+        return ModelDescription(
+            model.name, model.flavor, self.plan.model_args, tokenizer_path=tokenizer_file(model.hf_assets_path)
+        )
 
     def state_dict(self) -> dict:
         dims = self.plan.parallel_dims

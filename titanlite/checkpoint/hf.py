@@ -9,25 +9,22 @@ written. (Export, the other direction, is in hf_export.py.)
 All renaming and the q/k RoPE permutation come from the model's state-dict adapter.
 """
 
-import dataclasses
 import hashlib
 import json
-import os
-import shutil
-import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from titanlite.checkpoint.states import MODEL_ARGS
-from titanlite.models.llama.args import LlamaArgs, RopeScaling
-from titanlite.registry import get_model_spec
+from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
+from titanlite.checkpoint.files import check_output, single_process, write_atomically
+from titanlite.errors import one_line
+from titanlite.parallel.distributed import first_error_on_any_rank, gather_from_every_rank
+from titanlite.registry import get_model_spec, model_from_hf_config
 
 EMA_PREFIX = "ema."
 # Buffers some Hugging Face checkpoints carry; they are recomputed, never trained.
@@ -36,192 +33,12 @@ _IGNORED_HF_SUFFIXES = ("rotary_emb.inv_freq",)
 _SAMPLE = 64 * 1024
 
 
-def _single_process(call, *args, **kwargs):
-    """Run a dcp.save/dcp.load call without DCP's warning that no process group exists:
-    one process working alone is what these tools do."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        return call(*args, **kwargs)
-
-
-# --- helpers ---------------------------------------------------------------------------
-
-
-def _check_output(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"{out_dir}: the output folder already exists and is not empty")
-
-
-def _temporary_sibling(out_dir: Path) -> Path:
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
-    if temporary.exists():
-        shutil.rmtree(temporary)
-    temporary.mkdir()
-    return temporary
-
-
-def _publish(temporary: Path, out_dir: Path) -> None:
-    _check_output(out_dir)  # it may have appeared meanwhile
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(temporary, out_dir)
-
-
-def _write_atomically(out_dir: Path, write) -> None:
-    """Run write(folder) on a temporary sibling folder and rename it to out_dir at the end;
-    on any failure the temporary folder is removed and out_dir is left untouched."""
-    out_dir = Path(out_dir)
-    _check_output(out_dir)
-    temporary = _temporary_sibling(out_dir)
-    try:
-        write(temporary)
-        _publish(temporary, out_dir)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-
-
-def _checkpoint_metadata(step_dir: Path):
-    if not step_dir.is_dir():
-        raise ValueError(f"{step_dir}: no such checkpoint folder")
-    if not (step_dir / ".metadata").is_file():
-        raise ValueError(f"{step_dir}: not a checkpoint folder (no .metadata)")
-    try:
-        return FileSystemReader(str(step_dir)).read_metadata()
-    except Exception as error:  # corrupt or unreadable metadata
-        raise ValueError(f"{step_dir}: cannot read the checkpoint metadata ({type(error).__name__})") from None
-
-
-def _nest(flat_keys: list[str], prefix: str) -> dict:
-    """A nested dict of placeholders shaped like the flattened keys under `prefix`."""
-    root: dict = {}
-    for key in flat_keys:
-        parts = key[len(prefix) + 1 :].split(".")
-        node = root
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = None
-    return root
-
-
-# --- reading a checkpoint --------------------------------------------------------------
-
-
-def read_model_description(step_dir: str | Path) -> dict:
-    """{"name", "flavor", "args", "tokenizer_path"} as saved under model_args; "args" is a
-    LlamaArgs, "tokenizer_path" the run's tokenizer.json (None for the byte tokenizer or
-    a checkpoint that predates the field)."""
-    step_dir = Path(step_dir)
-    metadata = _checkpoint_metadata(step_dir)
-    keys = [k for k in metadata.state_dict_metadata if k.startswith(MODEL_ARGS + ".")]
-    if not keys:
-        raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")
-    state = {MODEL_ARGS: _nest(keys, MODEL_ARGS)}
-    _single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    description = state[MODEL_ARGS]
-    args = dict(description["args"])
-    if isinstance(args.get("rope_scaling"), dict):
-        args["rope_scaling"] = RopeScaling(**args["rope_scaling"])
-    try:
-        model_args = LlamaArgs(**args)
-    except TypeError as error:
-        raise ValueError(f"{step_dir}: model_args do not describe a Llama model ({error})") from None
-    return {
-        "name": description["name"],
-        "flavor": description["flavor"],
-        "args": model_args,
-        "tokenizer_path": description.get("tokenizer_path"),
-    }
-
-
-def _titanlite_names(args: LlamaArgs) -> list[str]:
-    per_layer = [
-        "attention.wq",
-        "attention.wk",
-        "attention.wv",
-        "attention.wo",
-        "feed_forward.w1",
-        "feed_forward.w2",
-        "feed_forward.w3",
-        "attention_norm",
-        "ffn_norm",
-    ]
-    names = ["tok_embeddings.weight", "norm.weight", "output.weight"]
-    names += [f"layers.{i}.{part}.weight" for i in range(args.n_layers) for part in per_layer]
-    return names
-
-
-# --- Hugging Face config.json <-> LlamaArgs ----------------------------------------
-
-
-def _ffn_sizing(dim: int, intermediate: int) -> tuple[int, float | None]:
-    """multiple_of and ffn_dim_multiplier such that LlamaArgs.ffn_hidden_dim == intermediate."""
-
-    def hidden_of(multiple_of, multiplier):
-        return LlamaArgs(dim=dim, n_heads=1, multiple_of=multiple_of, ffn_dim_multiplier=multiplier).ffn_hidden_dim
-
-    for multiple_of in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
-        if intermediate % multiple_of == 0 and hidden_of(multiple_of, None) == intermediate:
-            return multiple_of, None
-    base = int(2 * (4 * dim) / 3)
-    for multiplier in (intermediate / base, (intermediate + 0.5) / base):
-        if hidden_of(intermediate, multiplier) == intermediate:
-            return intermediate, multiplier
-    raise ValueError(f"intermediate_size {intermediate} cannot be expressed for hidden_size {dim}")
-
-
-def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
-    def need(key):
-        if key not in config:
-            raise ValueError(f"{where}: no '{key}'")
-        return config[key]
-
-    if config.get("model_type", "llama") != "llama":
-        raise ValueError(f"{where}: model_type '{config.get('model_type')}' is not llama")
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        raise ValueError(f"{where}: biases in attention or MLP are not supported")
-    if config.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act '{config['hidden_act']}' is not supported (only silu)")
-    dim, n_heads = need("hidden_size"), need("num_attention_heads")
-    if config.get("head_dim") not in (None, dim // n_heads):
-        raise ValueError(f"{where}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
-    # Newer transformers keep rope_theta and the scaling under rope_parameters.
-    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
-    rope_theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    rope_scaling = None
-    if rope_type == "llama3":
-        rope_scaling = RopeScaling(
-            factor=float(rope["factor"]),
-            low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
-        )
-    elif rope_type not in ("default", None):
-        raise ValueError(f"{where}: rope type '{rope_type}' is not supported (only llama3 scaling)")
-    multiple_of, multiplier = _ffn_sizing(dim, need("intermediate_size"))
-    kv_heads = config.get("num_key_value_heads") or n_heads
-    return LlamaArgs(
-        dim=dim,
-        n_layers=need("num_hidden_layers"),
-        n_heads=n_heads,
-        n_kv_heads=None if kv_heads == n_heads else kv_heads,
-        vocab_size=need("vocab_size"),
-        multiple_of=multiple_of,
-        ffn_dim_multiplier=multiplier,
-        norm_eps=float(config.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(rope_theta),
-        rope_scaling=rope_scaling,
-        max_seq_len=int(config.get("max_position_embeddings", 4096)),
-    )
-
-
 # --- reading a Hugging Face folder -----------------------------------------------------
 
 
-def read_hf_config(hf_dir: Path) -> tuple[dict, LlamaArgs]:
-    """The folder's config.json and the LlamaArgs it describes."""
+def read_hf_config(hf_dir: Path) -> tuple[dict, ModelDescription]:
+    """The folder's config.json and the model it describes (flavor "hf"; its tokenizer.json,
+    if it has one)."""
     if not hf_dir.is_dir():
         raise ValueError(f"{hf_dir}: no such folder")
     config_path = hf_dir / "config.json"
@@ -231,7 +48,10 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, LlamaArgs]:
         config = json.loads(config_path.read_text())
     except ValueError:
         raise ValueError(f"{config_path}: not valid JSON") from None
-    return config, hf_config_to_args(config, str(config_path))
+    name, args = model_from_hf_config(config, str(config_path))
+    tokenizer = hf_dir / "tokenizer.json"
+    tokenizer_path = str(tokenizer.resolve()) if tokenizer.is_file() else None
+    return config, ModelDescription(name, "hf", args, tokenizer_path)
 
 
 def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
@@ -251,16 +71,11 @@ def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
             with safe_open(str(single), framework="pt") as handle:
                 return {name: single for name in handle.keys()}
         except Exception as error:  # safetensors raises its own error types for bad files
-            raise ValueError(f"{single}: not a readable safetensors file ({_first_line(error)})") from None
+            raise ValueError(f"{single}: not a readable safetensors file ({one_line(error)})") from None
     raise ValueError(f"{hf_dir}: no model.safetensors or model.safetensors.index.json")
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
+def local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
     """[start, stop) along each dimension of the part of `tensor` this rank holds: all of a
     plain tensor, or the local shard of a DTensor. Shards follow torch.chunk: every
     part but the last has ceil(size / parts) rows, and trailing ranks may hold none."""
@@ -339,7 +154,8 @@ class HFWeights:
                 part = handle.get_slice(hf_name)
                 if tuple(part.get_shape()) != tuple(shape):
                     raise ValueError(
-                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {tuple(shape)}"
+                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, "
+                        f"the model needs {tuple(shape)}"
                     )
                 return part[(slice(start, stop), *columns)]
 
@@ -348,27 +164,22 @@ class HFWeights:
         except ValueError:
             raise
         except Exception as error:  # a damaged file: safetensors raises its own error types
-            raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({_first_line(error)})") from None
+            raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({one_line(error)})") from None
 
     def copy_into(self, name: str, target: torch.Tensor) -> None:
         """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
-        box = _local_box(target)
+        box = local_box(target)
         local = target.to_local() if isinstance(target, DTensor) else target
         local.copy_(self.read(name, tuple(target.shape), box))
 
 
-def open_hf_folder(hf_dir: str | Path, adapter_cls=None) -> tuple[LlamaArgs, HFWeights]:
+def open_hf_folder(hf_dir: str | Path, adapter_cls=None) -> tuple[ModelDescription, HFWeights]:
     """The model a Hugging Face folder holds and a reader of its weights; raises
     ValueError, one line naming the path, for anything that is not a Llama folder."""
     hf_dir = Path(hf_dir)
-    config, args = read_hf_config(hf_dir)
-    adapter = (adapter_cls or get_model_spec(hf_model_name(args)).state_dict_adapter)(args)
-    return args, HFWeights(hf_dir, adapter, config, _titanlite_names(args))
-
-
-def hf_model_name(args: LlamaArgs) -> str:
-    """The registry name for a model read from Hugging Face (both build the same class)."""
-    return "llama2" if args.vocab_size == 32000 and args.rope_theta == 10000.0 else "llama3"
+    config, description = read_hf_config(hf_dir)
+    adapter = (adapter_cls or get_model_spec(description.name).state_dict_adapter)(description.args)
+    return description, HFWeights(hf_dir, adapter, config, list(description.weight_shapes()))
 
 
 # --- seeding a training run from a Hugging Face folder ---------------------------------
@@ -381,20 +192,15 @@ def _on_every_rank(work, process_group):
     try:
         result = work()
     except (ValueError, OSError) as error:
-        failure = _first_line(error)
-    if process_group is None:
-        if failure:
-            raise ValueError(failure)
-        return result
-    failures = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(failures, failure, group=process_group)
-    for rank, message in enumerate(failures):
-        if message:
-            raise ValueError(message if rank == dist.get_rank(process_group) else f"{message} (on rank {rank})")
+        failure = one_line(error)
+    if process_group is not None:
+        failure = first_error_on_any_rank(failure, process_group, name_rank=True)
+    if failure:
+        raise ValueError(failure)
     return result
 
 
-def _check_same_model(hf_args: LlamaArgs, run_args: LlamaArgs, adapter_cls, hf_dir: Path) -> None:
+def _check_same_model(hf_args, run_args, adapter_cls, hf_dir: Path) -> None:
     """The folder must hold the model this run builds; the sequence length may differ."""
     theirs, ours = adapter_cls(hf_args).hf_config(), adapter_cls(run_args).hf_config()
     different = sorted(k for k in ours if k != "max_position_embeddings" and theirs.get(k) != ours.get(k))
@@ -403,7 +209,7 @@ def _check_same_model(hf_args: LlamaArgs, run_args: LlamaArgs, adapter_cls, hf_d
         raise ValueError(f"{hf_dir}: the folder holds a different model than this run builds ({details})")
 
 
-def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args: LlamaArgs, adapter_cls, process_group=None) -> str:
+def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args, adapter_cls, process_group=None) -> str:
     """Fill the parameters of an already sharded `model` from a Hugging Face folder. Every
     rank reads only the slices its own shards hold, so host memory per rank grows by its
     shards plus one tensor's part, not by the model. All ranks check that they read the
@@ -412,15 +218,14 @@ def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args: LlamaArgs, adap
     hf_dir = Path(hf_dir)
 
     def open_and_check():
-        hf_args, weights = open_hf_folder(hf_dir, adapter_cls)
+        description, weights = open_hf_folder(hf_dir, adapter_cls)
         # Same shapes and heads, so the folder's own adapter reads it for this run.
-        _check_same_model(hf_args, run_args, adapter_cls, hf_dir)
+        _check_same_model(description.args, run_args, adapter_cls, hf_dir)
         return weights, weights.fingerprint()
 
     weights, fingerprint = _on_every_rank(open_and_check, process_group)
     if process_group is not None:
-        fingerprints = [None] * dist.get_world_size(process_group)
-        dist.all_gather_object(fingerprints, fingerprint, group=process_group)
+        fingerprints = gather_from_every_rank(fingerprint, process_group)
         if len(set(fingerprints)) > 1:
             seen = ", ".join(f"rank {rank} {value}" for rank, value in enumerate(fingerprints))
             raise ValueError(f"{hf_dir}: the ranks read different files ({seen})")
@@ -441,19 +246,15 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Write out_dir/step-0, a DCP checkpoint of a Hugging Face Llama folder, keeping the
     folder's dtype. Returns step-0."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
-    args, weights = open_hf_folder(hf_dir)
-    _check_output(out_dir)
-    with torch.device("meta"):
-        shapes = {
-            name: tuple(t.shape) for name, t in get_model_spec(hf_model_name(args)).model_cls(args).state_dict().items()
-        }
-    state = {name: weights.read(name, shape) for name, shape in shapes.items()}
-    state[MODEL_ARGS] = {"name": hf_model_name(args), "flavor": "hf", "args": dataclasses.asdict(args)}
+    description, weights = open_hf_folder(hf_dir)
+    check_output(out_dir)
+    state = {name: weights.read(name, shape) for name, shape in description.weight_shapes().items()}
+    state[MODEL_ARGS] = description.to_state(with_tokenizer_path=False)
 
     def write(folder: Path) -> None:
-        _single_process(
+        single_process(
             dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True
         )
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return out_dir / "step-0"

@@ -1,8 +1,8 @@
 """Export a titanlite step-N checkpoint as a Hugging Face LlamaForCausalLM folder.
 
 Everything is decided before anything is written: the weights present and their shapes
-against the saved model_args, the tokenizer, and the split into output shards
-(huggingface_hub's splitter, run on meta tensors). The export then reads the checkpoint
+against the model the saved model_args build (on the meta device), the tokenizer, and
+the split into output shards (huggingface_hub's splitter, run on meta tensors). The export then reads the checkpoint
 one output shard at a time and writes it with safetensors, in one process without a
 process group, into a temporary sibling folder that is renamed into place only when
 every file is written and synced. All renaming and the q/k RoPE permutation come from
@@ -28,17 +28,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from titanlite.checkpoint.hf import (
-    EMA_PREFIX,
-    _check_output,
-    _checkpoint_metadata,
-    _single_process,
-    _titanlite_names,
-    _write_atomically,
-    read_model_description,
-)
-from titanlite.checkpoint.manager import EXPORT_DTYPES, fsync_path
+from titanlite.checkpoint.description import ModelDescription, read_model_description
+from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, single_process, write_atomically
+from titanlite.checkpoint.hf import EMA_PREFIX
 from titanlite.data.tokenizer import HFTokenizer
+from titanlite.dtypes import DTYPES
+from titanlite.files import fsync_path
 from titanlite.registry import get_model_spec
 
 logger = logging.getLogger("titanlite")
@@ -75,11 +70,11 @@ def parse_size(size: str | int) -> int:
 
 def _export_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
-        if dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype '{dtype}': choose from {', '.join(EXPORT_DTYPES)}")
-        dtype = EXPORT_DTYPES[dtype]
-    if dtype not in EXPORT_DTYPES.values():
-        raise ValueError(f"dtype {dtype}: choose from {', '.join(EXPORT_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype '{dtype}': choose from {', '.join(DTYPES)}")
+        dtype = DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype {dtype}: choose from {', '.join(DTYPES)}")
     return dtype
 
 
@@ -142,42 +137,15 @@ def _weight_sources(step_dir: Path, metadata, adapter, names: list[str], use_ema
     return {adapter.to_hf_name(name): (prefix + name, name, saved[prefix + name]) for name in names}
 
 
-def _expected_shapes(args) -> dict[str, tuple[int, ...]]:
-    """titanlite name -> shape, as Transformer(args) lays its weights out. Derived from
-    the args rather than by building the model on the meta device, which costs a second
-    of one-time imports (the meta initialisers) in a fresh process. A test checks that
-    the two agree."""
-    q, kv, ffn = args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden_dim
-    per_layer = {
-        "attention.wq": (q, args.dim),
-        "attention.wk": (kv, args.dim),
-        "attention.wv": (kv, args.dim),
-        "attention.wo": (args.dim, q),
-        "feed_forward.w1": (ffn, args.dim),
-        "feed_forward.w2": (args.dim, ffn),
-        "feed_forward.w3": (ffn, args.dim),
-        "attention_norm": (args.dim,),
-        "ffn_norm": (args.dim,),
-    }
-    shapes = {
-        "tok_embeddings.weight": (args.vocab_size, args.dim),
-        "norm.weight": (args.dim,),
-        "output.weight": (args.vocab_size, args.dim),
-    }
-    for i in range(args.n_layers):
-        shapes.update({f"layers.{i}.{part}.weight": shape for part, shape in per_layer.items()})
-    return shapes
-
-
-def _check_shapes(step_dir: Path, sources: dict, description: dict) -> None:
-    """Refuse a checkpoint whose tensors do not have the shapes its own model_args give:
-    the exported config.json would describe a different model from the weights."""
-    expected = _expected_shapes(description["args"])
+def _check_shapes(step_dir: Path, sources: dict, description: ModelDescription, expected: dict) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes its own model_args give
+    (`expected`, as the model lays them out): the exported config.json would describe a
+    different model from the weights."""
     for key, name, entry in sources.values():
         if tuple(entry.size) != expected[name]:
             raise ValueError(
                 f"{step_dir}: tensor '{key}' has shape {list(entry.size)} but the checkpoint's "
-                f"model_args ({description['name']} {description['flavor']}) give {list(expected[name])}"
+                f"model_args ({description.name} {description.flavor}) give {list(expected[name])}"
             )
 
 
@@ -363,7 +331,7 @@ def _load_with_dcp(step_dir: Path, items: list[tuple[str, TensorStorageMetadata]
     if not tensors:
         return tensors
     try:
-        _single_process(dcp.load, tensors, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+        single_process(dcp.load, tensors, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         raise ValueError(
             f"{step_dir}: cannot read {next(iter(tensors))} ({type(error).__name__}); "
@@ -432,15 +400,15 @@ def export_to_hf(
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     dtype = _export_dtype(dtype)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
-    _check_output(out_dir)
-    metadata = _checkpoint_metadata(step_dir)
+    check_output(out_dir)
+    metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
-    tokenizer_json = _tokenizer_file(step_dir, description.get("tokenizer_path"), tokenizer)
+    tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
     special_ids = _special_ids(tokenizer_json)
-    args = description["args"]
-    adapter = get_model_spec(description["name"]).state_dict_adapter(args)
-    sources = _weight_sources(step_dir, metadata, adapter, _titanlite_names(args), use_ema)
-    _check_shapes(step_dir, sources, description)
+    adapter = get_model_spec(description.name).state_dict_adapter(description.args)
+    shapes = description.weight_shapes()
+    sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
+    _check_shapes(step_dir, sources, description, shapes)
     split = _split(sources, dtype, limit)
 
     def passes_through(name: str, entry: TensorStorageMetadata) -> bool:
@@ -486,5 +454,5 @@ def export_to_hf(
             reader.close()
             syncer.join()
 
-    _write_atomically(out_dir, write)
+    write_atomically(out_dir, write)
     return out_dir

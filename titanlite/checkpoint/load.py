@@ -21,27 +21,30 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import hf
-from titanlite.models.llama.model import rope_tables
+from titanlite.checkpoint.description import ModelDescription, read_model_description
+from titanlite.checkpoint.files import single_process
 from titanlite.registry import get_model_spec
 
 
-def _build(description: dict, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    model_cls = get_model_spec(description["name"]).model_cls
+def _build(description: ModelDescription, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    model_cls = get_model_spec(description.name).model_cls
     with torch.device("meta"):
-        model = model_cls(description["args"])
+        model = model_cls(description.args)
     model.to_empty(device=device)
     model.to(dtype)
     return model
 
 
-def _set_rope_tables(model: nn.Module, device: torch.device) -> None:
-    # The only non-persistent state: derived from the args, never saved. Kept in float32
-    # whatever the weights' dtype, as init_weights does.
-    model.rope_cos, model.rope_sin = rope_tables(model.args, device=device)
+def _finish(model: nn.Module, description: ModelDescription, device: torch.device) -> nn.Module:
+    """Fill the non-persistent buffers (never saved: derived from the args) and switch to eval."""
+    get_model_spec(description.name).set_buffers(model, device)
+    return model.eval()
 
 
-def _load_dcp(step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema: bool) -> tuple[nn.Module, dict]:
-    description = hf.read_model_description(step_dir)
+def _load_dcp(
+    step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema: bool
+) -> tuple[nn.Module, ModelDescription]:
+    description = read_model_description(step_dir)
     metadata = FileSystemReader(str(step_dir)).read_metadata()
     model = _build(description, device, dtype)
     prefix = hf.EMA_PREFIX if use_ema else ""
@@ -52,24 +55,19 @@ def _load_dcp(step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema:
         raise ValueError(f"{step_dir}: use_ema asks for EMA weights but the checkpoint has no 'ema.' entries")
     if missing:
         raise ValueError(f"{step_dir}: the checkpoint lacks {len(missing)} model weight(s), e.g. {missing[0]}")
-    hf._single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
     for name, tensor in weights.items():
         if tensor.data_ptr() != state[prefix + name].data_ptr():  # loaded into a new tensor, not in place
             tensor.copy_(state[prefix + name])
-    _set_rope_tables(model, device)
-    return model.eval(), description
+    return _finish(model, description, device), description
 
 
-def _load_hf(hf_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    args, weights = hf.open_hf_folder(hf_dir)
-    description = {"name": hf.hf_model_name(args), "flavor": "hf", "args": args, "tokenizer_path": None}
-    if (hf_dir / "tokenizer.json").is_file():
-        description["tokenizer_path"] = str((hf_dir / "tokenizer.json").resolve())
+def _load_hf(hf_dir: Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, ModelDescription]:
+    description, weights = hf.open_hf_folder(hf_dir)
     model = _build(description, device, dtype)
     for name, tensor in model.state_dict().items():
         weights.copy_into(name, tensor)
-    _set_rope_tables(model, device)
-    return model.eval(), description
+    return _finish(model, description, device), description
 
 
 def load_model(
@@ -77,9 +75,9 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     use_ema: bool = False,
-) -> tuple[nn.Module, dict]:
-    """(model in eval mode, {"name", "flavor", "args"}) from a step-N folder or a Hugging
-    Face folder. Raises ValueError, one line naming the path, when PATH is not one."""
+) -> tuple[nn.Module, ModelDescription]:
+    """(model in eval mode, its ModelDescription) from a step-N folder or a Hugging Face
+    folder. Raises ValueError, one line naming the path, when PATH is not one."""
     path, device = Path(path), torch.device(device)
     if not path.exists():
         raise ValueError(f"{path}: no such checkpoint folder")

@@ -16,14 +16,9 @@ manifest exists and the checksums when the option is on. Every load also checks 
 against the byte ranges DCP's ``.metadata`` records, so a truncated file is named.
 """
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
-import re
 import shutil
-import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -32,169 +27,30 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
 
+from titanlite.checkpoint.files import (
+    DCP_FAILURES,
+    CheckpointError,
+    FileNamingReader,
+    complete_steps,
+    delete_step_folder,
+    describe_failure,
+    first_failure,
+    leftover_folders,
+    top_level_names,
+)
+from titanlite.checkpoint.manifest import write_manifest
+from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
-from titanlite.parallel import is_collective_failure
+from titanlite.dtypes import DTYPES
+from titanlite.files import fsync_path
+from titanlite.parallel import first_error_on_any_rank, is_collective_failure
 
 logger = logging.getLogger("titanlite")
-
-MODEL = "model"
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
-MANIFEST = ".manifest.json"
-_HASH_CHUNK = 1 << 20
-# DCP reports a failure on any rank as a CheckpointException, which is a BaseException.
-_FAILURES = (Exception, CheckpointException)
-# Dtypes a model-only save or an export may cast the weights to, by config name.
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be found, read or written; the message names the path."""
-
-
-def _first_failure(error: BaseException) -> tuple[int | None, BaseException]:
-    """The rank and the exception behind an error; DCP wraps every rank's failure."""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, failure = sorted(error.failures.items())[0]
-        if isinstance(failure, tuple):  # (exception, its stack frames)
-            failure = failure[0]
-        return rank, failure
-    return None, error
-
-
-def _describe(error: BaseException) -> str:
-    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks)."""
-    rank, failure = _first_failure(error)
-    error_text = f"{type(failure).__name__}: {failure}"
-    if rank is not None:
-        error_text = f"on rank {rank}: {error_text}"
-    return " ".join(error_text.split())[:500]
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder so that renames and new entries in it last)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _sha256(path: Path) -> str:
-    """The file's SHA-256, read in 1 MiB chunks (never the whole file in memory)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_manifest(folder: Path) -> None:
-    """Write the folder's MANIFEST, {file name: {size, sha256}} for every other file, and fsync it."""
-    files = {
-        entry.name: {"size": entry.stat().st_size, "sha256": _sha256(entry)}
-        for entry in sorted(folder.iterdir())
-        if entry.is_file() and entry.name != MANIFEST
-    }
-    with open(folder / MANIFEST, "w") as file:
-        json.dump(files, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _read_manifest(folder: Path) -> dict | None:
-    path = folder / MANIFEST
-    if not path.is_file():
-        return None
-    try:
-        files = json.loads(path.read_text())
-        return {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise CheckpointError(f"{path}: the integrity manifest is damaged ({type(error).__name__}: {error})") from None
-
-
-def verify_manifest(folder: Path, checksums: bool) -> bool:
-    """Check every file the folder's manifest lists: its size, and its SHA-256 when
-    `checksums`. Raises CheckpointError naming the first file that differs; returns
-    whether there was a manifest to check against."""
-    manifest = _read_manifest(folder)
-    if manifest is None:
-        return False
-    for name, (size, sha256) in manifest.items():
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (the integrity manifest lists it)")
-        actual = path.stat().st_size
-        if actual != size:
-            raise CheckpointError(
-                f"{path}: size mismatch, {actual} bytes instead of {size} (the file was truncated or changed after it was saved)"
-            )
-        if checksums and _sha256(path) != sha256:
-            raise CheckpointError(f"{path}: sha256 mismatch (the file changed after it was saved)")
-    return True
-
-
-def check_data_files(folder: Path) -> None:
-    """Check that every data file DCP's .metadata refers to exists and is long enough for
-    the byte ranges it records: a truncated shard is named before DCP reads it."""
-    storage = FileSystemReader(str(folder)).read_metadata().storage_data or {}
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, end in sorted(needed.items()):
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing (the checkpoint's .metadata refers to it)")
-        size = path.stat().st_size
-        if size < end:
-            raise CheckpointError(
-                f"{path}: truncated, {size} bytes but the checkpoint's .metadata places data up to byte {end}"
-            )
-
-
-class _FileNamingReader(FileSystemReader):
-    """DCP's filesystem reader, reading file by file so that an error names its file."""
-
-    def read_data(self, plan, planner):
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as error:
-                path = Path(self.path) / name
-                text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-                raise CheckpointError(f"{path}: cannot be read, the file is damaged ({text})") from error
-        return super().read_data(dataclasses.replace(plan, items=[]), planner)
-
-
-def complete_steps(folder: Path) -> dict[int, Path]:
-    """step -> folder for every complete checkpoint (a step-N folder with DCP metadata)."""
-    if not folder.is_dir():
-        return {}
-    steps = {}
-    for entry in folder.iterdir():
-        match = _STEP_FOLDER.match(entry.name)
-        if match and (entry / ".metadata").is_file():
-            steps[int(match.group(1))] = entry
-    return dict(sorted(steps.items()))
-
-
-def top_level_names(path: Path) -> set[str]:
-    """The first component of every key in a checkpoint: part names and model weight names."""
-    try:
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
-    except _FAILURES as error:  # unreadable or corrupt metadata
-        raise CheckpointError(
-            f"{path / '.metadata'}: cannot read the checkpoint metadata ({_describe(error)})"
-        ) from None
-    return {key.split(".", 1)[0] for key in keys}
 
 
 class CheckpointManager:
@@ -268,7 +124,7 @@ class CheckpointManager:
         At most one save is in flight: an earlier one is waited for first."""
         self.wait()
         if model_only:
-            state = self._collect([MODEL], EXPORT_DTYPES[self.config.export_dtype])
+            state = self._collect([MODEL], DTYPES[self.config.export_dtype])
         else:
             state = self._collect(list(self.states))
         partial = self.folder / f".step-{step}.partial"
@@ -278,7 +134,7 @@ class CheckpointManager:
             try:
                 dcp.save(state, storage_writer=writer, process_group=self.process_group)
                 self._publish(partial, final)
-            except _FAILURES as error:
+            except DCP_FAILURES as error:
                 self._settle(step, error)
             else:
                 self._settle(step, None)
@@ -300,7 +156,7 @@ class CheckpointManager:
                 async_checkpointer_type=checkpointer,
                 async_stager=self._stager,
             )
-        except _FAILURES as error:  # planning or staging failed before the write began
+        except DCP_FAILURES as error:  # planning or staging failed before the write began
             self._settle(step, error)
             return
         if isinstance(response, AsyncSaveResponse):
@@ -372,14 +228,14 @@ class CheckpointManager:
         if final.exists():
             # Only after resuming from an older step (load_step): the newer trajectory's
             # checkpoint of this step is superseded.
-            self._delete(final)
+            delete_step_folder(final)
         os.replace(partial, final)
         fsync_path(self.folder)
         logger.info("checkpoint saved: %s", final)
         try:
             self._purge()
-        except _FAILURES as error:  # the new checkpoint is saved; only old ones stay
-            logger.warning("could not delete old checkpoints in %s: %s", self.folder, _describe(error))
+        except DCP_FAILURES as error:  # the new checkpoint is saved; only old ones stay
+            logger.warning("could not delete old checkpoints in %s: %s", self.folder, describe_failure(error))
 
     def _settle(self, step: int, error: BaseException | None, agree: bool = True) -> None:
         """After a save ended: if it failed on any rank, rank 0 removes its partial folder and
@@ -390,11 +246,9 @@ class CheckpointManager:
             # A peer died or hangs: the group cannot agree on anything any more, and no
             # training collective will succeed either. The trainer reports it as such.
             raise error
-        text = None if error is None else _describe(error)
+        text = None if error is None else describe_failure(error)
         if agree and self.process_group is not None:
-            texts = [None] * dist.get_world_size(self.process_group)
-            dist.all_gather_object(texts, text, group=self.process_group)
-            text = next((t for t in texts if t is not None), None)
+            text = first_error_on_any_rank(text, self.process_group)
         self.failed_save = None
         if text is None:
             self._saved_step = step
@@ -430,7 +284,7 @@ class CheckpointManager:
         in_flight, self._in_flight = self._in_flight, None
         try:
             in_flight.result()
-        except _FAILURES as error:
+        except DCP_FAILURES as error:
             self._settle(self._in_flight_step, error, agree)
         else:
             self._settle(self._in_flight_step, None, agree)
@@ -448,93 +302,15 @@ class CheckpointManager:
     # --- purging -----------------------------------------------------------------------
 
     def _purge(self) -> None:
-        keep_latest = self.config.keep_latest_k
-        steps = list(complete_steps(self.folder))
-        if keep_latest == 0 or len(steps) <= keep_latest:
-            return
-        every = self.config.keep_every
-        # A model-only save (the last one, say) cannot resume a run: the newest checkpoint
-        # that can is kept whatever its age.
-        resumable = next((s for s in reversed(steps) if self._is_resumable(self.folder / f"step-{s}")), None)
-        for step in steps[:-keep_latest]:
-            if (every and step % every == 0) or step == resumable:
-                continue
-            self._delete(self.folder / f"step-{step}")
-            logger.info("checkpoint deleted (keep_latest_k=%d): step-%d", keep_latest, step)
-
-    def _delete(self, step_folder: Path) -> None:
-        # Renamed first, so a deletion killed half-way never leaves a step-N that is
-        # missing files; the leftover is cleaned up at the next start.
-        doomed = step_folder.with_name(f".{step_folder.name}.deleting")
-        os.replace(step_folder, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-
-    @staticmethod
-    def _is_resumable(path: Path) -> bool:
-        return "train_state" in top_level_names(path)
+        purge_old_steps(self.folder, self.config.keep_latest_k, self.config.keep_every)
 
     def _remove_leftovers(self) -> None:
         """Remove what interrupted saves and purges left behind (only names we create)."""
-        if not self.folder.is_dir():
-            return
-        for entry in self.folder.iterdir():
-            if re.fullmatch(r"\.step-\d+\.(partial|deleting)", entry.name):
-                shutil.rmtree(entry, ignore_errors=True)
-                logger.info("removed an incomplete checkpoint folder: %s", entry)
+        for entry in leftover_folders(self.folder):
+            shutil.rmtree(entry, ignore_errors=True)
+            logger.info("removed an incomplete checkpoint folder: %s", entry)
 
     # --- loading -----------------------------------------------------------------------
-
-    def _resume_source(self) -> tuple[Path, bool] | None:
-        """The checkpoint to start from and whether to load the model only."""
-        steps = complete_steps(self.folder) if self.config.enable else {}
-        load_step = self.config.load_step
-        if load_step >= 0:
-            if load_step not in steps:
-                available = ", ".join(map(str, steps)) or "none"
-                raise CheckpointError(
-                    f"checkpoint.load_step {load_step}: no complete step-{load_step} in {self.folder} "
-                    f"(complete steps: {available})"
-                )
-            if not self._is_resumable(steps[load_step]):
-                raise CheckpointError(
-                    f"checkpoint.load_step {load_step}: {steps[load_step]} holds model weights only and cannot "
-                    "resume a run; start from its weights with checkpoint.initial_load_path instead"
-                )
-            self._set_aside_newer_than(load_step, steps)
-            return steps[load_step], False
-        # Newest first; a model-only save (e.g. the last one) cannot resume training.
-        for step, path in reversed(steps.items()):
-            if self._is_resumable(path):
-                return path, False
-            logger.info("skipping %s for resume: it holds model weights only", path)
-        if self.config.initial_load_path and not self.config.initial_load_in_hf:  # HF: the trainer seeds
-            path = Path(self.config.initial_load_path)
-            if not (path / ".metadata").is_file():
-                raise CheckpointError(f"checkpoint.initial_load_path {path}: not a checkpoint folder (no .metadata)")
-            return path, self.config.initial_load_model_only
-        return None
-
-    def _set_aside_newer_than(self, load_step: int, steps: dict[int, Path]) -> None:
-        """Resuming from an older step abandons the checkpoints after it. Left in place they
-        would be resumed from next time and purged in the new run's place, so they are
-        moved (never deleted) into a folder that is not a step folder."""
-        newer = [path for step, path in steps.items() if step > load_step]
-        if not newer:
-            return
-        aside = self.folder / f"abandoned-after-step-{load_step}-{time.strftime('%Y%m%d-%H%M%S')}"
-        aside.mkdir()
-        for path in newer:
-            os.replace(path, aside / path.name)
-        fsync_path(self.folder)
-        logger.warning("resuming from step %d: moved the %d newer checkpoint(s) to %s", load_step, len(newer), aside)
-
-    def _parts_in(self, path: Path) -> set[str]:
-        """The parts a checkpoint holds; top-level names that are no part are model weights."""
-        names = top_level_names(path)
-        parts = names & set(self.states)
-        if names - set(self.states):
-            parts.add(MODEL)
-        return parts
 
     def _agree(self, decide):
         """Run `decide` on rank 0 only and give every rank its result (or its error): ranks
@@ -545,8 +321,8 @@ class CheckpointManager:
                 outcome[0] = ("ok", decide())
             except CheckpointError as error:
                 outcome[0] = ("error", str(error))
-            except _FAILURES as error:  # e.g. a permission error: the others must not wait for it
-                outcome[0] = ("error", f"{self.folder}: {_describe(error)}")
+            except DCP_FAILURES as error:  # e.g. a permission error: the others must not wait for it
+                outcome[0] = ("error", f"{self.folder}: {describe_failure(error)}")
         if self.process_group is not None:
             dist.broadcast_object_list(outcome, src=0, group=self.process_group)
         status, value = outcome[0]
@@ -554,52 +330,14 @@ class CheckpointManager:
             raise CheckpointError(value)
         return value
 
-    def _plan_load(self) -> tuple[Path, list[str]] | None:
-        """The checkpoint to start from and the parts to load from it, or None."""
-        source = self._resume_source()
-        if source is None:
-            return None
-        path, model_only = source
-        available = self._parts_in(path)
-        self._check_files(path)
-        wanted = [MODEL] if model_only else [n for n in self.states if n not in self.config.exclude_from_loading]
-        missing = [name for name in wanted if name not in available]
-        if MODEL in missing:
-            raise CheckpointError(f"{path}: the checkpoint holds no model weights")
-        for name in missing:
-            logger.warning("%s holds no '%s'; it starts fresh", path, name)
-        return path, [name for name in wanted if name in available]
-
-    def _check_files(self, path: Path) -> None:
-        """Catch damaged files before DCP reads them (a truncated shard, and with a manifest
-        any change of size, or of content with verify_integrity), naming the file."""
-        start = time.perf_counter()
-        checksums = self.config.verify_integrity
-        try:
-            if verify_manifest(path, checksums):
-                logger.info(
-                    "%s matches its integrity manifest (%s, %.2f s)",
-                    path,
-                    "sizes and sha256" if checksums else "sizes",
-                    time.perf_counter() - start,
-                )
-            elif checksums:
-                logger.warning(
-                    "%s has no integrity manifest (saved without checkpoint.verify_integrity): loading it unverified",
-                    path,
-                )
-            check_data_files(path)
-        except CheckpointError as error:
-            raise CheckpointError(f"{error}; to resume from an earlier checkpoint, set checkpoint.load_step") from None
-
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
-            dcp.load(state, storage_reader=_FileNamingReader(str(path)), process_group=self.process_group)
-        except _FAILURES as error:
-            rank, failure = _first_failure(error)
+            dcp.load(state, storage_reader=FileNamingReader(str(path)), process_group=self.process_group)
+        except DCP_FAILURES as error:
+            rank, failure = first_failure(error)
             if isinstance(failure, CheckpointError):  # a damaged file, named by the reader
                 raise CheckpointError(f"{failure} (on rank {rank})" if rank is not None else str(failure)) from error
-            raise CheckpointError(f"{path}: loading failed {_describe(error)}") from error
+            raise CheckpointError(f"{path}: loading failed {describe_failure(error)}") from error
 
     def _skip_absent_descriptions(self, state: dict, path: Path) -> None:
         """Do not ask for the model part's non-tensor entries (its description) when the
@@ -616,7 +354,7 @@ class CheckpointManager:
         if not self.in_use:
             return []
         self.wait()
-        plan = self._agree(self._plan_load)
+        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states)))
         if plan is None:
             return []
         path, parts = plan

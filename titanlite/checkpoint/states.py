@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-MODEL_ARGS = "model_args"
+from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
 
 
 class ModelState(Stateful):
@@ -23,29 +23,30 @@ class ModelState(Stateful):
     hyper-parameter) under "model_args", so that tools reading a checkpoint know what
     model it holds and a resume into another model shape fails with a clear message."""
 
-    def __init__(self, model: nn.Module, description: dict):
+    def __init__(self, model: nn.Module, description: ModelDescription):
         self.model, self.description = model, description
+        # One dict for every save and load, handed to DCP as it is.
+        self._recorded = description.to_state()
 
     def state_dict(self) -> dict:
-        return {**get_model_state_dict(self.model), MODEL_ARGS: self.description}
+        return {**get_model_state_dict(self.model), MODEL_ARGS: self._recorded}
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.pop(MODEL_ARGS, None)
-        # max_seq_len only sizes the RoPE tables: weights carry over to any sequence length.
-        different = (
-            []
-            if saved is None
-            else sorted(
-                key
-                for key, value in self.description["args"].items()
-                if key != "max_seq_len" and saved["args"].get(key) != value
-            )
-        )
-        if different:
-            raise ValueError(
-                f"the checkpoint holds model {saved['name']} {saved['flavor']}, this run builds "
-                f"{self.description['name']} {self.description['flavor']} (they differ in {', '.join(different)})"
-            )
+        if saved is not None:
+            # NOTE: dcp.load writes the saved description into self._recorded in place, so
+            # on a resume through DCP this compares the checkpoint with itself and only the
+            # weights' shapes can refuse it; a direct call compares two descriptions. Kept
+            # as found: comparing with self.description would refuse resumes that load today.
+            args_cls = type(self.description.args)
+            ours = ModelDescription.from_state(self._recorded, "this run's model_args", args_cls)
+            theirs = ModelDescription.from_state(saved, "the checkpoint's model_args", args_cls)
+            different = ours.differences(theirs)
+            if different:
+                raise ValueError(
+                    f"the checkpoint holds model {theirs.name} {theirs.flavor}, this run builds "
+                    f"{ours.name} {ours.flavor} (they differ in {', '.join(different)})"
+                )
         set_model_state_dict(self.model, state_dict)
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titanlite.files import fsync_path  # prepare.py takes it from here too
+
 FORMAT_NAME = "titanlite-prepared"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -49,15 +51,6 @@ def _little_endian(items: array.array) -> bytes:
         items = array.array(items.typecode, items)
         items.byteswap()
     return items.tobytes()
-
-
-def fsync_path(path: str) -> None:
-    """Flush a file's or a folder's entry to disk (a rename is durable only once its folder is)."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 # --------------------------------------------------------------------------- writing

@@ -76,14 +76,27 @@ def is_collective_failure(error: BaseException) -> bool:
     return isinstance(error, dist.DistError) or any(mark in str(error) for mark in _COLLECTIVE_FAILURE_MARKS)
 
 
-def first_error_on_any_rank(error: str | None) -> str | None:
-    """Gather every rank's error message (None: no error) and return the lowest rank's, the
-    same on every rank, so that all ranks fail together instead of some waiting for the others."""
+def gather_from_every_rank(value, group=None) -> list:
+    """Every rank's ``value`` in rank order, on every rank (``[value]`` without a process
+    group). ``group`` None is the default group."""
     if not dist.is_initialized():
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    return next((message for message in errors if message is not None), None)
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def first_error_on_any_rank(error: str | None, group=None, name_rank: bool = False) -> str | None:
+    """Gather every rank's error message (None: no error) and return the lowest rank's, the
+    same on every rank, so that all ranks fail together instead of some waiting for the others.
+    With ``name_rank``, a message from another rank ends with "(on rank N)"."""
+    for rank, message in enumerate(gather_from_every_rank(error, group)):
+        if message is None:
+            continue
+        if name_rank and rank != dist.get_rank(group):
+            return f"{message} (on rank {rank})"
+        return message
+    return None
 
 
 def destroy_distributed() -> None:

@@ -6,12 +6,12 @@ head, Hugging Face rotates the two halves (x[i], x[i + head_dim/2]). The permuta
 moves the output rows of wq/wk so that both conventions compute the same attention.
 """
 
-import dataclasses
 import re
 
 import torch
 
 from titanlite.models.llama.args import LlamaArgs
+from titanlite.models.llama.hf_config import args_to_hf_config
 
 # titanlite name pattern -> Hugging Face name pattern; {} is the layer index.
 _TO_HF = {
@@ -97,25 +97,4 @@ class LlamaStateDictAdapter:
 
     def hf_config(self) -> dict:
         """The LlamaConfig fields that describe this model."""
-        args = self.args
-        config = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": args.dim,
-            "intermediate_size": args.ffn_hidden_dim,
-            "num_hidden_layers": args.n_layers,
-            "num_attention_heads": args.n_heads,
-            "num_key_value_heads": args.kv_heads,
-            "head_dim": args.head_dim,
-            "vocab_size": args.vocab_size,
-            "rms_norm_eps": args.norm_eps,
-            "rope_theta": args.rope_theta,
-            "max_position_embeddings": args.max_seq_len,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "mlp_bias": False,
-        }
-        if args.rope_scaling is not None:
-            config["rope_scaling"] = {"rope_type": "llama3", **dataclasses.asdict(args.rope_scaling)}
-        return config
+        return args_to_hf_config(self.args)

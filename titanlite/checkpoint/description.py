@@ -1,0 +1,108 @@
+"""What model a checkpoint holds: the description recorded under "model_args".
+
+Every checkpoint the trainer writes, and every one imported from Hugging Face, records
+the model's registry name, its flavor, every hyper-parameter and (trainer runs) the
+tokenizer.json it trained with. On disk it is a plain nested dict, so that any DCP
+reader can list it; in memory it is a ModelDescription whose args are the registry's
+args dataclass. This module is the one place that reads and writes it.
+"""
+
+import dataclasses
+import typing
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from titanlite.checkpoint.files import read_checkpoint_metadata, single_process
+from titanlite.registry import get_model_spec
+
+MODEL_ARGS = "model_args"
+# Hyper-parameters that do not make another model: max_seq_len only sizes the RoPE tables,
+# so weights carry over to any sequence length.
+_NOT_THE_MODEL = ("max_seq_len",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDescription:
+    name: str  # the registry name
+    flavor: str  # "hf" for a model read from a Hugging Face folder
+    args: typing.Any  # the registry's args dataclass for `name`
+    tokenizer_path: str | None = None  # the run's tokenizer.json; None: the byte tokenizer, or not recorded
+
+    def to_state(self, with_tokenizer_path: bool = True) -> dict:
+        """The description as a checkpoint records it. Imported checkpoints never recorded
+        a tokenizer path, and do not now."""
+        state = {"name": self.name, "flavor": self.flavor, "args": dataclasses.asdict(self.args)}
+        if with_tokenizer_path:
+            state["tokenizer_path"] = self.tokenizer_path
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict, where: str, args_cls: type | None = None) -> "ModelDescription":
+        """The description a checkpoint recorded; `args_cls` defaults to the registry's for its
+        name. ValueError naming `where` when the args are not that dataclass's."""
+        args_cls = args_cls or get_model_spec(state["name"]).args_cls
+        try:
+            args = _dataclass_from_dict(args_cls, state["args"])
+        except TypeError as error:
+            raise ValueError(f"{where}: model_args do not describe a Llama model ({error})") from None
+        return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"))
+
+    def differences(self, other: "ModelDescription") -> list[str]:
+        """The hyper-parameters, by name, in which `other` describes another model."""
+        return sorted(
+            field.name
+            for field in dataclasses.fields(self.args)
+            if field.name not in _NOT_THE_MODEL and getattr(self.args, field.name) != getattr(other.args, field.name)
+        )
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Weight name -> shape, as the model class lays them out (built on the meta device,
+        which allocates nothing)."""
+        with torch.device("meta"):
+            model = get_model_spec(self.name).model_cls(self.args)
+        return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+
+
+def _dataclass_in(hint) -> type | None:
+    """The dataclass a field's type names, alone or in a union (`RopeScaling | None`)."""
+    for candidate in typing.get_args(hint) or (hint,):
+        if dataclasses.is_dataclass(candidate):
+            return candidate
+    return None
+
+
+def _dataclass_from_dict(cls: type, values: dict):
+    """`cls(**values)`, with nested dataclass fields rebuilt from their dicts."""
+    hints = typing.get_type_hints(cls)
+    fields = {}
+    for key, value in values.items():
+        nested = _dataclass_in(hints.get(key))
+        fields[key] = nested(**value) if nested is not None and isinstance(value, dict) else value
+    return cls(**fields)
+
+
+def _nest(flat_keys: list[str], prefix: str) -> dict:
+    """A nested dict of placeholders shaped like the flattened keys under `prefix`."""
+    root: dict = {}
+    for key in flat_keys:
+        parts = key[len(prefix) + 1 :].split(".")
+        node = root
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = None
+    return root
+
+
+def read_model_description(step_dir: str | Path) -> ModelDescription:
+    """The description a step-N folder recorded; ValueError naming the folder when it has none."""
+    step_dir = Path(step_dir)
+    metadata = read_checkpoint_metadata(step_dir)
+    keys = [k for k in metadata.state_dict_metadata if k.startswith(MODEL_ARGS + ".")]
+    if not keys:
+        raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")
+    state = {MODEL_ARGS: _nest(keys, MODEL_ARGS)}
+    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    return ModelDescription.from_state(state[MODEL_ARGS], str(step_dir))

@@ -169,7 +169,7 @@ def _torchtitan_path(step_dir: str, out_dir: str, max_shard_size: str) -> None:
         enable_consolidation=True,
         thread_count_consolidation=os.cpu_count() or 1,
     )
-    _single_process(dcp.save, hf_state, storage_writer=writer, no_dist=True)
+    single_process(dcp.save, hf_state, storage_writer=writer, no_dist=True)
 
 
 def convert_child(row: str, step_dir: str, out_dir: str, max_shard_size: str) -> None:

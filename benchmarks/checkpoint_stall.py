@@ -147,12 +147,11 @@ def measure(folder: str, repeats: int) -> dict:
         manager = CheckpointManager(states, config, folder)
         trainer.checkpointer = manager  # train_step() waits for this manager's staging
         staging_waits = []
-        wait_for_staging = manager.wait_for_staging
 
-        def timed_wait_for_staging():
+        def timed_wait_for_staging(wait_for_staging=manager.wait_for_staging, waits=staging_waits):
             started = time.perf_counter()
             wait_for_staging()
-            staging_waits.append(time.perf_counter() - started)
+            waits.append(time.perf_counter() - started)
 
         manager.wait_for_staging = timed_wait_for_staging
         rows = []

@@ -109,8 +109,8 @@ def count(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     grads = [p.grad for p in params if p.grad is not None]
     state = _state_tensors(optimizer)
     return {
-        "local": dict(zip(PARTS, (storage_bytes(params), storage_bytes(grads), storage_bytes(state)))),
-        "total": dict(zip(PARTS, (global_bytes(params), global_bytes(grads), global_bytes(state)))),
+        "local": dict(zip(PARTS, (storage_bytes(params), storage_bytes(grads), storage_bytes(state)), strict=True)),
+        "total": dict(zip(PARTS, (global_bytes(params), global_bytes(grads), global_bytes(state)), strict=True)),
         "grads_missing": len(params) - len(grads),
     }
 

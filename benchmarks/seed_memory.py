@@ -160,9 +160,8 @@ def main() -> None:
         total, largest = write_hf_folder(args, work / "hf")
         gb = 1e9
         print(f"titanlite seed memory benchmark, {datetime.date.today()}, {os.cpu_count()} CPU core(s)")
-        print(
-            f"model: {args.n_layers} blocks, dim {DIM}, {total / gb:.2f} GB float32, largest tensor {largest / gb:.3f} GB"
-        )
+        print(f"model: {args.n_layers} blocks, dim {DIM}, {total / gb:.2f} GB float32, ", end="")
+        print(f"largest tensor {largest / gb:.3f} GB")
         summary = []
         for world_size in [int(w) for w in options.world_sizes.split(",")]:
             ranks = measure(world_size, work / "hf", args)

@@ -254,7 +254,7 @@ def run_one(model: str, layout: Layout, compiled: bool, options: argparse.Namesp
     per_rank, steady_steps = [], []
     for report in ranks:
         # Steps after the warm-up; log_freq 1 gives one record per step.
-        steady = [tps for step, tps in zip(report["steps"], report["tps"]) if step > warmup]
+        steady = [tps for step, tps in zip(report["steps"], report["tps"], strict=True) if step > warmup]
         per_rank.append(statistics.median(steady))
         steady_steps.append(statistics.median(report["step_times"][warmup:]))
     return Result(
@@ -323,8 +323,8 @@ def print_ratios(results: list[Result], models: list[str]) -> None:
             eager = _find(results, model, r.layout, False) if r.model == model and r.compiled else None
             if eager is not None:
                 print(
-                    f"{model}: {r.strategy} {r.ranks} rank{'s' if r.ranks > 1 else ''} compile / eager total tokens/s = "
-                    f"{r.total_tps / eager.total_tps:.2f}"
+                    f"{model}: {r.strategy} {r.ranks} rank{'s' if r.ranks > 1 else ''} "
+                    f"compile / eager total tokens/s = {r.total_tps / eager.total_tps:.2f}"
                 )
     # The key ratio: the largest model that has both the single and the FSDP 2 run.
     for model in reversed(models):

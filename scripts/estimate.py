@@ -148,6 +148,12 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
     return result
 
 
+def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
+    """One collective's line of the step-time report: its time, its bytes and the link it uses."""
+    seconds, size = timing[f"{key}_s"], timing[f"{key}_bytes"]
+    return f"  {label:<14} {seconds * 1e3:10.1f} ms  ({size / 1e9:.2f} GB, {timing[link]})"
+
+
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
     lines = [
@@ -176,14 +182,15 @@ def _report(result: dict, describe_model: str) -> str:
     threshold = timing["threshold_tokens_per_device"]
     lines += [
         "step time (analytic)",
-        f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  ({timing['tokens_per_device_per_step']:,} tokens/device, "
-        f"{timing['efficiency']:.0%} of peak)",
-        f"  all-gather     {timing['all_gather_s'] * 1e3:10.1f} ms  ({timing['all_gather_bytes'] / 1e9:.2f} GB, {timing['shard_link']})",
-        f"  reduce-scatter {timing['reduce_scatter_s'] * 1e3:10.1f} ms  ({timing['reduce_scatter_bytes'] / 1e9:.2f} GB, {timing['shard_link']})",
-        f"  all-reduce     {timing['all_reduce_s'] * 1e3:10.1f} ms  ({timing['all_reduce_bytes'] / 1e9:.2f} GB, {timing['replicate_link']})",
-        f"  step           {timing['step_s'] * 1e3:10.1f} ms  -> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, "
-        f"MFU {timing['mfu_percent']:.1f}%",
-        f"  verdict: {timing['verdict']} ({timing['tokens_per_device_per_micro_batch']:,} tokens/device per micro-batch; "
+        f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  "
+        f"({timing['tokens_per_device_per_step']:,} tokens/device, {timing['efficiency']:.0%} of peak)",
+        _collective_line("all-gather", timing, "all_gather", "shard_link"),
+        _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
+        _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
+        f"  step           {timing['step_s'] * 1e3:10.1f} ms  "
+        f"-> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, MFU {timing['mfu_percent']:.1f}%",
+        f"  verdict: {timing['verdict']} "
+        f"({timing['tokens_per_device_per_micro_batch']:,} tokens/device per micro-batch; "
         f"threshold C/W = {'n/a' if threshold is None else f'{threshold:,.0f}'}, break-even here "
         f"{timing['break_even_tokens_per_device']:,.0f})",
     ]

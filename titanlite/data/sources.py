@@ -156,7 +156,8 @@ def huggingface_documents(path: str, split: str, config_name: str | None = None)
         import datasets
     except ImportError:
         raise ValueError(
-            f"dataset_path {path}: the 'datasets' package is needed to read Hugging Face datasets (pip install datasets)"
+            f"dataset_path {path}: the 'datasets' package is needed to read Hugging Face datasets "
+            "(pip install datasets)"
         ) from None
     records = datasets.load_dataset(path, name=config_name, split=split, streaming=True)
     return _text_fields(records, path)

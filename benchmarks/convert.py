@@ -18,7 +18,7 @@ so that the whole script stays near three minutes on two busy cores):
               at least read and write, moved with no work at all
   ours        titanlite.checkpoint.hf_export.export_to_hf(step-0, out, float32, --max-shard-size)
   dcp-reader  the same export with its hand-written reader of the .distcp archives and its
-              fsync thread swapped for DCP's own reader (hf_export._load_with_dcp: one dcp.load
+              fsync thread swapped for DCP's own reader (tensor_reader.load_with_dcp: one dcp.load
               per output shard) and an fsync of each file in turn
   torchtitan  what a torchtitan user runs instead: a full dcp.load of the model's weights
               into memory, the state-dict adapter's to_hf, then dcp.save with DCP's
@@ -114,20 +114,22 @@ def _export_with_dcp_reader(step_dir: str, out_dir: str, max_shard_size: str) ->
     """export_to_hf with the hand-written reader and the fsync thread swapped for the library
     path: DCP's reader (one dcp.load per output shard into new tensors) and fsyncs in turn."""
     from titanlite.checkpoint import hf_export
+    from titanlite.checkpoint.tensor_reader import load_with_dcp
+    from titanlite.files import fsync_path
 
     class LibraryReader:
         def __init__(self, step_dir, metadata, largest_group=0):
             self._step_dir = step_dir
 
         def load(self, items):
-            return hf_export._load_with_dcp(self._step_dir, items)
+            return load_with_dcp(self._step_dir, items)
 
         def close(self):
             pass
 
     class InlineSyncer:
         def add(self, path):
-            hf_export.fsync_path(path)
+            fsync_path(path)
 
         def join(self):
             pass
@@ -135,7 +137,7 @@ def _export_with_dcp_reader(step_dir: str, out_dir: str, max_shard_size: str) ->
         def wait(self):
             pass
 
-    hf_export._CheckpointReader, hf_export._Syncer = LibraryReader, InlineSyncer
+    hf_export.CheckpointReader, hf_export.BackgroundSyncer = LibraryReader, InlineSyncer
     hf_export.export_to_hf(step_dir, out_dir, dtype="float32", max_shard_size=max_shard_size)
 
 

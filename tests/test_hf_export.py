@@ -22,6 +22,7 @@ from tests.multiprocess import TINY
 from tests.prepared_data import make_documents, write_jsonl
 from tests.tiny_run import train_tiny
 from titanlite.checkpoint import ModelDescription, hf_export
+from titanlite.checkpoint.tensor_reader import CheckpointReader
 from titanlite.data.tokenizer import HFTokenizer
 from titanlite.models.llama import LlamaArgs, Transformer
 
@@ -232,20 +233,20 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     assert not weights["layers.1.feed_forward.w2.weight"].is_contiguous()
     step = save_checkpoint(tmp_path / "step-1", weights, TINY)
     located = []
-    original_locate = hf_export._CheckpointReader._locate
+    original_locate = CheckpointReader._locate
 
     def counting(self, key, entry):
         where = original_locate(self, key, entry)
         located.append((key, where is not None))
         return where
 
-    monkeypatch.setattr(hf_export._CheckpointReader, "_locate", counting)
+    monkeypatch.setattr(CheckpointReader, "_locate", counting)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
     fast_keys = {key for key, fast in located if fast}
     assert "layers.1.feed_forward.w2.weight" not in fast_keys and len(fast_keys) == len(weights) - 1
 
-    monkeypatch.setattr(hf_export._CheckpointReader, "_locate", lambda self, key, entry: None)
+    monkeypatch.setattr(CheckpointReader, "_locate", lambda self, key, entry: None)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"slow-{dtype}", dtype=dtype, max_shard_size="40KB")
         fast, slow = tmp_path / f"fast-{dtype}", tmp_path / f"slow-{dtype}"

@@ -3,6 +3,8 @@
 Imports nothing from titanlite, so that data (a lower layer) and checkpoint may both use it."""
 
 import os
+import threading
+from pathlib import Path
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -13,3 +15,35 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+class BackgroundSyncer:
+    """fsyncs written files on a second thread while the next shard is being written:
+    the output must be on disk before the folder is renamed into place, and the disk
+    writes then overlap the conversion instead of following it."""
+
+    def __init__(self):
+        self._threads: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+
+    def _run(self, path: Path) -> None:
+        try:
+            fsync_path(path)
+        except BaseException as error:
+            self._errors.append(error)
+
+    def add(self, path: Path) -> None:
+        thread = threading.Thread(target=self._run, args=(path,), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+
+    def wait(self) -> None:
+        """Join every fsync and raise the first error one met."""
+        self.join()
+        if self._errors:
+            raise self._errors[0]

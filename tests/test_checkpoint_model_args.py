@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import ModelDescription, ModelState
@@ -80,3 +81,20 @@ def test_another_sequence_length_is_not_a_different_model():
     ModelState(model, ModelDescription.from_state(description(max_seq_len=16), "test")).load_state_dict(
         {**weights, "model_args": description(max_seq_len=4096)}
     )
+
+
+def test_a_resume_through_dcp_compares_with_the_run_and_records_the_run(tmp_path):
+    """dcp.load fills the very dict a Stateful handed it: the check must compare the saved
+    description with the run's, not with itself, and later saves must record the run's."""
+    model = Transformer(LLAMA2_FLAVORS["debugmodel"].with_seq_len(32))
+    model.init_weights(seed=0)
+    saved_run = ModelState(model, ModelDescription.from_state(description(rope_theta=500000.0), "test"))
+    dcp.save({"model": saved_run}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+
+    other = ModelState(model, ModelDescription.from_state(description(), "test"))
+    with pytest.raises(ValueError, match=r"differ in rope_theta"):
+        dcp.load({"model": other}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+
+    longer = ModelState(model, ModelDescription.from_state(description(rope_theta=500000.0, max_seq_len=64), "test"))
+    dcp.load({"model": longer}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
+    assert longer.state_dict()["model_args"]["args"]["max_seq_len"] == 64

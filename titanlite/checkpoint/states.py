@@ -33,14 +33,13 @@ class ModelState(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.pop(MODEL_ARGS, None)
+        # dcp.load fills the dict that state_dict() handed it, so what the checkpoint recorded
+        # is now in self._recorded too: compare it with the run's own description, and record
+        # the run's again for the saves to come.
+        self._recorded = self.description.to_state()
         if saved is not None:
-            # NOTE: dcp.load writes the saved description into self._recorded in place, so
-            # on a resume through DCP this compares the checkpoint with itself and only the
-            # weights' shapes can refuse it; a direct call compares two descriptions. Kept
-            # as found: comparing with self.description would refuse resumes that load today.
-            args_cls = type(self.description.args)
-            ours = ModelDescription.from_state(self._recorded, "this run's model_args", args_cls)
-            theirs = ModelDescription.from_state(saved, "the checkpoint's model_args", args_cls)
+            ours = self.description
+            theirs = ModelDescription.from_state(saved, "the checkpoint's model_args", type(ours.args))
             different = ours.differences(theirs)
             if different:
                 raise ValueError(

@@ -31,13 +31,14 @@ class ModelDescription:
     args: typing.Any  # the registry's args dataclass for `name`
     tokenizer_path: str | None = None  # the run's tokenizer.json; None: the byte tokenizer, or not recorded
 
-    def to_state(self, with_tokenizer_path: bool = True) -> dict:
-        """The description as a checkpoint records it. Imported checkpoints never recorded
-        a tokenizer path, and do not now."""
-        state = {"name": self.name, "flavor": self.flavor, "args": dataclasses.asdict(self.args)}
-        if with_tokenizer_path:
-            state["tokenizer_path"] = self.tokenizer_path
-        return state
+    def to_state(self) -> dict:
+        """The description as a checkpoint records it."""
+        return {
+            "name": self.name,
+            "flavor": self.flavor,
+            "args": dataclasses.asdict(self.args),
+            "tokenizer_path": self.tokenizer_path,
+        }
 
     @classmethod
     def from_state(cls, state: dict, where: str, args_cls: type | None = None) -> "ModelDescription":

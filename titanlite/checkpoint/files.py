@@ -63,15 +63,28 @@ def complete_steps(folder: Path) -> dict[int, Path]:
     return dict(sorted(steps.items()))
 
 
-def top_level_names(path: Path) -> set[str]:
-    """The first component of every key in a checkpoint: part names and model weight names."""
+def stored_keys(path: Path) -> list[str]:
+    """Every key a checkpoint holds, flattened as DCP stores them ('model_args.args.dim')."""
     try:
-        keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys()
+        return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
     except DCP_FAILURES as error:  # unreadable or corrupt metadata
         raise CheckpointError(
             f"{path / '.metadata'}: cannot read the checkpoint metadata ({describe_failure(error)})"
         ) from None
-    return {key.split(".", 1)[0] for key in keys}
+
+
+def top_level_names(path: Path) -> set[str]:
+    """The first component of every key in a checkpoint: part names and model weight names."""
+    return {key.split(".", 1)[0] for key in stored_keys(path)}
+
+
+def stored_prefixes(path: Path) -> set[str]:
+    """Every key of a checkpoint and every dotted prefix of one ('model_args', 'model_args.args', ...)."""
+    prefixes = set()
+    for key in stored_keys(path):
+        parts = key.split(".")
+        prefixes.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
+    return prefixes
 
 
 def delete_step_folder(step_folder: Path) -> None:

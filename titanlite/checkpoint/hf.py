@@ -249,7 +249,7 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     description, weights = open_hf_folder(hf_dir)
     check_output(out_dir)
     state = {name: weights.read(name, shape) for name, shape in description.weight_shapes().items()}
-    state[MODEL_ARGS] = description.to_state(with_tokenizer_path=False)
+    state[MODEL_ARGS] = description.to_state()
 
     def write(folder: Path) -> None:
         single_process(

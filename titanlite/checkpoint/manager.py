@@ -41,7 +41,7 @@ from titanlite.checkpoint.files import (
     describe_failure,
     first_failure,
     leftover_folders,
-    top_level_names,
+    stored_prefixes,
 )
 from titanlite.checkpoint.manifest import write_manifest
 from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
@@ -51,6 +51,16 @@ from titanlite.files import fsync_path
 from titanlite.parallel import first_error_on_any_rank, is_collective_failure
 
 logger = logging.getLogger("titanlite")
+
+
+def _drop_unstored(container: dict, key: str, name: str, stored: set[str]) -> None:
+    """Remove container[key] (stored under ``name``) when the checkpoint lacks it, and
+    likewise each entry of it, recursively, that the checkpoint lacks."""
+    if name not in stored:
+        del container[key]
+    elif isinstance(container[key], dict):
+        for inner in list(container[key]):
+            _drop_unstored(container[key], inner, f"{name}.{inner}", stored)
 
 
 class CheckpointManager:
@@ -340,13 +350,13 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: loading failed {describe_failure(error)}") from error
 
     def _skip_absent_descriptions(self, state: dict, path: Path) -> None:
-        """Do not ask for the model part's non-tensor entries (its description) when the
-        checkpoint has none: checkpoints written by other tools, torchtitan's among them,
-        hold the weights alone. A missing tensor is still an error."""
-        present = top_level_names(path)
+        """Ask only for the model part's non-tensor entries (its description) that the
+        checkpoint holds: checkpoints written by other tools, torchtitan's among them, hold
+        the weights alone, and older ones lack entries added since (tokenizer_path). A
+        missing tensor is still an error."""
+        stored = stored_prefixes(path)
         for key in [k for k, v in state.items() if k not in self.states and not isinstance(v, torch.Tensor)]:
-            if key not in present:
-                del state[key]
+            _drop_unstored(state, key, key, stored)
 
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.

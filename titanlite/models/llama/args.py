@@ -84,4 +84,10 @@ LLAMA3_FLAVORS = {
         rope_scaling=RopeScaling(),
         **{**_LLAMA3, "multiple_of": 4096},
     ),
+    # The test suite's model, small enough for dozens of runs on a shared CPU: 3 blocks (so
+    # "every 2nd block" activation checkpointing and the last-block reshard rule both show),
+    # grouped-query attention, and the byte tokenizer's 258 ids, which do not split evenly
+    # over 4 ranks. A real flavor so that every process, spawned ranks and
+    # `python -m titanlite.train` included, knows it without registering it first.
+    "tiny": LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32, rope_theta=10000.0),
 }

@@ -15,7 +15,9 @@ A trial (run_trial) does what a crash and a scheduler's restart do to a real job
    titanlite.checkpoint.load.load_model, restarts the job without faults to the last step
    and compares what it resumed from and the losses it logged with an uninterrupted run.
 
-The fault points (FAULT_POINTS) and the checks are described in docs/reliability.md.
+The fault points (FAULT_POINTS) and the checks are described in docs/reliability.md;
+tests/faults/test_kill_resume.py runs one trial per fault point, and
+`python -m tests.faults.chaos` many random ones.
 """
 
 import json

@@ -16,7 +16,6 @@ few trainer checks as subprocesses in test_train_errors.py; this table is the on
 goes through every error path of ``main`` end to end.
 """
 
-import logging
 import re
 import shutil
 import signal
@@ -25,21 +24,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.multiprocess import register_tiny_flavor
+from tests.helpers import tiny_args
 from titanlite.train import main
 
 # Keeps any case that wrongly gets past its check to one short step of the tiny model.
-SMALL_RUN = [
-    "--model.flavor", "tiny",
-    "--training.steps", "1",
-    "--training.seq_len", "32",
-    "--training.local_batch_size", "2",
-    "--training.mixed_precision_param", "float32",
-    "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1",
-]  # fmt: skip
+SMALL_RUN = tiny_args({"training.steps": 1})
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
-TINY_VOCAB = 258  # tests/multiprocess.py's TINY flavor, like the byte tokenizer
+TINY_VOCAB = 258  # the tiny flavor's vocabulary, like the byte tokenizer's
 CHECKPOINT_STEP = 1
 
 
@@ -239,38 +230,9 @@ def _params():
 
 
 @pytest.fixture
-def quiet_process_state():
-    """Undo what an in-process run changes for the whole process: logging handlers bound to
-    this test's captured streams, and the SIGTERM/SIGINT handlers of a checkpointing run."""
-    root, titanlite, every_rank = (
-        logging.getLogger(),
-        logging.getLogger("titanlite"),
-        logging.getLogger("titanlite.every_rank"),
-    )
-    saved = (
-        list(root.handlers),
-        root.level,
-        titanlite.level,
-        list(every_rank.handlers),
-        every_rank.level,
-        every_rank.propagate,
-    )
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    root.handlers[:], every_rank.handlers[:] = saved[0], saved[3]
-    root.setLevel(saved[1])
-    titanlite.setLevel(saved[2])
-    every_rank.setLevel(saved[4])
-    every_rank.propagate = saved[5]
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
-
-
-@pytest.fixture
 def clean_env(monkeypatch):
     for name in DISTRIBUTED_ENV:
         monkeypatch.delenv(name, raising=False)
-    register_tiny_flavor()
     return monkeypatch
 
 
@@ -278,7 +240,6 @@ def clean_env(monkeypatch):
 def tiny_checkpoint(tmp_path_factory):
     """A dump folder whose checkpoint/step-1 holds the tiny model after one step."""
     dump = tmp_path_factory.mktemp("bad_input_checkpoint") / "dump"
-    register_tiny_flavor()
     with pytest.MonkeyPatch.context() as monkeypatch:
         for name in DISTRIBUTED_ENV:
             monkeypatch.delenv(name, raising=False)

@@ -32,7 +32,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
 import titanlite.checkpoint.manager as manager_module
-from tests.multiprocess import register_tiny_flavor, run_on_ranks
+from tests.helpers import tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState, complete_steps
 from titanlite.config import Checkpoint
 
@@ -318,21 +319,7 @@ def test_a_failure_on_rank_0_alone_stops_every_rank(tmp_path):
 
 # --- the trainer -------------------------------------------------------------------------
 
-TRAIN_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--activation_checkpoint.mode",
-    "none",
-    "--metrics.log_freq",
-    "1",
-    "--checkpoint.enable",
-    "--checkpoint.interval",
-    "2",
-]
+TRAIN_ARGS = tiny_args({"training.mixed_precision_param": None, "checkpoint.enable": True, "checkpoint.interval": 2})
 
 
 @pytest.fixture
@@ -340,7 +327,6 @@ def trainer_main():
     """titanlite.train.main in this process, with the signal handlers put back after it."""
     from titanlite.train import main
 
-    register_tiny_flavor()
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     yield lambda dump, *args: main(TRAIN_ARGS + ["--job.dump_folder", str(dump), *args])
     for sig, handler in handlers.items():

@@ -24,8 +24,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
-from torch.distributed.tensor import DTensor
 
+from tests.helpers import full_weights, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
 from titanlite.config import Checkpoint, parse_args
@@ -46,19 +46,10 @@ MODEL_NAMES = {"tok_embeddings", "layers", "norm", "output"}
 TRAINING_PARTS = {"optimizer", "lr_scheduler", "dataloader", "train_state", "rng"}
 SUBPROCESS_TIMEOUT = 240
 
-TINY_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--metrics.log_freq",
-    "1",
-]
-# For the command line (the tiny flavor exists only inside the test processes). The whole
-# run is warmup, so the learning rate of a step does not depend on training.steps and a
-# restart with another training.steps follows the same trajectory.
+TINY_ARGS = tiny_args({"training.mixed_precision_param": None, "activation_checkpoint.mode": None})
+# For the command line, in a subprocess: the debugmodel flavor. The whole run is warmup, so
+# the learning rate of a step does not depend on training.steps and a restart with another
+# training.steps follows the same trajectory.
 CLI_ARGS = [
     "--model.flavor",
     "debugmodel",
@@ -119,23 +110,16 @@ def _load_everything(path: Path) -> dict:
     return state
 
 
-def _full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {
-        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        for name, value in trainer.model.state_dict().items()
-    }
-
-
 def _train_on_ranks(args: list[str]) -> dict:
     """One Trainer run (inside run_on_ranks): where it started and the weights at both ends."""
     trainer = Trainer(parse_args(TINY_ARGS + args))
-    start_step, start_weights = trainer.step, _full_weights(trainer)
+    start_step, start_weights = trainer.step, full_weights(trainer.model)
     records = trainer.train()
     result = {
         "start_step": start_step,
         "start_weights": start_weights,
         "steps": [record.step for record in records],
-        "weights": _full_weights(trainer),
+        "weights": full_weights(trainer.model),
     }
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import ModelDescription, ModelState
-from titanlite.models.llama import LLAMA2_FLAVORS, Transformer
+from titanlite.models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SMALL = [
@@ -98,3 +98,13 @@ def test_a_resume_through_dcp_compares_with_the_run_and_records_the_run(tmp_path
     longer = ModelState(model, ModelDescription.from_state(description(rope_theta=500000.0, max_seq_len=64), "test"))
     dcp.load({"model": longer}, checkpoint_id=str(tmp_path / "step-1"), no_dist=True)
     assert longer.state_dict()["model_args"]["args"]["max_seq_len"] == 64
+
+
+def test_the_same_model_spelled_another_way_is_not_different():
+    """A Hugging Face import spells the FFN size and the head count its own way."""
+    run = ModelDescription("llama3", "tiny", LlamaArgs(dim=64, n_heads=4, n_kv_heads=None, multiple_of=64))
+    imported = ModelDescription("llama3", "hf", LlamaArgs(dim=64, n_heads=4, n_kv_heads=4, multiple_of=192))
+    assert run.args.ffn_hidden_dim == imported.args.ffn_hidden_dim == 192
+    assert run.differences(imported) == []
+    other_heads = ModelDescription("llama3", "hf", LlamaArgs(dim=64, n_heads=8, n_kv_heads=8, multiple_of=192))
+    assert run.differences(other_heads) == ["kv_heads", "n_heads"]

@@ -25,15 +25,14 @@ import faulthandler
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
+from tests.helpers import free_ports, full_tensor, full_weights, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import complete_steps
 from titanlite.config import parse_args
@@ -49,32 +48,22 @@ ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 # A worker that hangs (a rank waiting on a dead peer) dumps its stack and exits instead.
 WORKER_TIMEOUT_S = 500
 
-BASE_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    f"--training.global_batch_size={GLOBAL_BATCH}",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param",
-    "float32",
-    "--training.max_norm",
-    "0.5",
-    f"--optimizer.lr={LR}",
-    f"--lr_scheduler.warmup_steps={WARMUP}",
-    "--activation_checkpoint.mode",
-    "none",
-    "--metrics.log_freq",
-    "1",
-    "--ema.enable",
-    f"--ema.decay={EMA_DECAY}",
-    "--checkpoint.enable",
-    # train() then saves only after the last step, unless a run asks for more.
-    "--checkpoint.interval",
-    "1000",
-    "--comm.init_timeout_seconds",
-    "120",
-]
+BASE_ARGS = tiny_args(
+    {
+        "training.local_batch_size": None,  # layout() sets it
+        "training.global_batch_size": GLOBAL_BATCH,
+        "training.steps": STEPS,
+        "training.max_norm": 0.5,
+        "optimizer.lr": LR,
+        "lr_scheduler.warmup_steps": WARMUP,
+        "ema.enable": True,
+        "ema.decay": EMA_DECAY,
+        "checkpoint.enable": True,
+        # train() then saves only after the last step, unless a run asks for more.
+        "checkpoint.interval": 1000,
+        "comm.init_timeout_seconds": 120,
+    }
+)
 # The train_state and data position a resume must restore.
 POSITION_KEYS = ("step", "tokens_seen", "windows_consumed")
 
@@ -114,18 +103,6 @@ class Session:
             dist.destroy_process_group()
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
-
-
-def full_weights(trainer: Trainer) -> dict:
-    return {name: full(value) for name, value in trainer.model.state_dict().items()}
-
-
-def full_ema(trainer: Trainer) -> dict:
-    return {name: full(value) for name, value in trainer.ema.state_dict().items()}
-
-
 def position(trainer: Trainer) -> dict:
     return {
         "step": trainer.step,
@@ -138,7 +115,7 @@ def optimizer_summary(trainer: Trainer) -> dict:
     states = trainer.optimizer.state.values()
     return {
         "state_keys": sorted({key for state in states for key in state}),
-        "adam_steps": sorted({int(full(state["step"]).item()) for state in states if "step" in state}),
+        "adam_steps": sorted({int(full_tensor(state["step"]).item()) for state in states if "step" in state}),
         "param_group_lr": trainer.optimizer.param_groups[0]["lr"],
         "scheduler_lr": trainer.lr_scheduler.get_last_lr()[0],
     }
@@ -146,7 +123,11 @@ def optimizer_summary(trainer: Trainer) -> dict:
 
 def loaded_state(trainer: Trainer) -> dict:
     """What a freshly built Trainer holds: read before its first step."""
-    return position(trainer) | optimizer_summary(trainer) | {"weights": full_weights(trainer), "ema": full_ema(trainer)}
+    return (
+        position(trainer)
+        | optimizer_summary(trainer)
+        | {"weights": full_weights(trainer.model), "ema": full_weights(trainer.ema)}
+    )
 
 
 def record_batches(trainer: Trainer) -> dict:
@@ -170,7 +151,7 @@ def record_after_each_step(trainer: Trainer) -> list:
 
     def recording_train_step():
         result = train_step()
-        after.append(position(trainer) | {"weights": full_weights(trainer), "ema": full_ema(trainer)})
+        after.append(position(trainer) | {"weights": full_weights(trainer.model), "ema": full_weights(trainer.ema)})
         return result
 
     trainer.train_step = recording_train_step
@@ -187,14 +168,14 @@ def train_to_end(trainer: Trainer) -> dict:
         "lr": [r.lr for r in records],
         "batches": batches,
         "end": position(trainer),
-        "weights": full_weights(trainer),
-        "ema": full_ema(trainer),
+        "weights": full_weights(trainer.model),
+        "ema": full_weights(trainer.ema),
     }
 
 
 def uninterrupted(session: Session, *args) -> dict:
     trainer = session.trainer(*args)
-    initial = {"initial": full_weights(trainer), "initial_ema": full_ema(trainer)}
+    initial = {"initial": full_weights(trainer.model), "initial_ema": full_weights(trainer.ema)}
     after = record_after_each_step(trainer)
     return train_to_end(trainer) | initial | {"after": after}
 
@@ -281,7 +262,7 @@ def two_rank_worker(dump: str, ports: list[int]) -> dict:
     first = loaded_state(trainer)
     trainer.train_step()
     trainer.train_step()
-    own = position(trainer) | {"weights": full_weights(trainer)}
+    own = position(trainer) | {"weights": full_weights(trainer.model)}
     trainer.checkpointer.save(trainer.step)
     trainer.checkpointer.close()
     trainer = session.trainer(*args)
@@ -300,7 +281,7 @@ def four_rank_worker(dump: str, ports: list[int], fsdp2_step_folder: str) -> dic
     trainer = session.trainer(layout(4), f"--job.dump_folder={dump}/fsdp4")
     for _ in range(SAVE_AT):
         trainer.train_step()
-    out["saved"] = position(trainer) | {"weights": full_weights(trainer), "ema": full_ema(trainer)}
+    out["saved"] = position(trainer) | {"weights": full_weights(trainer.model), "ema": full_weights(trainer.ema)}
     trainer.checkpointer.save(trainer.step)
     trainer.checkpointer.close()
     for name, replicate in (("fsdp4", 1), ("hsdp2x2", 2)):
@@ -334,17 +315,6 @@ def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> d
 
 
 # --- fixtures: one set of processes per world size -----------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 @pytest.fixture(scope="module")

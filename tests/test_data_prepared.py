@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import titanlite.data.prepare as prepare_module
-from tests.hf_folders import write_word_tokenizer
+from tests.helpers import write_word_tokenizer
 from tests.prepared_data import exit_abruptly, make_documents, prepare_documents, write_jsonl
 from titanlite.data import (
     ByteTokenizer,

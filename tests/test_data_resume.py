@@ -12,27 +12,26 @@ Session, whose base arguments ARGS overrides where they differ.
 import pytest
 import torch
 
+from tests.helpers import free_ports, tiny_args
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, prepare_documents
-from tests.test_checkpoint_resume import Session, copy_checkpoint, free_ports, record_batches
+from tests.test_checkpoint_resume import Session, copy_checkpoint, record_batches
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 12
-ARGS = [
-    "--model.flavor", "tiny",
-    "--training.seq_len", "32",
-    f"--training.steps={STEPS}",
-    f"--training.global_batch_size={GLOBAL_BATCH}",
-    "--training.mixed_precision_param", "float32",
-    "--optimizer.lr", "3e-3",
-    "--lr_scheduler.warmup_steps", "2",
-    "--activation_checkpoint.mode", "none",
-    "--metrics.log_freq", "1",
-    "--checkpoint.enable",
-    f"--checkpoint.interval={SAVE_AT}",
-    "--comm.init_timeout_seconds", "120",
-    "--training.dataset", "prepared",
-    "--data.seed", "7",
-]  # fmt: skip
+ARGS = tiny_args(
+    {
+        "training.local_batch_size": None,  # train() sets it per world size
+        "training.steps": STEPS,
+        "training.global_batch_size": GLOBAL_BATCH,
+        "optimizer.lr": 3e-3,
+        "lr_scheduler.warmup_steps": 2,
+        "checkpoint.enable": True,
+        "checkpoint.interval": SAVE_AT,
+        "comm.init_timeout_seconds": 120,
+        "training.dataset": "prepared",
+        "data.seed": 7,
+    }
+)
 
 
 def train(dump: str, ports: list[int], dataset_path: str, world_size: int) -> dict:

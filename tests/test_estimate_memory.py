@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from tests.helpers import TINY
+from tests.multiprocess import run_on_ranks
 from titanlite.config import parse_args
 from titanlite.estimate import EstimateError, estimate_memory, exact_model_state_bytes, fits, measure_real_memory
 from titanlite.models.llama import Transformer
@@ -102,7 +103,6 @@ def _measure_on_rank(argv: list[str]) -> dict:
     ],
 )
 def test_tiny_estimate_matches_real_tensors(world_size, extra):
-    register_tiny_flavor()
     argv = TINY_ARGS + extra
     estimate = estimate_memory(parse_args(argv), world_size=world_size)
     real = run_on_ranks(world_size, _measure_on_rank, argv)

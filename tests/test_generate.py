@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
-from tests.tiny_run import train_tiny
+from tests.helpers import save_one_layer_hf_llama, train_tiny
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, top_level_names
 from titanlite.checkpoint.load import load_model
@@ -28,14 +28,8 @@ PROMPT = [256, 72, 101, 108, 108, 111]  # BOS "Hello"
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A full checkpoint with EMA."""
-    return train_tiny(tmp_path_factory.mktemp("full"), ["--ema.enable", "--ema.decay", "0.5"])
-
-
-@pytest.fixture(scope="module")
-def hf_folder(trained, tmp_path_factory):
-    return hf_export.export_to_hf(trained[0], tmp_path_factory.mktemp("hf") / "exported")
+def hf_folder(tiny_ema_run, tmp_path_factory):
+    return hf_export.export_to_hf(tiny_ema_run[0], tmp_path_factory.mktemp("hf") / "exported")
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,8 +39,8 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 # --- load_model ----------------------------------------------------------------------------
 
 
-def test_full_checkpoint_gives_the_trainers_logits(trained):
-    step_dir, tokens, logits, _, _ = trained
+def test_full_checkpoint_gives_the_trainers_logits(tiny_ema_run):
+    step_dir, tokens, logits, _, _ = tiny_ema_run
     assert "optimizer" in top_level_names(step_dir)  # really a full save
     model, description = load_model(step_dir)
     assert description.name == "llama3" and description.flavor == "tiny"
@@ -69,8 +63,8 @@ def test_model_only_checkpoint_gives_the_trainers_logits(tmp_path):
         assert _max_diff(model(tokens), logits) <= 1e-6
 
 
-def test_use_ema_gives_the_averages(trained):
-    step_dir, _, _, weights, ema = trained
+def test_use_ema_gives_the_averages(tiny_ema_run):
+    step_dir, _, _, weights, ema = tiny_ema_run
     averaged, _ = load_model(step_dir, use_ema=True)
     plain, _ = load_model(step_dir)
     for name, value in averaged.state_dict().items():
@@ -79,8 +73,8 @@ def test_use_ema_gives_the_averages(trained):
     assert not torch.equal(averaged.output.weight, plain.output.weight)
 
 
-def test_rope_tables_and_dtype(trained):
-    model, description = load_model(trained[0], dtype=torch.bfloat16)
+def test_rope_tables_and_dtype(tiny_ema_run):
+    model, description = load_model(tiny_ema_run[0], dtype=torch.bfloat16)
     assert model.output.weight.dtype == torch.bfloat16
     cos, sin = rope_tables(description.args)
     assert (
@@ -88,15 +82,15 @@ def test_rope_tables_and_dtype(trained):
     )
 
 
-def test_hf_folder_gives_the_same_logits(trained, hf_folder):
-    _, tokens, logits, _, _ = trained
+def test_hf_folder_gives_the_same_logits(tiny_ema_run, hf_folder):
+    _, tokens, logits, _, _ = tiny_ema_run
     model, description = load_model(hf_folder)
     assert description.flavor == "hf"
     with torch.no_grad():
         assert _max_diff(model(tokens), logits) <= 1e-5
 
 
-def test_bad_paths_raise_one_line(trained, tmp_path):
+def test_bad_paths_raise_one_line(tiny_ema_run, tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "notes.txt").write_text("hi")
@@ -117,23 +111,15 @@ def test_bad_paths_raise_one_line(trained, tmp_path):
             load_model(path)
         message = str(raised.value)
         assert str(path) in message and problem in message and "\n" not in message
-    hf_step = hf_convert.import_from_hf(*_tiny_hf(tmp_path))
+    hf_step = hf_convert.import_from_hf(save_one_layer_hf_llama(tmp_path / "tiny_hf"), tmp_path / "tiny_dcp")
     with pytest.raises(ValueError, match="no 'ema.' entries"):
         load_model(hf_step, use_ema=True)
-
-
-def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
-    config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
-    return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
 
 
 # --- generate ------------------------------------------------------------------------------
 
 
-def test_greedy_matches_transformers(trained, hf_folder):
+def test_greedy_matches_transformers(tiny_ema_run, hf_folder):
     model, _ = load_model(hf_folder)
     ours = generate(model, PROMPT, max_new_tokens=16)
     theirs_model = transformers.LlamaForCausalLM.from_pretrained(hf_folder).eval()
@@ -156,8 +142,8 @@ def test_greedy_matches_transformers(trained, hf_folder):
     assert ours[0] == first
 
 
-def test_sampling_is_seeded_and_top_k_1_is_greedy(trained):
-    model, _ = load_model(trained[0])
+def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny_ema_run):
+    model, _ = load_model(tiny_ema_run[0])
     greedy = generate(model, PROMPT, max_new_tokens=12)
     first = generate(model, PROMPT, max_new_tokens=20, temperature=5.0, seed=7)
     again = generate(model, PROMPT, max_new_tokens=20, temperature=5.0, seed=7)
@@ -173,16 +159,16 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(trained):
         tokens.append(token)
 
 
-def test_stops_at_eos(trained):
-    model, _ = load_model(trained[0])
+def test_stops_at_eos(tiny_ema_run):
+    model, _ = load_model(tiny_ema_run[0])
     greedy = generate(model, PROMPT, max_new_tokens=10)
     stop = greedy[2]
     out = generate(model, PROMPT, max_new_tokens=10, eos_id=stop)
     assert out == greedy[: greedy.index(stop) + 1]
 
 
-def test_prefix_is_cut_to_max_seq_len(trained):
-    loaded, description = load_model(trained[0])
+def test_prefix_is_cut_to_max_seq_len(tiny_ema_run):
+    loaded, description = load_model(tiny_ema_run[0])
     args = dataclasses.replace(description.args, max_seq_len=8)
     short = Transformer(args)
     short.load_state_dict(loaded.state_dict())
@@ -196,8 +182,8 @@ def test_prefix_is_cut_to_max_seq_len(trained):
             assert short(torch.tensor([window]))[0, -1].argmax().item() == token
 
 
-def test_bad_arguments_are_refused(trained):
-    model, _ = load_model(trained[0])
+def test_bad_arguments_are_refused(tiny_ema_run):
+    model, _ = load_model(tiny_ema_run[0])
     for kwargs in ({"temperature": -1.0}, {"top_k": 0}, {"max_new_tokens": -1}):
         with pytest.raises(ValueError):
             generate(model, PROMPT, **{"max_new_tokens": 2, **kwargs})
@@ -212,10 +198,10 @@ def run_script(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
-def test_script_prints_the_continuation(trained):
-    model, _ = load_model(trained[0])
+def test_script_prints_the_continuation(tiny_ema_run):
+    model, _ = load_model(tiny_ema_run[0])
     expected = generate(model, [256, *b"ab"], max_new_tokens=8, eos_id=257)
-    result = run_script("--checkpoint", trained[0], "--prompt", "ab", "--max_new_tokens", 8)
+    result = run_script("--checkpoint", tiny_ema_run[0], "--prompt", "ab", "--max_new_tokens", 8)
     assert result.returncode == 0, result.stderr
     continuation = bytes(t for t in expected if t < 256).decode("utf-8", errors="replace")
     assert result.stdout == "ab" + continuation + "\n"

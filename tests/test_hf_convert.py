@@ -16,11 +16,13 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.tiny_run import train_tiny
+from tests.helpers import full_weights, hf_tensors, save_one_layer_hf_llama, tiny_args
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, read_model_description
+from titanlite.config import parse_args
 from titanlite.models.llama import LlamaArgs
 from titanlite.models.llama.hf_config import ffn_sizing
+from titanlite.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
@@ -29,14 +31,6 @@ IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
 
 def run_script(script: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -117,13 +111,8 @@ def test_ffn_sizing_matches_or_refuses():
 # --- titanlite training -> HF ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    return train_tiny(tmp_path_factory.mktemp("trained"), ["--ema.enable", "--ema.decay", "0.5"])
-
-
-def test_exported_model_gives_titanlite_logits(trained, tmp_path):
-    step_dir, tokens, logits, _, _ = trained
+def test_exported_model_gives_titanlite_logits(tiny_ema_run, tmp_path):
+    step_dir, tokens, logits, _, _ = tiny_ema_run
     result = run_script(EXPORT, step_dir, tmp_path / "hf")
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
@@ -140,8 +129,8 @@ def test_exported_model_gives_titanlite_logits(trained, tmp_path):
     assert logits.abs().max().item() > 1e-2  # not trivially zero
 
 
-def test_ema_export_holds_the_averages(trained, tmp_path):
-    step_dir, _, _, _, ema = trained
+def test_ema_export_holds_the_averages(tiny_ema_run, tmp_path):
+    step_dir, _, _, _, ema = tiny_ema_run
     hf_export.export_to_hf(step_dir, tmp_path / "ema", use_ema=True)
     hf_export.export_to_hf(step_dir, tmp_path / "plain")
     averaged, plain = hf_tensors(tmp_path / "ema"), hf_tensors(tmp_path / "plain")
@@ -150,8 +139,8 @@ def test_ema_export_holds_the_averages(trained, tmp_path):
     assert not torch.equal(averaged["lm_head.weight"], plain["lm_head.weight"])
 
 
-def test_bf16_sharded_export(trained, tmp_path):
-    step_dir = trained[0]
+def test_bf16_sharded_export(tiny_ema_run, tmp_path):
+    step_dir = tiny_ema_run[0]
     out = tmp_path / "bf16"
     result = run_script(EXPORT, step_dir, out, "--dtype", "bfloat16", "--max-shard-size", "20KB")
     assert result.returncode == 0, result.stderr
@@ -173,7 +162,7 @@ def test_bf16_sharded_export(trained, tmp_path):
         assert len(sizes) == 1 or sum(sizes) <= 20_000
 
 
-def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch, capsys):
+def test_push_to_hub_uploads_the_output(tiny_ema_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_do_not_print_me_42")
     spec = importlib.util.spec_from_file_location("convert_dcp_to_hf", EXPORT)
     script = importlib.util.module_from_spec(spec)
@@ -188,7 +177,7 @@ def test_push_to_hub_uploads_the_output(trained, tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     out = tmp_path / "pushed"
-    assert script.main([str(trained[0]), str(out), "--push-to-hub", "me/tiny"]) == 0
+    assert script.main([str(tiny_ema_run[0]), str(out), "--push-to-hub", "me/tiny"]) == 0
     assert calls == [{"folder_path": str(out), "repo_id": "me/tiny", "repo_type": "model"}]
     printed = capsys.readouterr()
     assert "hf_do_not_print_me_42" not in printed.out + printed.err
@@ -223,18 +212,18 @@ def test_missing_folder(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_folder_is_refused(trained, hf_model, tmp_path):
+def test_existing_output_folder_is_refused(tiny_ema_run, hf_model, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = run_script(EXPORT, trained[0], out)
+    result = run_script(EXPORT, tiny_ema_run[0], out)
     assert "not empty" in one_error_line(result, "convert_dcp_to_hf", out)
     result = run_script(IMPORT, hf_model[0], out)
     assert "not empty" in one_error_line(result, "convert_hf_to_dcp", out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
 
 
-def test_ema_missing_and_model_args_missing(trained, tmp_path):
+def test_ema_missing_and_model_args_missing(tiny_ema_run, tmp_path):
     plain_step = tmp_path / "dcp"
     torch.distributed.checkpoint.save(
         {"tok_embeddings.weight": torch.zeros(2, 2)},
@@ -243,25 +232,34 @@ def test_ema_missing_and_model_args_missing(trained, tmp_path):
     )
     with pytest.raises(ValueError, match="no model_args"):
         hf_export.export_to_hf(plain_step, tmp_path / "out")
-    hf_step = hf_convert.import_from_hf(*_tiny_hf(tmp_path))
+    hf_step = hf_convert.import_from_hf(save_one_layer_hf_llama(tmp_path / "tiny_hf"), tmp_path / "tiny_dcp")
     with pytest.raises(ValueError, match="no 'ema.' entries"):
         hf_export.export_to_hf(hf_step, tmp_path / "out", use_ema=True)
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
-def _tiny_hf(tmp_path: Path) -> tuple[Path, Path]:
-    config = transformers.LlamaConfig(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "tiny_hf")
-    return tmp_path / "tiny_hf", tmp_path / "tiny_dcp"
-
-
-def test_a_failure_while_writing_leaves_nothing(trained, tmp_path, monkeypatch):
+def test_a_failure_while_writing_leaves_nothing(tiny_ema_run, tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
     monkeypatch.setattr(hf_export, "save_file", broken)
     with pytest.raises(OSError):
-        hf_export.export_to_hf(trained[0], tmp_path / "out", max_shard_size="20KB")
+        hf_export.export_to_hf(tiny_ema_run[0], tmp_path / "out", max_shard_size="20KB")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_a_run_starts_from_an_imported_checkpoint(tiny_ema_run, tmp_path, quiet_process_state):
+    """Hugging Face folder -> convert_hf_to_dcp.py -> checkpoint.initial_load_path: the run
+    starts from exactly the imported weights (a run once asked an import for a description
+    entry imports did not write, and failed)."""
+    assert run_script(EXPORT, tiny_ema_run.step_dir, tmp_path / "hf").returncode == 0
+    result = run_script(IMPORT, tmp_path / "hf", tmp_path / "dcp")
+    assert result.returncode == 0, result.stderr
+    overrides = {"training.steps": 1, "checkpoint.enable": True, "job.dump_folder": str(tmp_path / "run")}
+    overrides["checkpoint.initial_load_path"] = str(tmp_path / "dcp" / "step-0")
+    trainer = Trainer(parse_args(tiny_args(overrides)))
+    start = full_weights(trainer.model)
+    trainer.train()
+    assert start.keys() == tiny_ema_run.weights.keys()
+    for name, value in tiny_ema_run.weights.items():
+        assert torch.equal(start[name], value), name

@@ -15,12 +15,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
-from safetensors import safe_open
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.multiprocess import TINY
+from tests.helpers import TINY, hf_tensors, train_tiny
 from tests.prepared_data import make_documents, write_jsonl
-from tests.tiny_run import train_tiny
 from titanlite.checkpoint import ModelDescription, hf_export
 from titanlite.checkpoint.tensor_reader import CheckpointReader
 from titanlite.data.tokenizer import HFTokenizer
@@ -33,14 +31,6 @@ TEXT = "def main():\n    return 'hello world'  # the quick brown fox"
 
 def run_export(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(EXPORT), *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
-def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
-    return tensors
 
 
 def error_line(result: subprocess.CompletedProcess) -> str:

@@ -9,16 +9,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from tests.hf_folders import save_hf_llama
-
 pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import convert_hf_to_dcp  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    return save_hf_llama(tmp_path_factory.mktemp("hf") / "good", seed=1)
 
 
 def damaged_copy(good: Path, tmp_path: Path) -> Path:
@@ -42,21 +35,21 @@ def shard_of(folder: Path, hf_name: str) -> Path:
     return folder / index["weight_map"][hf_name]
 
 
-def test_the_good_folder_converts(good, tmp_path, capsys):
-    assert convert_hf_to_dcp.main([str(good), str(tmp_path / "out")]) == 0
+def test_the_good_folder_converts(tiny_hf_llama, tmp_path, capsys):
+    assert convert_hf_to_dcp.main([str(tiny_hf_llama), str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "step-0" / ".metadata").is_file()
 
 
-def test_a_truncated_shard(good, tmp_path, capsys):
-    folder = damaged_copy(good, tmp_path)
+def test_a_truncated_shard(tiny_hf_llama, tmp_path, capsys):
+    folder = damaged_copy(tiny_hf_llama, tmp_path)
     shard = shard_of(folder, "model.layers.1.mlp.up_proj.weight")
     shard.write_bytes(shard.read_bytes()[:-64])
     line = convert_fails(folder, tmp_path, capsys)
     assert f"{shard}: cannot read tensor 'model.layers.1.mlp.up_proj.weight'" in line
 
 
-def test_a_tensor_of_the_wrong_shape(good, tmp_path, capsys):
-    folder = damaged_copy(good, tmp_path)
+def test_a_tensor_of_the_wrong_shape(tiny_hf_llama, tmp_path, capsys):
+    folder = damaged_copy(tiny_hf_llama, tmp_path)
     name = "model.layers.2.self_attn.k_proj.weight"
     shard = shard_of(folder, name)
     tensors = load_file(shard)
@@ -66,16 +59,16 @@ def test_a_tensor_of_the_wrong_shape(good, tmp_path, capsys):
     assert f"{shard}: tensor '{name}' has shape (16, 64), the model needs (32, 64)" in line
 
 
-def test_an_index_naming_a_missing_shard(good, tmp_path, capsys):
-    folder = damaged_copy(good, tmp_path)
+def test_an_index_naming_a_missing_shard(tiny_hf_llama, tmp_path, capsys):
+    folder = damaged_copy(tiny_hf_llama, tmp_path)
     shard = shard_of(folder, "lm_head.weight")
     shard.unlink()
     line = convert_fails(folder, tmp_path, capsys)
     assert f"{folder}: the index names {shard.name}, which is missing" in line
 
 
-def test_a_tensor_titanlite_does_not_know(good, tmp_path, capsys):
-    folder = damaged_copy(good, tmp_path)
+def test_a_tensor_titanlite_does_not_know(tiny_hf_llama, tmp_path, capsys):
+    folder = damaged_copy(tiny_hf_llama, tmp_path)
     shard = shard_of(folder, "model.norm.weight")
     tensors = load_file(shard)
     tensors["model.layers.0.self_attn.q_proj.bias"] = tensors["model.norm.weight"].clone()
@@ -88,8 +81,8 @@ def test_a_tensor_titanlite_does_not_know(good, tmp_path, capsys):
     assert "tensor 'model.layers.0.self_attn.q_proj.bias' has no titanlite counterpart" in line
 
 
-def test_a_config_of_another_architecture(good, tmp_path, capsys):
-    folder = damaged_copy(good, tmp_path)
+def test_a_config_of_another_architecture(tiny_hf_llama, tmp_path, capsys):
+    folder = damaged_copy(tiny_hf_llama, tmp_path)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "model_type": "mistral"}))
     assert "model_type 'mistral' is not llama" in convert_fails(folder, tmp_path, capsys)

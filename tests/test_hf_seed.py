@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from tests.hf_folders import save_hf_llama
-from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from tests.helpers import TINY, full_weights, save_hf_llama, tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import local_box
 from titanlite.config import ConfigError, parse_args
@@ -26,32 +25,22 @@ from titanlite.train import Trainer
 transformers = pytest.importorskip("transformers")
 
 GLOBAL_BATCH = 4
-BASE_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    f"--training.global_batch_size={GLOBAL_BATCH}",
-    f"--training.local_batch_size={GLOBAL_BATCH}",  # one process; ranks override it
-    "--training.steps=2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-    "--optimizer.lr",
-    "3e-3",
-    "--metrics.log_freq",
-    "1",
-    "--checkpoint.initial_load_in_hf",
-]
+BASE_ARGS = tiny_args(
+    {
+        "training.global_batch_size": GLOBAL_BATCH,
+        "training.local_batch_size": GLOBAL_BATCH,  # one process; ranks override it
+        "training.steps": 2,
+        "optimizer.lr": 3e-3,
+        "checkpoint.initial_load_in_hf": True,
+    }
+)
 PROBE = torch.randint(0, TINY.vocab_size, (2, 20), generator=torch.Generator().manual_seed(7))
 
 
 @pytest.fixture(scope="module")
-def hf_folder(tmp_path_factory) -> Path:
-    folder = save_hf_llama(tmp_path_factory.mktemp("hf") / "llama", seed=1)
-    assert len(list(folder.glob("*.safetensors"))) > 5  # really sharded
-    return folder
+def hf_folder(tiny_hf_llama) -> Path:
+    assert len(list(tiny_hf_llama.glob("*.safetensors"))) > 5  # really sharded
+    return tiny_hf_llama
 
 
 def hf_weights_in_titanlite_layout(folder: Path) -> dict[str, torch.Tensor]:
@@ -63,9 +52,8 @@ def seed_and_train(hf_dir: str, extra: list[str]) -> dict:
     """Seed from hf_dir, report the seeded weights (whole) and this rank's part sizes,
     the logits on PROBE, then train two steps."""
     trainer = Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", hf_dir] + extra))
-    state = trainer.model.state_dict()
-    seeded = {n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone() for n, t in state.items()}
-    local_rows = {n: local_box(t)[0] for n, t in state.items()}
+    seeded = full_weights(trainer.model)
+    local_rows = {n: local_box(t)[0] for n, t in trainer.model.state_dict().items()}
     with torch.no_grad():
         logits = trainer.model(PROBE) if not dist.is_initialized() else None
     records = trainer.train()
@@ -127,7 +115,6 @@ def test_rows_from_hf_matches_the_whole_permutation():
 
 def test_a_different_model_is_refused_with_one_line(tmp_path):
     folder = save_hf_llama(tmp_path / "wide", seed=1, intermediate_size=TINY.ffn_hidden_dim + 32)
-    register_tiny_flavor()
     with pytest.raises(
         CheckpointError, match=r"wide: the folder holds a different model .*intermediate_size 224 vs 192"
     ):
@@ -139,13 +126,11 @@ def test_a_damaged_shard_is_named(hf_folder, tmp_path):
     shutil.copytree(hf_folder, folder)
     shard = sorted(folder.glob("*.safetensors"))[2]
     shard.write_bytes(shard.read_bytes()[:-100])
-    register_tiny_flavor()
     with pytest.raises(CheckpointError, match=rf"{shard.name}"):
         Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", str(folder)]))
 
 
 def test_not_a_hugging_face_folder(tmp_path):
-    register_tiny_flavor()
     with pytest.raises(
         CheckpointError, match=r"initial_load_path .*empty: not a Hugging Face model folder \(no config.json\)"
     ):

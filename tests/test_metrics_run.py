@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from tests.helpers import TINY, tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite import metrics
 from titanlite.config import parse_args
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, fsdp_unit_names, log_startup
@@ -24,19 +25,7 @@ from titanlite.train import Trainer
 STEPS, LOG_FREQ = 5, 2
 LOGGED_STEPS = [1, 2, 4, 5]
 VALIDATED_STEPS = [3, 5]
-BASE = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-]
+BASE = tiny_args({"training.steps": STEPS, "metrics.log_freq": None})
 ARGS = BASE + [
     f"--metrics.log_freq={LOG_FREQ}",
     "--metrics.enable_tensorboard",
@@ -67,7 +56,6 @@ TRAIN_TAGS = [
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     dump = tmp_path_factory.mktemp("run")
-    register_tiny_flavor()
     records = Trainer(parse_args(ARGS + ["--job.dump_folder", str(dump)])).train()
     (jsonl,) = (dump / "metrics").glob("*/metrics.jsonl")
     (tb_folder,) = (dump / "tb").iterdir()
@@ -121,7 +109,6 @@ def test_a_profiler_trace_appears(run):
 
 
 def test_no_mfu_on_cpu_without_a_configured_peak(tmp_path):
-    register_tiny_flavor()
     args = [a for a in ARGS if a not in ("--metrics.peak_tflops", "0.5")]
     Trainer(parse_args(args + ["--job.dump_folder", str(tmp_path), "--training.steps=1"])).train()
     (jsonl,) = (tmp_path / "metrics").glob("*/metrics.jsonl")

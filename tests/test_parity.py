@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from tests.multiprocess import TINY, run_on_ranks
+from tests.helpers import TINY, full_weights, tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite.config import parse_args
 from titanlite.models.llama.model import Attention
 from titanlite.parallel import clip_grad_norm_
@@ -22,27 +23,17 @@ from titanlite.train import Trainer
 
 STEPS = 8
 GLOBAL_BATCH = 8
-BASE_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    f"--training.global_batch_size={GLOBAL_BATCH}",
-    f"--training.steps={STEPS}",
-    "--training.mixed_precision_param",
-    "float32",
-    # Clip hard so that clipping (with the global norm) changes every step.
-    "--training.max_norm",
-    "0.5",
-    "--optimizer.lr",
-    "3e-3",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--activation_checkpoint.mode",
-    "none",
-    "--metrics.log_freq",
-    "1",
-]
+BASE_ARGS = tiny_args(
+    {
+        "training.local_batch_size": None,  # each layout sets its own
+        "training.global_batch_size": GLOBAL_BATCH,
+        "training.steps": STEPS,
+        # Clip hard so that clipping (with the global norm) changes every step.
+        "training.max_norm": 0.5,
+        "optimizer.lr": 3e-3,
+        "lr_scheduler.warmup_steps": 2,
+    }
+)
 
 
 def train_and_report(extra_args: list[str]) -> dict:
@@ -50,10 +41,7 @@ def train_and_report(extra_args: list[str]) -> dict:
     records = trainer.train()
     # state_dict(), not named_parameters(): its keys are the checkpoint format and must
     # not change with activation checkpointing or compile wrappers.
-    full_params = {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-        for name, p in trainer.model.state_dict().items()
-    }
+    full_params = full_weights(trainer.model)
     if dist.is_initialized():
         dist.destroy_process_group()
     return {

@@ -11,25 +11,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torch.distributed.tensor import DTensor
 
-from tests.multiprocess import TINY, register_tiny_flavor, run_on_ranks
+from tests.helpers import TINY, full_weights, tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite.config import parse_args
 from titanlite.models.llama import Transformer
 from titanlite.train import Trainer
 
-ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.steps",
-    "2",
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-]
+ARGS = tiny_args({"training.local_batch_size": None, "training.steps": 2, "metrics.log_freq": None})
 
 
 def torchtitan_layout(folder: Path, full: bool) -> tuple[Path, dict]:
@@ -57,10 +46,7 @@ def torchtitan_layout(folder: Path, full: bool) -> tuple[Path, dict]:
 
 def seeded_weights(step: str, dump: str, extra: list[str]) -> dict:
     trainer = Trainer(parse_args(ARGS + ["--checkpoint.initial_load_path", step, "--job.dump_folder", dump] + extra))
-    weights = {
-        n: (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
-        for n, t in trainer.model.state_dict().items()
-    }
+    weights = full_weights(trainer.model)
     trainer.train()  # and it trains from there
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -70,7 +56,6 @@ def seeded_weights(step: str, dump: str, extra: list[str]) -> dict:
 @pytest.mark.parametrize("full", [False, True], ids=["model-only", "full"])
 def test_a_torchtitan_checkpoint_starts_a_run(tmp_path, full):
     step, expected = torchtitan_layout(tmp_path / "torchtitan", full)
-    register_tiny_flavor()
     loaded = seeded_weights(str(step), str(tmp_path / "run"), ["--training.local_batch_size=2"])
     assert loaded.keys() == expected.keys()
     for name, value in expected.items():
@@ -92,7 +77,6 @@ def test_a_missing_weight_is_still_an_error(tmp_path):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(broken), no_dist=True)
-    register_tiny_flavor()
     from titanlite.checkpoint import CheckpointError
 
     with pytest.raises(CheckpointError, match=r"step-3.*norm\.weight"):

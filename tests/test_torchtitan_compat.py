@@ -2,16 +2,14 @@
 TOML files (debug model, 8B) loading in titanlite."""
 
 import json
-import logging
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.hf_folders import write_word_tokenizer
+from tests.helpers import write_word_tokenizer
 from titanlite.config import ConfigError, parse_args, parse_args_with_warnings, torchtitan_keys
 from titanlite.config.schema import key_types, toml_value
 
@@ -347,22 +345,6 @@ enable_fsdp_float8_all_gather = false
 precompute_float8_dynamic_scale_for_fsdp = false
 filter_fqns = ["output"]
 """
-
-
-@pytest.fixture
-def quiet_process_state():
-    """Undo what an in-process run changes for the whole process: logging handlers bound to
-    this test's captured streams, and signal handlers."""
-    loggers = [logging.getLogger(), logging.getLogger("titanlite"), logging.getLogger("titanlite.every_rank")]
-    saved = [(list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
-    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
-    yield
-    for lg, (lg_handlers, level, propagate) in zip(loggers, saved, strict=True):
-        lg.handlers[:] = lg_handlers
-        lg.setLevel(level)
-        lg.propagate = propagate
-    for signum, handler in handlers.items():
-        signal.signal(signum, handler)
 
 
 def write_torchtitan_test_assets(root: Path) -> int:

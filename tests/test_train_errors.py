@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.hf_folders import write_word_tokenizer
+from tests.helpers import write_word_tokenizer
 from tests.prepared_data import make_documents, prepare_documents
 from titanlite.train import main
 

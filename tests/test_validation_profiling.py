@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.multiprocess import register_tiny_flavor, run_on_ranks
+from tests.helpers import tiny_args
+from tests.multiprocess import run_on_ranks
 from titanlite import profiling as profiling_module
 from titanlite.config import parse_args
 from titanlite.config.job_config import Profiling, Validation
@@ -24,22 +25,15 @@ from titanlite.train import Trainer
 from titanlite.validation import Validator, build_validation_documents, build_validator, count_windows
 
 SEQ_LEN = 32
-TRAIN_ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    str(SEQ_LEN),
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-    "--optimizer.lr",
-    "3e-3",
-    "--lr_scheduler.warmup_steps",
-    "2",
-    "--metrics.log_freq",
-    "10",
-]
+TRAIN_ARGS = tiny_args(
+    {
+        "training.seq_len": SEQ_LEN,
+        "training.local_batch_size": None,  # each test sets its own
+        "optimizer.lr": 3e-3,
+        "lr_scheduler.warmup_steps": 2,
+        "metrics.log_freq": 10,
+    }
+)
 
 # Held-out documents of uneven lengths, so windows straddle document boundaries. Their
 # 9 whole windows split into global batches of 4 (2 ranks x 2) as 4 + 4 + 1: at the last
@@ -62,7 +56,6 @@ def text_validation(path: str, **overrides) -> Validation:
 
 
 def make_trainer(dump_folder: str, extra_args: list[str] = ()) -> Trainer:
-    register_tiny_flavor()
     return Trainer(parse_args(TRAIN_ARGS + list(extra_args) + ["--job.dump_folder", dump_folder]))
 
 

@@ -3,9 +3,9 @@
 A trial (run_trial) does what a crash and a scheduler's restart do to a real job:
 
 1. It starts WORLD_SIZE rank processes (RANK / WORLD_SIZE / MASTER_* in the environment,
-   as torchrun would), each running LAUNCHER: register the tiny model flavor, install one
-   fault point (install_fault) by monkeypatching inside that process, then call the real
-   entry point titanlite.train.main(argv). Production code has no test hooks.
+   as torchrun would), each running LAUNCHER: install one fault point (install_fault) by
+   monkeypatching inside that process, then call the real entry point
+   titanlite.train.main(argv). Production code has no test hooks.
 2. When the fault point is reached on the chosen rank (or on every rank), that process
    writes what the checkpoint folder held (fault-fired-rank<R>.json) and SIGKILLs itself.
    As soon as any rank is gone the harness SIGKILLs the whole job, every rank's process
@@ -15,7 +15,9 @@ A trial (run_trial) does what a crash and a scheduler's restart do to a real job
    titanlite.checkpoint.load.load_model, restarts the job without faults to the last step
    and compares what it resumed from and the losses it logged with an uninterrupted run.
 
-The fault points (FAULT_POINTS) and the checks are described in docs/reliability.md.
+The fault points (FAULT_POINTS) and the checks are described in docs/reliability.md;
+tests/faults/test_kill_resume.py runs one trial per fault point, and
+`python -m tests.faults.chaos` many random ones.
 """
 
 import json
@@ -24,12 +26,20 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tests.helpers import free_port, tiny_args
+from titanlite import train
+from titanlite.checkpoint import manager
+from titanlite.checkpoint.load import load_model
+from titanlite.config import parse_args
 
 REPO = Path(__file__).resolve().parents[2]
 FAULT_ENV = "TITANLITE_TEST_FAULT"
@@ -43,11 +53,9 @@ _LOADED = re.compile(r"loaded checkpoint (\S+) \(")
 # What every rank process runs. The fault (if any) comes as JSON in FAULT_ENV.
 LAUNCHER = f"""
 import os, sys
-from tests.multiprocess import register_tiny_flavor
 from tests.faults import harness
 from titanlite import train
 from titanlite.parallel import exit_process
-register_tiny_flavor()
 if os.environ.get({FAULT_ENV!r}):
     harness.install_fault(harness.Fault.from_json(os.environ[{FAULT_ENV!r}]))
 exit_process(train.main(sys.argv[1:]))
@@ -65,32 +73,18 @@ class RunConfig:
     world_size: int = 2
 
     def args(self, dump_folder: Path) -> list[str]:
-        return [
-            "--model.flavor",
-            "tiny",
-            "--training.seq_len",
-            "32",
-            "--training.local_batch_size",
-            "2",
-            f"--training.steps={self.steps}",
-            "--training.mixed_precision_param",
-            "float32",
-            "--activation_checkpoint.mode",
-            "none",
-            "--metrics.log_freq",
-            "1",
-            "--checkpoint.enable",
-            f"--checkpoint.interval={self.interval}",
-            f"--checkpoint.keep_latest_k={self.keep_latest_k}",
-            "--checkpoint.async_mode",
-            self.async_mode,
-            "--comm.train_timeout_seconds",
-            "5",
-            "--comm.init_timeout_seconds",
-            "60",
-            "--job.dump_folder",
-            str(dump_folder),
-        ]
+        return tiny_args(
+            {
+                "training.steps": self.steps,
+                "checkpoint.enable": True,
+                "checkpoint.interval": self.interval,
+                "checkpoint.keep_latest_k": self.keep_latest_k,
+                "checkpoint.async_mode": self.async_mode,
+                "comm.train_timeout_seconds": 5,
+                "comm.init_timeout_seconds": 60,
+                "job.dump_folder": dump_folder,
+            }
+        )
 
     @property
     def saves(self) -> list[int]:
@@ -186,10 +180,6 @@ def _partial_step(path) -> int | None:
 def install_fault(fault: Fault) -> None:
     """Monkeypatch this rank process so that it SIGKILLs itself at `fault`. Call before
     titanlite.train.main; only the object that `fault.point` names is patched."""
-    from titanlite import train
-    from titanlite.checkpoint import manager
-    from titanlite.config import parse_args
-
     rank = int(os.environ.get("RANK", "0"))
     if fault.rank is not None and fault.rank != rank:
         return
@@ -258,64 +248,41 @@ def install_fault(fault: Fault) -> None:
 
 def _writer_factory(fault: Fault, rank: int, folder: Path):
     """What the manager calls instead of FileSystemWriter(path, ...)."""
-    writer_class = __getattr__("WriterThatDies")
 
     def writer(*args, **kwargs):
-        return writer_class(*args, fault=fault, rank=rank, folder=folder, **kwargs)
+        return WriterThatDies(*args, fault=fault, rank=rank, folder=folder, **kwargs)
 
     return writer
 
 
-def _writer_class():
-    """DCP's FileSystemWriter, dying at the fault's staging or write. A module attribute:
+class WriterThatDies(FileSystemWriter):
+    """DCP's FileSystemWriter, dying at the fault's staging or write. A module-level class:
     with async_with_pinned_mem DCP pickles the writer into its writer process, which
     imports this module to rebuild it."""
-    from torch.distributed.checkpoint import FileSystemWriter
 
-    class _WriterThatDies(FileSystemWriter):
-        def __init__(self, *args, fault: Fault, rank: int, folder: Path, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.fault, self.fault_rank, self.fault_folder = fault, rank, folder
-            self.rank_pid = os.getpid()
+    def __init__(self, *args, fault: Fault, rank: int, folder: Path, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fault, self.fault_rank, self.fault_folder = fault, rank, folder
+        self.rank_pid = os.getpid()
 
-        def stage(self, state_dict):
-            # async_mode async stages through the writer, in the rank's main thread.
-            if self.fault.point == "staging" and _partial_step(self.path) == self.fault.step:
-                _die(
-                    self.fault, self.fault_rank, self.fault_folder, f"FileSystemWriter.stage for step-{self.fault.step}"
-                )
-            return super().stage(state_dict)
+    def stage(self, state_dict):
+        # async_mode async stages through the writer, in the rank's main thread.
+        if self.fault.point == "staging" and _partial_step(self.path) == self.fault.step:
+            _die(self.fault, self.fault_rank, self.fault_folder, f"FileSystemWriter.stage for step-{self.fault.step}")
+        return super().stage(state_dict)
 
-        def write_data(self, plan, planner):
-            written = super().write_data(plan, planner)
-            if self.fault.point == "write" and _partial_step(self.path) == self.fault.step:
-                in_writer_process = os.getpid() != self.rank_pid
-                where = f"FileSystemWriter.write_data for step-{self.fault.step}, data written, no .metadata yet"
-                if in_writer_process:
-                    where += " (in DCP's writer process: its rank is killed first)"
-                _die(self.fault, self.fault_rank, self.fault_folder, where, kill_parent=in_writer_process)
-            return written
-
-    _WriterThatDies.__name__ = _WriterThatDies.__qualname__ = "WriterThatDies"
-    _WriterThatDies.__module__ = __name__
-    return _WriterThatDies
-
-
-def __getattr__(name):
-    # Built lazily so that importing the harness (pytest, chaos.py) does not import torch.
-    if name == "WriterThatDies":
-        globals()[name] = _writer_class()
-        return globals()[name]
-    raise AttributeError(name)
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        if self.fault.point == "write" and _partial_step(self.path) == self.fault.step:
+            in_writer_process = os.getpid() != self.rank_pid
+            where = f"FileSystemWriter.write_data for step-{self.fault.step}, data written, no .metadata yet"
+            if in_writer_process:
+                where += " (in DCP's writer process: its rank is killed first)"
+            _die(self.fault, self.fault_rank, self.fault_folder, where, kill_parent=in_writer_process)
+        return written
 
 
 # --- the job, seen from outside ---------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -440,10 +407,6 @@ def _complete(listing: dict[str, bool]) -> list[int]:
 
 def _load_error(path: Path) -> str | None:
     """None if the folder's model weights load, else the error in one line."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from titanlite.checkpoint.load import load_model
-
     try:
         load_model(path)
     # Anything that stops a load counts as corrupt; DCP's CheckpointException is a BaseException.

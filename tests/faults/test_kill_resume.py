@@ -1,7 +1,7 @@
 """SIGKILL a 2-rank CPU training run at each fault point, restart it, and check that it
 resumes from the newest complete checkpoint, that no incomplete folder is loaded, that no
 complete checkpoint is lost or corrupt, and that its losses equal an uninterrupted run's
-exactly. The harness is tests/faults/harness.py; scripts/chaos.py draws random trials.
+exactly. The harness is tests/faults/harness.py; tests/faults/chaos.py draws random trials.
 
 Each trial starts the job twice (killed, then restarted), a few seconds each; one
 uninterrupted reference run serves the whole module.

@@ -4,27 +4,12 @@ checkpoints it; with training.skip_nonfinite_steps the step is skipped instead."
 import pytest
 import torch
 
-from tests.multiprocess import register_tiny_flavor
+from tests.helpers import full_weights, tiny_args
 from titanlite.config import parse_args
 from titanlite.errors import NonFiniteError
 from titanlite.train import Trainer
 
-ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.steps",
-    "5",
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-    "--metrics.log_freq",
-    "1",
-]
+ARGS = tiny_args({"training.steps": 5})
 
 
 def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> None:
@@ -36,13 +21,8 @@ def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> Non
     trainer.model.register_forward_hook(hook)
 
 
-def weights(trainer: Trainer) -> dict:
-    return {name: value.detach().clone() for name, value in trainer.model.state_dict().items()}
-
-
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])
 def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path, implementation):
-    register_tiny_flavor()
     trainer = Trainer(
         parse_args(
             ARGS
@@ -65,13 +45,12 @@ def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path, implementa
     ):
         trainer.train()
     assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1", "step-2"]
-    assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+    assert all(torch.isfinite(v).all() for v in full_weights(trainer.model).values())
 
 
 def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, monkeypatch):
     # The host reads the flags only at log steps, save points and every SYNC_EVERY steps;
     # the steps in between never wait for the device, yet none applies a NaN or is saved.
-    register_tiny_flavor()
     trainer = Trainer(
         parse_args(
             ARGS
@@ -113,11 +92,10 @@ def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, 
         trainer.train()
     assert trainer.step == 5
     assert list((tmp_path / "checkpoint").glob("step-*")) == []
-    assert all(torch.isfinite(v).all() for v in weights(trainer).values())
+    assert all(torch.isfinite(v).all() for v in full_weights(trainer.model).values())
 
 
 def test_an_inf_is_named_too(tmp_path):
-    register_tiny_flavor()
     trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path)]))
     poison_step(trainer, 1, float("inf"))
     with pytest.raises(NonFiniteError, match=r"^step 1: gradient norm (inf|nan)"):
@@ -125,7 +103,6 @@ def test_an_inf_is_named_too(tmp_path):
 
 
 def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
-    register_tiny_flavor()
     trainer = Trainer(
         parse_args(
             ARGS
@@ -144,25 +121,24 @@ def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
     poison_step(trainer, 5)
     trainer.train_step()
     trainer.train_step()
-    before = weights(trainer)
+    before = full_weights(trainer.model)
     moments = {k: v.clone() for k, v in trainer.optimizer.state_dict()["state"][0].items()}
     averages = {k: v.clone() for k, v in trainer.ema.state_dict().items()}
     trainer.train_step()  # step 3: NaN, skipped
     assert trainer.step == 3
-    for name, value in weights(trainer).items():
+    for name, value in full_weights(trainer.model).items():
         assert torch.equal(value, before[name]), name
     for key, value in trainer.optimizer.state_dict()["state"][0].items():
         assert torch.equal(value, moments[key]), key
     for name, value in trainer.ema.state_dict().items():
         assert torch.equal(value, averages[name]), name
     trainer.train_step()  # step 4: finite, applied
-    assert not torch.equal(weights(trainer)["norm.weight"], before["norm.weight"])
+    assert not torch.equal(full_weights(trainer.model)["norm.weight"], before["norm.weight"])
     trainer.train_step()  # step 5: NaN again, but not in a row: skipped
     assert trainer.step == 5
 
 
 def test_too_many_skips_in_a_row_stop(tmp_path):
-    register_tiny_flavor()
     trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps", "1"]))
     poison_step(trainer, 2)
     poison_step(trainer, 3)

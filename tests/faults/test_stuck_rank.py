@@ -5,7 +5,6 @@ that hangs inside a checkpoint save holds the others in the checkpoint's own gro
 gives up after comm.init_timeout_seconds."""
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,16 +12,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port, tiny_args
+
 REPO = Path(__file__).resolve().parents[2]
 # Every rank runs the real entry point; rank 1 stops answering during step 3, after noting
 # the time it stopped in the dump folder.
 LAUNCHER = """
 import os, sys, time
 from pathlib import Path
-from tests.multiprocess import register_tiny_flavor
 from titanlite import train
 from titanlite.parallel import exit_process
-register_tiny_flavor()
 def hang(dump_folder):
     mark = Path(dump_folder, ".hang-started")
     mark.write_text(str(time.time()))
@@ -45,22 +44,7 @@ else:
 exit_process(train.main(sys.argv[1:]))
 """
 TRAIN_TIMEOUT = 5
-ARGS = [
-    "--model.flavor",
-    "tiny",
-    "--training.seq_len",
-    "32",
-    "--training.local_batch_size",
-    "2",
-    "--training.steps",
-    "6",
-    "--training.mixed_precision_param",
-    "float32",
-    "--activation_checkpoint.mode",
-    "none",
-    "--comm.train_timeout_seconds",
-    str(TRAIN_TIMEOUT),
-]
+ARGS = tiny_args({"training.steps": 6, "metrics.log_freq": None, "comm.train_timeout_seconds": TRAIN_TIMEOUT})
 # Layout -> (world size, extra arguments).
 LAYOUTS = {
     "fsdp2": (2, []),
@@ -75,12 +59,6 @@ START_LIMIT = 240
 # shared with other jobs. PyTorch's default timeout, which the ranks would otherwise
 # wait out, is 30 minutes.
 SLACK = 40
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launch(rank: int, env: dict[str, str], args: list[str], logs: Path) -> subprocess.Popen:

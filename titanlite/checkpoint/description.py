@@ -19,11 +19,6 @@ from titanlite.checkpoint.files import read_checkpoint_metadata, single_process
 from titanlite.registry import get_model_spec
 
 MODEL_ARGS = "model_args"
-# Hyper-parameters that do not make another model: max_seq_len only sizes the RoPE tables,
-# so weights carry over to any sequence length.
-_NOT_THE_MODEL = ("max_seq_len",)
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelDescription:
     name: str  # the registry name
@@ -52,12 +47,10 @@ class ModelDescription:
         return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"))
 
     def differences(self, other: "ModelDescription") -> list[str]:
-        """The hyper-parameters, by name, in which `other` describes another model."""
-        return sorted(
-            field.name
-            for field in dataclasses.fields(self.args)
-            if field.name not in _NOT_THE_MODEL and getattr(self.args, field.name) != getattr(other.args, field.name)
-        )
+        """The hyper-parameters, by name, in which `other` describes a model that computes
+        something else (the args' own architecture() says which count)."""
+        ours, theirs = self.args.architecture(), other.args.architecture()
+        return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Weight name -> shape, as the model class lays them out (built on the meta device,

@@ -1,6 +1,6 @@
 """Llama hyper-parameters and the published sizes ("flavors")."""
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -44,6 +44,16 @@ class LlamaArgs:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def architecture(self) -> dict:
+        """The hyper-parameters that decide what the model computes, for telling whether two
+        args describe the same model. max_seq_len is left out (it only sizes the RoPE tables,
+        so weights carry over to any length), and so is how the FFN size and the key/value
+        head count are spelled (multiple_of, ffn_dim_multiplier, None heads): their values
+        are kept instead, as a Hugging Face import spells them differently."""
+        spelled = ("max_seq_len", "multiple_of", "ffn_dim_multiplier", "n_kv_heads")
+        kept = {name: value for name, value in asdict(self).items() if name not in spelled}
+        return {**kept, "ffn_hidden_dim": self.ffn_hidden_dim, "kv_heads": self.kv_heads}
+
     def with_seq_len(self, seq_len: int) -> "LlamaArgs":
         return replace(self, max_seq_len=seq_len)
 
@@ -84,4 +94,10 @@ LLAMA3_FLAVORS = {
         rope_scaling=RopeScaling(),
         **{**_LLAMA3, "multiple_of": 4096},
     ),
+    # The test suite's model, small enough for dozens of runs on a shared CPU: 3 blocks (so
+    # "every 2nd block" activation checkpointing and the last-block reshard rule both show),
+    # grouped-query attention, and the byte tokenizer's 258 ids, which do not split evenly
+    # over 4 ranks. A real flavor so that every process, spawned ranks and
+    # `python -m titanlite.train` included, knows it without registering it first.
+    "tiny": LlamaArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=32, rope_theta=10000.0),
 }

@@ -1,9 +1,10 @@
 """Kill-and-resume chaos trials: SIGKILL a 2-rank CPU training run at random moments and
-check every restart (the harness is tests/faults/harness.py; docs/reliability.md).
+check every restart (the harness is tests/faults/harness.py; docs/reliability.md). A test
+driver, beside the harness it drives; run it from the repository root:
 
-    python scripts/chaos.py --trials 20
-    python scripts/chaos.py --trials 20 --seed 7 --keep      # keep every trial's folders
-    python scripts/chaos.py --seed 7 --only 13                # re-run trial 13 of seed 7
+    python -m tests.faults.chaos --trials 20
+    python -m tests.faults.chaos --trials 20 --seed 7 --keep  # keep every trial's folders
+    python -m tests.faults.chaos --seed 7 --only 13            # re-run trial 13 of seed 7
 
 Each trial draws a fault point (step, staging, write, rename, purge), the checkpoint
 async mode, the step and the rank that dies (or all of them) from the seed and the trial
@@ -23,9 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.faults.harness import RunConfig, random_trial, reference_losses, run_trial  # noqa: E402
+from tests.faults.harness import RunConfig, random_trial, reference_losses, run_trial
 
 
 def trial_rng(seed: int, trial: int) -> random.Random:
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trial {number}: {result.summary()}", flush=True)
         if not result.ok:
             print(
-                f"    kept in {workdir}; re-run with: python scripts/chaos.py --seed {args.seed} --only {number}",
+                f"    kept in {workdir}; re-run with: python -m tests.faults.chaos --seed {args.seed} --only {number}",
                 flush=True,
             )
     print(f"chaos: {time.monotonic() - start:.0f} s")

@@ -1,0 +1,170 @@
+"""What many tests share: the tiny model's run arguments, free ports, the whole weights of a
+sharded model, small Hugging Face folders and a trained tiny run.
+
+Plain functions rather than fixtures: rank processes (spawned by tests.multiprocess, or
+started by the fault harness with `python -c`) call them where no fixture reaches, and the
+argument lists of many modules are built from them at import time. tests/conftest.py turns
+the expensive ones into shared fixtures.
+"""
+
+import socket
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+from torch.distributed.tensor import DTensor
+
+from titanlite.config import parse_args
+from titanlite.models.llama import LLAMA3_FLAVORS
+from titanlite.train import Trainer
+
+TINY = LLAMA3_FLAVORS["tiny"]
+
+# What nearly every run of the tiny model has in common: short sequences, small batches,
+# float32 (so that layouts can be compared closely), no activation checkpointing, a log line
+# a step. tiny_args overrides it per test.
+TINY_RUN = {
+    "model.flavor": "tiny",
+    "training.seq_len": 32,
+    "training.local_batch_size": 2,
+    "training.mixed_precision_param": "float32",
+    "activation_checkpoint.mode": "none",
+    "metrics.log_freq": 1,
+}
+
+
+def tiny_args(overrides: dict[str, object] | None = None) -> list[str]:
+    """Command-line arguments for a run of the tiny model: TINY_RUN with `overrides` (dotted
+    keys, as on the command line) replacing or adding options. True is a bare flag; None
+    drops one of TINY_RUN's options, leaving it at the config's default."""
+    options = {**TINY_RUN, **(overrides or {})}
+    args = []
+    for key, value in options.items():
+        if value is True:
+            args.append(f"--{key}")
+        elif value is not None:
+            args.append(f"--{key}={value}")
+    return args
+
+
+def free_port() -> int:
+    """A TCP port no process listens on right now, for a process group's MASTER_PORT."""
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: the sockets stay open until all are bound, so the
+    kernel cannot hand out one port twice."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor, gathered from every rank when it is a DTensor."""
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def full_weights(module) -> dict[str, torch.Tensor]:
+    """Every entry of module.state_dict() (a model, an EMA), whole and copied, so that it
+    can be compared with another run's after this one has gone on training."""
+    return {name: full_tensor(value) for name, value in module.state_dict().items()}
+
+
+# --- Hugging Face folders ----------------------------------------------------------------
+
+
+def save_hf_llama(folder: Path, seed: int, **overrides) -> Path:
+    """A random transformers Llama of the tiny shape, in 20 KB safetensors shards."""
+    fields = dict(
+        hidden_size=TINY.dim,
+        num_hidden_layers=TINY.n_layers,
+        num_attention_heads=TINY.n_heads,
+        num_key_value_heads=TINY.kv_heads,
+        intermediate_size=TINY.ffn_hidden_dim,
+        vocab_size=TINY.vocab_size,
+        rope_theta=TINY.rope_theta,
+        rms_norm_eps=TINY.norm_eps,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    import transformers  # an optional, test-only dependency: tests that need it skip without it
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**fields, **overrides}))
+    with torch.no_grad():  # the norms start at exactly 1; make them count too
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return folder
+
+
+def save_one_layer_hf_llama(folder: Path) -> Path:
+    """The smallest transformers Llama worth converting (one block, 40 ids), unseeded: for
+    tests that need any Hugging Face checkpoint, not particular values."""
+    import transformers  # an optional, test-only dependency, as above
+
+    config = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=96, vocab_size=40
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face folder's safetensors files, by name."""
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return tensors
+
+
+def write_word_tokenizer(folder: Path, n_words: int, specials: tuple[str, ...] = ()) -> int:
+    """A word-level tokenizer.json with n_words words plus `specials`; returns its vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer  # an optional dependency, as transformers above
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {f"word{i}": i for i in range(n_words)}
+    vocab["[UNK]"] = n_words
+    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.add_special_tokens([AddedToken(token, special=True) for token in specials])
+    folder.mkdir(parents=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+# --- a trained tiny model ----------------------------------------------------------------
+
+TINY_RUN_STEPS = 3
+
+
+class TinyRun(NamedTuple):
+    step_dir: Path  # the checkpoint written after the last step
+    tokens: torch.Tensor  # a fixed input batch
+    logits: torch.Tensor  # the trained model's logits on it
+    weights: dict  # the trained weights
+    ema: dict | None  # the EMA averages, when EMA was on
+
+
+def train_tiny(dump: Path, extra: list[str] = ()) -> TinyRun:
+    """The tiny model trained for a few steps in this process, with checkpoints: the common
+    starting point of the export, loading and generation tests."""
+    args = tiny_args({"training.steps": TINY_RUN_STEPS, "optimizer.lr": 3e-3, "checkpoint.enable": True})
+    trainer = Trainer(parse_args(args + list(extra) + ["--job.dump_folder", str(dump)]))
+    trainer.train()
+    model = trainer.model.eval()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits = model(tokens)
+    ema = None if trainer.ema is None else full_weights(trainer.ema)
+    return TinyRun(dump / "checkpoint" / f"step-{TINY_RUN_STEPS}", tokens, logits, full_weights(model), ema)

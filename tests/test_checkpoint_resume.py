@@ -376,7 +376,7 @@ def test_uninterrupted_runs_change_every_step(two_rank, single):
         assert straight["loss"][-1] < straight["loss"][0] - 0.1
         assert len(set(straight["loss"])) == STEPS
         snapshots = [straight["initial"]] + [after["weights"] for after in straight["after"]]
-        for before, after in zip(snapshots, snapshots[1:]):
+        for before, after in zip(snapshots, snapshots[1:], strict=False):
             assert max_difference(before, after) > 1e-4
         # Different data every step.
         rows = [tuple(sorted(straight["batches"][step])) for step in range(1, STEPS + 1)]

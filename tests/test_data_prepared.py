@@ -45,7 +45,8 @@ SEQ_LEN = 15  # windows of 16 tokens
 SHARD_TOKENS = 1000  # small, so that windows straddle shard files
 
 
-def framed_stream(documents: list[str], tokenizer=ByteTokenizer()) -> list[int]:
+def framed_stream(documents: list[str], tokenizer=None) -> list[int]:
+    tokenizer = tokenizer or ByteTokenizer()
     stream = []
     for text in documents:
         stream += [tokenizer.bos_id] + tokenizer.encode(text) + [tokenizer.eos_id]
@@ -196,7 +197,7 @@ def test_mixture_proportions_hold_in_every_prefix():
         source, taken_before = mixture.locate(index)
         assert taken_before == counts[source]  # each source's windows are taken in order
         counts[source] += 1
-        for weight, count in zip(mixture.weights, counts):
+        for weight, count in zip(mixture.weights, counts, strict=True):
             assert abs(count - (index + 1) * weight) <= 2  # a window or two, at any step
     assert mixture.counts(20_000) == counts == [14_000, 4_000, 2_000]
 

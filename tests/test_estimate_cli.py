@@ -77,7 +77,7 @@ def test_sweep_covers_fsdp_and_hsdp_at_every_size(capsys):
     results = run_json(capsys, "--job.config_file", DEBUG, "--sweep", "--skip_memory")
     layouts = [(r["layout"]["world_size"], r["layout"]["dp_replicate"], r["layout"]["dp_shard"]) for r in results]
     assert layouts == [(8, 1, 8), (64, 1, 64), (64, 8, 8), (512, 1, 512), (512, 64, 8), (4096, 1, 4096), (4096, 512, 8)]
-    by_layout = {layout: r["step_time"] for layout, r in zip(layouts, results)}
+    by_layout = {layout: r["step_time"] for layout, r in zip(layouts, results, strict=True)}
     # HSDP keeps the shard group in a node; 64-way FSDP crosses nodes.
     assert by_layout[(64, 8, 8)]["shard_link"] == "intra-node"
     assert by_layout[(64, 1, 64)]["shard_link"] == "inter-node"

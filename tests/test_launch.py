@@ -234,9 +234,12 @@ FAKE_SCONTROL = """
 case "$1 $2" in
     "show hostnames") echo node7 ;;
     "show job")
-        if [[ -z "${FAKE_TIME_LEFT:-}" ]]; then echo "JobId=$3 StartTime=2026-11-25T01:00:00 EndTime=Unknown Deadline=N/A"; exit; fi
+        if [[ -z "${FAKE_TIME_LEFT:-}" ]]; then
+            echo "JobId=$3 StartTime=2026-11-25T01:00:00 EndTime=Unknown Deadline=N/A"; exit
+        fi
         [[ -e "$RECORD/end" ]] || echo $(( $(date +%s) + FAKE_TIME_LEFT )) > "$RECORD/end"
-        echo "JobId=$3 StartTime=2026-11-25T01:00:00 EndTime=$(date -d "@$(cat "$RECORD/end")" +%Y-%m-%dT%H:%M:%S) Deadline=N/A" ;;
+        end=$(date -d "@$(cat "$RECORD/end")" +%Y-%m-%dT%H:%M:%S)
+        echo "JobId=$3 StartTime=2026-11-25T01:00:00 EndTime=$end Deadline=N/A" ;;
 esac
 """
 FAKE_SRUN = (

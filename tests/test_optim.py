@@ -22,7 +22,7 @@ def test_stable_phase_then_decay_over_the_last_fraction():
     f = factors(20, warmup_steps=4, decay_ratio=0.5, decay_type="linear")
     assert f[4:10] == [1.0] * 6  # warmup 4, stable until step 10
     assert f[10] < 1.0
-    assert all(a > b for a, b in zip(f[10:], f[11:]))
+    assert all(a > b for a, b in zip(f[10:], f[11:], strict=False))
     assert f[-1] == pytest.approx(1 / 11)  # the last step still learns; zero comes after it
 
 

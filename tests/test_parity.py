@@ -242,7 +242,7 @@ def rope_table_dtypes(extra_args: list[str]) -> dict:
 
     def record_dtypes(module, args):
         x, cos, sin = args
-        for key, tensor in zip(seen, (x, cos, sin)):
+        for key, tensor in zip(seen, (x, cos, sin), strict=True):
             seen[key].add(str(tensor.dtype))
 
     attentions = [m for m in trainer.model.modules() if isinstance(m, Attention)]

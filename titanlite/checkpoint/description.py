@@ -19,6 +19,8 @@ from titanlite.checkpoint.files import read_checkpoint_metadata, single_process
 from titanlite.registry import get_model_spec
 
 MODEL_ARGS = "model_args"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDescription:
     name: str  # the registry name

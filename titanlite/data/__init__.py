@@ -1,7 +1,8 @@
 """The data package: tokenizers, document sources, prepared (tokenized-once) data, the global
 window order, and the data-parallel loader that reads ahead and resumes anywhere.
 
-It takes plain arguments and imports nothing else from titanlite. The prepare command lives in
+It takes plain arguments; from titanlite it imports only the config's dataset names and the
+fsync helper (titanlite.files). The prepare command lives in
 ``titanlite.data.prepare``, which the package does not import, so that
 ``python -m titanlite.data.prepare`` runs it as a fresh module.
 """

@@ -18,6 +18,7 @@ from tests.helpers import TINY, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite import metrics
 from titanlite.config import parse_args
+from titanlite.metrics import tags
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, fsdp_unit_names, log_startup
 from titanlite.models.llama import Transformer
 from titanlite.train import Trainer
@@ -38,18 +39,18 @@ ARGS = BASE + [
     "--profiling.profile_freq=2",
 ]
 TRAIN_TAGS = [
-    metrics.LOSS,
-    metrics.MAX_LOSS,
-    metrics.GRAD_NORM,
-    metrics.LR,
-    metrics.TPS,
-    metrics.TFLOPS,
-    metrics.MFU,
-    metrics.STEP_TIME,
-    metrics.DATA_TIME,
-    metrics.DATA_PCT,
-    metrics.RSS_GIB,
-    metrics.PEAK_RSS_GIB,
+    tags.LOSS,
+    tags.MAX_LOSS,
+    tags.GRAD_NORM,
+    tags.LR,
+    tags.TPS,
+    tags.TFLOPS,
+    tags.MFU,
+    tags.STEP_TIME,
+    tags.DATA_TIME,
+    tags.DATA_PCT,
+    tags.RSS_GIB,
+    tags.PEAK_RSS_GIB,
 ]
 
 
@@ -71,7 +72,7 @@ def run(tmp_path_factory) -> dict:
 
 def test_tensorboard_has_one_value_per_logged_step_and_jsonl_the_same(run):
     events, lines = run["events"], run["lines"]
-    train_lines = {line["step"]: line for line in lines if metrics.LOSS in line}
+    train_lines = {line["step"]: line for line in lines if tags.LOSS in line}
     assert sorted(train_lines) == LOGGED_STEPS
     for tag in TRAIN_TAGS:
         scalars = events.Scalars(tag)
@@ -79,27 +80,27 @@ def test_tensorboard_has_one_value_per_logged_step_and_jsonl_the_same(run):
         for scalar in scalars:  # TensorBoard stores float32
             assert scalar.value == pytest.approx(train_lines[scalar.step][tag], rel=1e-6, abs=1e-12), tag
     # The console's numbers are the same ones.
-    assert [r.loss for r in run["records"]] == [train_lines[s][metrics.LOSS] for s in LOGGED_STEPS]
+    assert [r.loss for r in run["records"]] == [train_lines[s][tags.LOSS] for s in LOGGED_STEPS]
 
 
 def test_validation_is_logged_at_its_steps(run):
-    val_lines = [line for line in run["lines"] if metrics.VAL_LOSS in line]
+    val_lines = [line for line in run["lines"] if tags.VAL_LOSS in line]
     assert [line["step"] for line in val_lines] == VALIDATED_STEPS
     for line in val_lines:
-        assert line[metrics.VAL_PERPLEXITY] == pytest.approx(math.exp(line[metrics.VAL_LOSS]))
-    assert [s.step for s in run["events"].Scalars(metrics.VAL_LOSS)] == VALIDATED_STEPS
+        assert line[tags.VAL_PERPLEXITY] == pytest.approx(math.exp(line[tags.VAL_LOSS]))
+    assert [s.step for s in run["events"].Scalars(tags.VAL_LOSS)] == VALIDATED_STEPS
 
 
 def test_derived_numbers_follow_from_tokens_per_second(run):
     per_token = metrics.flops_per_token(TINY.with_seq_len(32), 32)
     for line in run["lines"]:
-        if metrics.TPS not in line:
+        if tags.TPS not in line:
             continue
-        assert line[metrics.TFLOPS] == pytest.approx(line[metrics.TPS] * per_token / 1e12, rel=1e-9)
-        assert line[metrics.MFU] == pytest.approx(100 * line[metrics.TFLOPS] / 0.5, rel=1e-9)
-        assert line[metrics.MAX_LOSS] == line[metrics.LOSS]  # one process: its mean is the global one
-        assert 0 <= line[metrics.DATA_PCT] <= 100
-        assert line[metrics.PEAK_RSS_GIB] >= line[metrics.RSS_GIB] > 0
+        assert line[tags.TFLOPS] == pytest.approx(line[tags.TPS] * per_token / 1e12, rel=1e-9)
+        assert line[tags.MFU] == pytest.approx(100 * line[tags.TFLOPS] / 0.5, rel=1e-9)
+        assert line[tags.MAX_LOSS] == line[tags.LOSS]  # one process: its mean is the global one
+        assert 0 <= line[tags.DATA_PCT] <= 100
+        assert line[tags.PEAK_RSS_GIB] >= line[tags.RSS_GIB] > 0
 
 
 def test_a_profiler_trace_appears(run):
@@ -113,7 +114,7 @@ def test_no_mfu_on_cpu_without_a_configured_peak(tmp_path):
     Trainer(parse_args(args + ["--job.dump_folder", str(tmp_path), "--training.steps=1"])).train()
     (jsonl,) = (tmp_path / "metrics").glob("*/metrics.jsonl")
     first = json.loads(jsonl.read_text().splitlines()[0])
-    assert metrics.TFLOPS in first and metrics.MFU not in first
+    assert tags.TFLOPS in first and tags.MFU not in first
 
 
 def test_a_dtype_that_did_not_propagate_is_reported(caplog):
@@ -179,7 +180,7 @@ def test_two_rank_diagnostics(tmp_path):
         (jsonl,) = tmp_path.glob(f"metrics/*/rank_{rank_id}/metrics.jsonl")
         lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
         assert [line["step"] for line in lines] == [1, 2]
-        assert all(line[metrics.MAX_LOSS] >= line[metrics.LOSS] for line in lines)
+        assert all(line[tags.MAX_LOSS] >= line[tags.LOSS] for line in lines)
 
 
 def shard_root_only() -> list[str]:

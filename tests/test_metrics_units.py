@@ -13,19 +13,6 @@ import torch
 
 from titanlite.config import Metrics
 from titanlite.metrics import (
-    ALL_TAGS,
-    GRAD_NORM,
-    LOSS,
-    LR,
-    MAX_RESERVED_GIB,
-    MAX_RESERVED_PCT,
-    MFU,
-    PEAK_RSS_GIB,
-    RSS_GIB,
-    STEP_TIME,
-    TFLOPS,
-    TPS,
-    VAL_LOSS,
     ConsoleLogger,
     FanOutLogger,
     JsonlLogger,
@@ -38,6 +25,7 @@ from titanlite.metrics import (
     peak_flops_per_device,
     phase_peak_gib,
     resolve_peak_flops,
+    tags,
     tflops,
 )
 from titanlite.metrics import memory as memory_module
@@ -48,7 +36,7 @@ STEPS = (1, 2, 5)
 
 def sample_metrics(step: int) -> dict[str, float]:
     """Different, exactly representable-in-float32 values for every tag at every step."""
-    return {tag: float(step * 100 + index) for index, tag in enumerate(ALL_TAGS)}
+    return {tag: float(step * 100 + index) for index, tag in enumerate(tags.ALL_TAGS)}
 
 
 # ---------------------------------------------------------------------------
@@ -66,8 +54,8 @@ def test_tensorboard_round_trip(tmp_path):
 
     events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
     events.Reload()
-    assert sorted(events.Tags()["scalars"]) == sorted(ALL_TAGS)
-    for tag in ALL_TAGS:
+    assert sorted(events.Tags()["scalars"]) == sorted(tags.ALL_TAGS)
+    for tag in tags.ALL_TAGS:
         scalars = events.Scalars(tag)
         assert [s.step for s in scalars] == list(STEPS), tag
         assert [s.value for s in scalars] == [sample_metrics(step)[tag] for step in STEPS], tag
@@ -76,21 +64,21 @@ def test_tensorboard_round_trip(tmp_path):
 def test_jsonl_round_trip_flushes_each_line_and_appends(tmp_path):
     path = tmp_path / "metrics" / "metrics.jsonl"
     writer = JsonlLogger(str(path))
-    writer.log({LOSS: 2.5, TPS: 1000.0}, 1)
+    writer.log({tags.LOSS: 2.5, tags.TPS: 1000.0}, 1)
     # Readable before close: a crash after this point loses nothing.
-    assert json.loads(path.read_text().splitlines()[0]) == {"step": 1, LOSS: 2.5, TPS: 1000.0}
-    writer.log({LOSS: float("nan")}, 2)
+    assert json.loads(path.read_text().splitlines()[0]) == {"step": 1, tags.LOSS: 2.5, tags.TPS: 1000.0}
+    writer.log({tags.LOSS: float("nan")}, 2)
     writer.close()
 
     # A resumed run appends instead of truncating.
     again = JsonlLogger(str(path))
-    again.log({LOSS: 1.25}, 5)
+    again.log({tags.LOSS: 1.25}, 5)
     again.close()
 
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2, 5]
-    assert math.isnan(rows[1][LOSS])
-    assert rows[2] == {"step": 5, LOSS: 1.25}
+    assert math.isnan(rows[1][tags.LOSS])
+    assert rows[2] == {"step": 5, tags.LOSS: 1.25}
 
 
 def test_fan_out_sends_to_every_logger_and_closes_all(tmp_path):
@@ -108,8 +96,8 @@ def test_fan_out_sends_to_every_logger_and_closes_all(tmp_path):
 
     first, second = Recorder(fail_close=True), Recorder()
     fan_out = FanOutLogger([first, second])
-    fan_out.log({LOSS: 1.0}, 3)
-    assert first.calls == second.calls == [(3, {LOSS: 1.0})]
+    fan_out.log({tags.LOSS: 1.0}, 3)
+    assert first.calls == second.calls == [(3, {tags.LOSS: 1.0})]
     with pytest.raises(OSError, match="disk full"):
         fan_out.close()
     assert first.closed and second.closed
@@ -135,7 +123,7 @@ def built_files(root) -> list[str]:
 def test_build_loggers_folders(tmp_path, rank, save_for_all_ranks):
     config = Metrics(enable_tensorboard=True, save_for_all_ranks=save_for_all_ranks)
     fan_out = build_loggers(config, str(tmp_path), rank, "run1")
-    fan_out.log({LOSS: 1.0}, 1)
+    fan_out.log({tags.LOSS: 1.0}, 1)
     fan_out.close()
 
     expected = (["ConsoleLogger"] if rank == 0 else []) + (
@@ -177,15 +165,15 @@ def test_missing_wandb_is_one_clear_value_error_on_every_rank(tmp_path, monkeypa
 # ---------------------------------------------------------------------------
 
 GPU_STEP = {
-    LOSS: 5.123456,
-    GRAD_NORM: 0.81234,
-    LR: 8e-4,
-    TPS: 12345.4,
-    TFLOPS: 123.456,
-    MFU: 41.2,
-    MAX_RESERVED_GIB: 12.3,
-    MAX_RESERVED_PCT: 15.49,
-    STEP_TIME: 0.5123,
+    tags.LOSS: 5.123456,
+    tags.GRAD_NORM: 0.81234,
+    tags.LR: 8e-4,
+    tags.TPS: 12345.4,
+    tags.TFLOPS: 123.456,
+    tags.MFU: 41.2,
+    tags.MAX_RESERVED_GIB: 12.3,
+    tags.MAX_RESERVED_PCT: 15.49,
+    tags.STEP_TIME: 0.5123,
 }
 
 
@@ -226,14 +214,21 @@ def test_console_line_colored_has_same_text(caplog):
 
 
 def test_console_line_cpu_leaves_out_mfu_and_shows_rss(caplog):
-    cpu_step = {LOSS: 4.0, TPS: 2048.0, TFLOPS: 0.00123, RSS_GIB: 0.5, PEAK_RSS_GIB: 0.75, STEP_TIME: 1.5}
+    cpu_step = {
+        tags.LOSS: 4.0,
+        tags.TPS: 2048.0,
+        tags.TFLOPS: 0.00123,
+        tags.RSS_GIB: 0.5,
+        tags.PEAK_RSS_GIB: 0.75,
+        tags.STEP_TIME: 1.5,
+    }
     (line,) = console_lines(caplog, False, cpu_step, step=1)
     assert line == "step:  1  loss: 4.0000  tps: 2,048  tflops: 0.00123  memory: 0.50GiB(peak 0.75)  step_time: 1.500s"
     assert "mfu" not in line
 
 
 def test_console_line_validation(caplog):
-    (line,) = console_lines(caplog, False, {VAL_LOSS: 2.0, "validation_metrics/perplexity": math.exp(2.0)}, 20)
+    (line,) = console_lines(caplog, False, {tags.VAL_LOSS: 2.0, "validation_metrics/perplexity": math.exp(2.0)}, 20)
     assert line == "step: 20  val_loss: 2.0000  val_ppl: 7.39"
 
 
@@ -330,9 +325,9 @@ def test_memory_monitor_cpu_reports_rss_and_peak():
     monitor = MemoryMonitor(torch.device("cpu"))
     keep = torch.ones(16 * 1024 * 1024 // 4)  # 16 MiB, so the RSS is certainly not zero
     stats = monitor.stats()
-    assert set(stats) == {RSS_GIB, PEAK_RSS_GIB}
-    assert stats[RSS_GIB] > 0
-    assert stats[PEAK_RSS_GIB] >= stats[RSS_GIB]
+    assert set(stats) == {tags.RSS_GIB, tags.PEAK_RSS_GIB}
+    assert stats[tags.RSS_GIB] > 0
+    assert stats[tags.PEAK_RSS_GIB] >= stats[tags.RSS_GIB]
     monitor.reset_peak()  # must not raise, whether or not the kernel lets us reset
     assert phase_peak_gib(torch.device("cpu")) > 0 and monitor.phase_peak_gib() > 0
     assert monitor.kind == "CPU peak RSS"
@@ -376,4 +371,4 @@ def test_cpu_reset_peak_becomes_a_no_op_when_refused(monkeypatch, tmp_path):
     monitor = MemoryMonitor(torch.device("cpu"))
     assert monitor.cpu_peak_resettable is False
     monitor.reset_peak()
-    assert monitor.stats()[PEAK_RSS_GIB] > 0
+    assert monitor.stats()[tags.PEAK_RSS_GIB] > 0

@@ -25,7 +25,7 @@ from titanlite.data import tokenizer_file
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line
 from titanlite.estimate import check_memory_floor
 from titanlite.loss import cross_entropy_sum, global_loss
-from titanlite.metrics import TPS
+from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
 from titanlite.nonfinite import SYNC_EVERY, UnreadSteps, step_unless
 from titanlite.optim import build_lr_scheduler, build_optimizer
@@ -291,7 +291,7 @@ class Trainer(Stateful):
         loss, max_loss = self.global_loss(loss_share)
         norm = grad_norm.item()
         metrics = self.metrics.log_step(self.step, loss, max_loss, norm, lr, self.tokens_seen)
-        return StepRecord(self.step, loss, norm, lr, metrics[TPS])
+        return StepRecord(self.step, loss, norm, lr, metrics[tags.TPS])
 
     def _validate_if_due(self) -> None:
         if self.validator is None:

@@ -2,10 +2,12 @@
 go under, model FLOPs and MFU, and peak memory per logging window.
 
 The trainer builds one logger with build_loggers(...) and calls log({tag: value}, step)
-on it; the tag constants (LOSS, TPS, MFU, ...) name every series. Nothing here imports
-the trainer, the parallel package or the checkpoint package.
+on it; the tag constants of the tags module (tags.LOSS, tags.TPS, tags.MFU, ...) name
+every series. Nothing here imports the trainer, the parallel package or the checkpoint
+package.
 """
 
+from titanlite.metrics import tags
 from titanlite.metrics.flops import (
     count_params,
     flops_per_token,
@@ -15,28 +17,6 @@ from titanlite.metrics.flops import (
     tflops,
 )
 from titanlite.metrics.loggers import (
-    ALL_TAGS,
-    DATA_PCT,
-    DATA_TIME,
-    GRAD_NORM,
-    LOSS,
-    LR,
-    MAX_ACTIVE_GIB,
-    MAX_ACTIVE_PCT,
-    MAX_LOSS,
-    MAX_RESERVED_GIB,
-    MAX_RESERVED_PCT,
-    MFU,
-    NUM_ALLOC_RETRIES,
-    NUM_OOMS,
-    PEAK_RSS_GIB,
-    RSS_GIB,
-    STEP_TIME,
-    TFLOPS,
-    TOKENS_SEEN,
-    TPS,
-    VAL_LOSS,
-    VAL_PERPLEXITY,
     ConsoleLogger,
     FanOutLogger,
     JsonlLogger,
@@ -50,28 +30,6 @@ from titanlite.metrics.loggers import (
 from titanlite.metrics.memory import MemoryMonitor, phase_peak_gib
 
 __all__ = [
-    "ALL_TAGS",
-    "DATA_PCT",
-    "DATA_TIME",
-    "GRAD_NORM",
-    "LOSS",
-    "LR",
-    "MAX_ACTIVE_GIB",
-    "MAX_ACTIVE_PCT",
-    "MAX_LOSS",
-    "MAX_RESERVED_GIB",
-    "MAX_RESERVED_PCT",
-    "MFU",
-    "NUM_ALLOC_RETRIES",
-    "NUM_OOMS",
-    "PEAK_RSS_GIB",
-    "RSS_GIB",
-    "STEP_TIME",
-    "TFLOPS",
-    "TOKENS_SEEN",
-    "TPS",
-    "VAL_LOSS",
-    "VAL_PERPLEXITY",
     "ConsoleLogger",
     "FanOutLogger",
     "JsonlLogger",
@@ -88,5 +46,6 @@ __all__ = [
     "peak_flops_per_device",
     "phase_peak_gib",
     "resolve_peak_flops",
+    "tags",
     "tflops",
 ]

@@ -1,8 +1,7 @@
 """Where the trainer's numbers go: the console, TensorBoard, a JSONL file and W&B.
 
-Every backend takes the same call, ``log({tag: value}, step)``, with the tags below.
-The tag names and their grouping ("loss_metrics/...", "memory/...") are torchtitan's,
-so TensorBoard and W&B dashboards built for torchtitan runs read titanlite runs too.
+Every backend takes the same call, ``log({tag: value}, step)``, with the tags of
+titanlite.metrics.tags (torchtitan's names and grouping, so its dashboards carry over).
 """
 
 import json
@@ -12,56 +11,9 @@ import sys
 from datetime import datetime
 
 from titanlite.config import Metrics
+from titanlite.metrics import tags
 
 logger = logging.getLogger("titanlite")
-
-# --- tag names: the one place the trainer, the tests and the docs take them from -------
-
-LOSS = "loss_metrics/global_avg_loss"
-MAX_LOSS = "loss_metrics/global_max_loss"
-GRAD_NORM = "grad_norm"
-LR = "lr"
-TOKENS_SEEN = "ntokens_seen"
-TPS = "throughput(tps)"  # tokens per second per device
-TFLOPS = "tflops"  # achieved TFLOPs per device
-MFU = "mfu(%)"
-STEP_TIME = "time_metrics/end_to_end(s)"  # seconds per optimizer step
-DATA_TIME = "time_metrics/data_loading(s)"
-DATA_PCT = "time_metrics/data_loading(%)"
-MAX_ACTIVE_GIB = "memory/max_active(GiB)"
-MAX_ACTIVE_PCT = "memory/max_active(%)"
-MAX_RESERVED_GIB = "memory/max_reserved(GiB)"
-MAX_RESERVED_PCT = "memory/max_reserved(%)"
-NUM_ALLOC_RETRIES = "memory/num_alloc_retries"
-NUM_OOMS = "memory/num_ooms"
-RSS_GIB = "memory/rss(GiB)"  # CPU runs: the process's resident memory
-PEAK_RSS_GIB = "memory/peak_rss(GiB)"
-VAL_LOSS = "validation_metrics/loss"
-VAL_PERPLEXITY = "validation_metrics/perplexity"
-
-ALL_TAGS = (
-    LOSS,
-    MAX_LOSS,
-    GRAD_NORM,
-    LR,
-    TOKENS_SEEN,
-    TPS,
-    TFLOPS,
-    MFU,
-    STEP_TIME,
-    DATA_TIME,
-    DATA_PCT,
-    MAX_ACTIVE_GIB,
-    MAX_ACTIVE_PCT,
-    MAX_RESERVED_GIB,
-    MAX_RESERVED_PCT,
-    NUM_ALLOC_RETRIES,
-    NUM_OOMS,
-    RSS_GIB,
-    PEAK_RSS_GIB,
-    VAL_LOSS,
-    VAL_PERPLEXITY,
-)
 
 WANDB_MISSING = "metrics.enable_wandb is set but the wandb package is not installed (pip install wandb)"
 
@@ -101,29 +53,29 @@ def _small(value: float, unit: str = "") -> str:
 def _memory_text(metrics: dict[str, float]) -> str | None:
     """Device memory as reserved GiB and % of capacity (what decides an OOM), else the
     process RSS on CPU; None when the step carries no memory numbers."""
-    if MAX_RESERVED_GIB in metrics:
-        text = f"{metrics[MAX_RESERVED_GIB]:.2f}GiB"
-        if MAX_RESERVED_PCT in metrics:
-            text += f"({metrics[MAX_RESERVED_PCT]:.1f}%)"
+    if tags.MAX_RESERVED_GIB in metrics:
+        text = f"{metrics[tags.MAX_RESERVED_GIB]:.2f}GiB"
+        if tags.MAX_RESERVED_PCT in metrics:
+            text += f"({metrics[tags.MAX_RESERVED_PCT]:.1f}%)"
         return text
-    if RSS_GIB in metrics:
-        text = f"{metrics[RSS_GIB]:.2f}GiB"
-        if PEAK_RSS_GIB in metrics:
-            text += f"(peak {metrics[PEAK_RSS_GIB]:.2f})"
+    if tags.RSS_GIB in metrics:
+        text = f"{metrics[tags.RSS_GIB]:.2f}GiB"
+        if tags.PEAK_RSS_GIB in metrics:
+            text += f"(peak {metrics[tags.PEAK_RSS_GIB]:.2f})"
         return text
     return None
 
 
 # (tag, label, color, formatter) in the order the console line shows them.
 _CONSOLE_FIELDS = (
-    (LOSS, "loss", "green", lambda v: f"{v:.4f}"),
-    (GRAD_NORM, "grad_norm", "yellow", lambda v: f"{v:.4f}"),
-    (LR, "lr", "white", lambda v: f"{v:.2e}"),
-    (TPS, "tps", "blue", lambda v: f"{v:,.0f}"),
-    (TFLOPS, "tflops", "cyan", _small),
-    (MFU, "mfu", "magenta", lambda v: f"{v:.2f}%"),
-    (VAL_LOSS, "val_loss", "green", lambda v: f"{v:.4f}"),
-    (VAL_PERPLEXITY, "val_ppl", "green", _small),
+    (tags.LOSS, "loss", "green", lambda v: f"{v:.4f}"),
+    (tags.GRAD_NORM, "grad_norm", "yellow", lambda v: f"{v:.4f}"),
+    (tags.LR, "lr", "white", lambda v: f"{v:.2e}"),
+    (tags.TPS, "tps", "blue", lambda v: f"{v:,.0f}"),
+    (tags.TFLOPS, "tflops", "cyan", _small),
+    (tags.MFU, "mfu", "magenta", lambda v: f"{v:.2f}%"),
+    (tags.VAL_LOSS, "val_loss", "green", lambda v: f"{v:.4f}"),
+    (tags.VAL_PERPLEXITY, "val_ppl", "green", _small),
 )
 
 
@@ -151,8 +103,8 @@ class ConsoleLogger(MetricLogger):
         memory = _memory_text(metrics)
         if memory is not None:
             parts.append(self._paint(f"memory: {memory}", "bright_black"))
-        if STEP_TIME in metrics:
-            parts.append(self._paint(f"step_time: {metrics[STEP_TIME]:.3f}s", "bright_black"))
+        if tags.STEP_TIME in metrics:
+            parts.append(self._paint(f"step_time: {metrics[tags.STEP_TIME]:.3f}s", "bright_black"))
         return "  ".join(parts)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

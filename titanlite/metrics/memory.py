@@ -1,7 +1,7 @@
 """Peak memory per logging window: the CUDA caching allocator's statistics on a GPU,
 the process's resident memory (RSS) on a CPU.
 
-The returned dicts are keyed by the tag names in titanlite.metrics.loggers, so the
+The returned dicts are keyed by the tag names in titanlite.metrics.tags, so the
 trainer can pass them to the loggers unchanged.
 """
 
@@ -9,16 +9,7 @@ import sys
 
 import torch
 
-from titanlite.metrics.loggers import (
-    MAX_ACTIVE_GIB,
-    MAX_ACTIVE_PCT,
-    MAX_RESERVED_GIB,
-    MAX_RESERVED_PCT,
-    NUM_ALLOC_RETRIES,
-    NUM_OOMS,
-    PEAK_RSS_GIB,
-    RSS_GIB,
-)
+from titanlite.metrics import tags
 
 GIB = 1024**3
 _PROC_STATUS = "/proc/self/status"
@@ -98,21 +89,21 @@ class MemoryMonitor:
         active = info.get("active_bytes.all.peak", 0)
         reserved = info.get("reserved_bytes.all.peak", 0)
         return {
-            MAX_ACTIVE_GIB: active / GIB,
-            MAX_ACTIVE_PCT: 100.0 * active / self.capacity,
-            MAX_RESERVED_GIB: reserved / GIB,
-            MAX_RESERVED_PCT: 100.0 * reserved / self.capacity,
+            tags.MAX_ACTIVE_GIB: active / GIB,
+            tags.MAX_ACTIVE_PCT: 100.0 * active / self.capacity,
+            tags.MAX_RESERVED_GIB: reserved / GIB,
+            tags.MAX_RESERVED_PCT: 100.0 * reserved / self.capacity,
             # Retries mean the allocator had to free its cache and try again: a sign the
             # run is close to OOM (and slowed down by it) even when it does not crash.
-            NUM_ALLOC_RETRIES: info.get("num_alloc_retries", 0),
-            NUM_OOMS: info.get("num_ooms", 0),
+            tags.NUM_ALLOC_RETRIES: info.get("num_alloc_retries", 0),
+            tags.NUM_OOMS: info.get("num_ooms", 0),
         }
 
     def _cpu_stats(self) -> dict[str, float]:
         # Both read in one pass, so that the peak is never below the RSS beside it.
         status = _proc_status_bytes("VmRSS", "VmHWM")
         if "VmRSS" not in status:
-            return {PEAK_RSS_GIB: _cpu_peak_bytes() / GIB}
+            return {tags.PEAK_RSS_GIB: _cpu_peak_bytes() / GIB}
         rss = status["VmRSS"]
         peak = max(status.get("VmHWM", rss), rss)
-        return {RSS_GIB: rss / GIB, PEAK_RSS_GIB: peak / GIB}
+        return {tags.RSS_GIB: rss / GIB, tags.PEAK_RSS_GIB: peak / GIB}

@@ -12,23 +12,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from titanlite.metrics import tags
 from titanlite.metrics.flops import mfu, tflops
-from titanlite.metrics.loggers import (
-    DATA_PCT,
-    DATA_TIME,
-    GRAD_NORM,
-    LOSS,
-    LR,
-    MAX_LOSS,
-    MFU,
-    STEP_TIME,
-    TFLOPS,
-    TOKENS_SEEN,
-    TPS,
-    VAL_LOSS,
-    VAL_PERPLEXITY,
-    MetricLogger,
-)
+from titanlite.metrics.loggers import MetricLogger
 from titanlite.metrics.memory import MemoryMonitor
 
 
@@ -74,19 +60,19 @@ class MetricsProcessor:
         steps = max(self.window_steps, 1)
         tokens_per_second = self.window_tokens / elapsed
         metrics = {
-            LOSS: loss,
-            MAX_LOSS: max_loss,
-            GRAD_NORM: grad_norm,
-            LR: lr,
-            TOKENS_SEEN: tokens_seen,
-            TPS: tokens_per_second,
-            TFLOPS: tflops(tokens_per_second, self.flops_per_token),
-            STEP_TIME: elapsed / steps,
-            DATA_TIME: self.data_seconds / steps,
-            DATA_PCT: 100.0 * self.data_seconds / elapsed,
+            tags.LOSS: loss,
+            tags.MAX_LOSS: max_loss,
+            tags.GRAD_NORM: grad_norm,
+            tags.LR: lr,
+            tags.TOKENS_SEEN: tokens_seen,
+            tags.TPS: tokens_per_second,
+            tags.TFLOPS: tflops(tokens_per_second, self.flops_per_token),
+            tags.STEP_TIME: elapsed / steps,
+            tags.DATA_TIME: self.data_seconds / steps,
+            tags.DATA_PCT: 100.0 * self.data_seconds / elapsed,
         }
         if self.peak_flops:
-            metrics[MFU] = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
+            metrics[tags.MFU] = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
         metrics.update(self.monitor.stats())
         self.logger.log(metrics, step)
         self.monitor.reset_peak()
@@ -98,7 +84,7 @@ class MetricsProcessor:
         self.window_start += seconds
 
     def log_validation(self, step: int, loss: float) -> dict:
-        metrics = {VAL_LOSS: loss, VAL_PERPLEXITY: math.exp(min(loss, 700.0))}  # exp overflows past ~709
+        metrics = {tags.VAL_LOSS: loss, tags.VAL_PERPLEXITY: math.exp(min(loss, 700.0))}  # exp overflows past ~709
         self.logger.log(metrics, step)
         return metrics
 

@@ -1,0 +1,53 @@
+"""Metric tag names: the one place the trainer, the tests and the docs take them from.
+
+The names and their grouping ("loss_metrics/...", "memory/...") are torchtitan's, so
+TensorBoard and W&B dashboards built for torchtitan runs read titanlite runs too.
+Users import the module, not the names: ``from titanlite.metrics import tags`` and
+``tags.LOSS``.
+"""
+
+LOSS = "loss_metrics/global_avg_loss"
+MAX_LOSS = "loss_metrics/global_max_loss"
+GRAD_NORM = "grad_norm"
+LR = "lr"
+TOKENS_SEEN = "ntokens_seen"
+TPS = "throughput(tps)"  # tokens per second per device
+TFLOPS = "tflops"  # achieved TFLOPs per device
+MFU = "mfu(%)"
+STEP_TIME = "time_metrics/end_to_end(s)"  # seconds per optimizer step
+DATA_TIME = "time_metrics/data_loading(s)"
+DATA_PCT = "time_metrics/data_loading(%)"
+MAX_ACTIVE_GIB = "memory/max_active(GiB)"
+MAX_ACTIVE_PCT = "memory/max_active(%)"
+MAX_RESERVED_GIB = "memory/max_reserved(GiB)"
+MAX_RESERVED_PCT = "memory/max_reserved(%)"
+NUM_ALLOC_RETRIES = "memory/num_alloc_retries"
+NUM_OOMS = "memory/num_ooms"
+RSS_GIB = "memory/rss(GiB)"  # CPU runs: the process's resident memory
+PEAK_RSS_GIB = "memory/peak_rss(GiB)"
+VAL_LOSS = "validation_metrics/loss"
+VAL_PERPLEXITY = "validation_metrics/perplexity"
+
+ALL_TAGS = (
+    LOSS,
+    MAX_LOSS,
+    GRAD_NORM,
+    LR,
+    TOKENS_SEEN,
+    TPS,
+    TFLOPS,
+    MFU,
+    STEP_TIME,
+    DATA_TIME,
+    DATA_PCT,
+    MAX_ACTIVE_GIB,
+    MAX_ACTIVE_PCT,
+    MAX_RESERVED_GIB,
+    MAX_RESERVED_PCT,
+    NUM_ALLOC_RETRIES,
+    NUM_OOMS,
+    RSS_GIB,
+    PEAK_RSS_GIB,
+    VAL_LOSS,
+    VAL_PERPLEXITY,
+)

@@ -7,6 +7,7 @@ argument lists of many modules are built from them at import time. tests/conftes
 the expensive ones into shared fixtures.
 """
 
+import dataclasses
 import socket
 from pathlib import Path
 from typing import NamedTuple
@@ -32,6 +33,14 @@ TINY_RUN = {
     "activation_checkpoint.mode": "none",
     "metrics.log_freq": 1,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class NoArgs:
+    """The hyper-parameters of a test's plain model (a Linear): none to record."""
+
+    def architecture(self) -> dict:
+        return {}
 
 
 def tiny_args(overrides: dict[str, object] | None = None) -> list[str]:

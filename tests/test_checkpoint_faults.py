@@ -15,7 +15,6 @@ Most tests drive a CheckpointManager over a small Linear model in this process; 
 ones run the trainer's main() on the tiny model.
 """
 
-import dataclasses
 import errno
 import json
 import logging
@@ -32,17 +31,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.stateful import Stateful
 
 import titanlite.checkpoint.manager as manager_module
-from tests.helpers import tiny_args
+from tests.helpers import NoArgs, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState, complete_steps
 from titanlite.config import Checkpoint
 
 SHARD = "__0_0.distcp"
-
-
-@dataclasses.dataclass(frozen=True)
-class NoArgs:
-    """The hyper-parameters of the test's Linear model: none to record."""
 
 
 class _TrainState(Stateful):

@@ -7,7 +7,6 @@ The in-process runs use the tiny flavor through ``run_on_ranks``, and the purge 
 leftover rules drive a CheckpointManager directly on a small Linear model.
 """
 
-import dataclasses
 import os
 import re
 import signal
@@ -25,18 +24,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tests.helpers import full_weights, tiny_args
+from tests.helpers import NoArgs, full_weights, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
 from titanlite.config import Checkpoint, parse_args
 from titanlite.train import SYNC_EVERY, Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-@dataclasses.dataclass(frozen=True)
-class NoArgs:
-    """The hyper-parameters of the test's Linear model: none to record."""
 
 
 DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")

@@ -43,7 +43,8 @@ class ModelDescription:
         name. ValueError naming `where` when the args are not that dataclass's."""
         args_cls = args_cls or get_model_spec(state["name"]).args_cls
         try:
-            args = _dataclass_from_dict(args_cls, state["args"])
+            # DCP stores no key for an empty dict: a model without hyper-parameters has no "args".
+            args = _dataclass_from_dict(args_cls, state.get("args", {}))
         except TypeError as error:
             raise ValueError(f"{where}: model_args do not describe a Llama model ({error})") from None
         return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"))

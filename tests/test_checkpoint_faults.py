@@ -389,7 +389,7 @@ def test_a_failed_save_on_a_stop_signal_fails_the_run_even_with_continue_on_save
     ordinary step. Either way the save fails, and so does the run."""
     from titanlite.train import Trainer
 
-    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 2)
+    monkeypatch.setattr(Trainer, "stop_requested", lambda trainer: trainer.step == 2)
     _fail_saves_of(monkeypatch, 2)
     assert (
         trainer_main(
@@ -435,9 +435,9 @@ def test_a_stop_waits_for_a_save_still_being_written_and_the_resume_is_exact(
 
     from titanlite.train import Trainer
 
-    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 3)
+    monkeypatch.setattr(Trainer, "stop_requested", lambda trainer: trainer.step == 3)
     real_write_item, real_save_at_stop = dcp_filesystem._write_item, CheckpointManager.save_at_stop
-    real_on_any_rank = CheckpointManager._on_any_rank
+    real_on_any_rank = CheckpointManager.on_any_rank
     looked = threading.Event()
 
     def write_item(transforms, stream, *args, **kwargs):
@@ -456,7 +456,7 @@ def test_a_stop_waits_for_a_save_still_being_written_and_the_resume_is_exact(
         real_save_at_stop(manager, step)
 
     monkeypatch.setattr(dcp_filesystem, "_write_item", write_item)
-    monkeypatch.setattr(CheckpointManager, "_on_any_rank", on_any_rank)
+    monkeypatch.setattr(CheckpointManager, "on_any_rank", on_any_rank)
     monkeypatch.setattr(CheckpointManager, "save_at_stop", save_at_stop)
     run, reference = tmp_path / "run", tmp_path / "reference"
     assert trainer_main(run, "--training.steps", "4", "--checkpoint.async_mode", "async") == 0
@@ -492,7 +492,7 @@ def test_a_failed_save_in_flight_at_a_stop_is_replaced_by_a_save_of_the_stop_ste
     run ends with status 0, with its final state on disk."""
     from titanlite.train import Trainer
 
-    monkeypatch.setattr(Trainer, "_stop_requested", lambda trainer: trainer.step == 3)
+    monkeypatch.setattr(Trainer, "stop_requested", lambda trainer: trainer.step == 3)
     _fail_saves_of(monkeypatch, 2)
     assert trainer_main(tmp_path, "--training.steps", "6", "--checkpoint.async_mode", "async") == 0
     out = capsys.readouterr().out

@@ -537,7 +537,7 @@ def test_a_worker_that_dies_mid_prepare_ends_the_command_with_one_line(tmp_path,
     source = write_jsonl(tmp_path / "src" / "part.jsonl", make_documents(7, 50))
     out = tmp_path / "out"
     argv = ["--dataset_path", str(source), "--output", str(out), "--workers", "2"]
-    monkeypatch.setattr(prepare_module, "_encode_chunk", exit_abruptly)  # what each worker is asked to run
+    monkeypatch.setattr(prepare_module, "encode_chunk", exit_abruptly)  # what each worker is asked to run
     assert prepare_main(argv) == 1
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "a worker process died" in lines[0] and str(out) in lines[0], lines

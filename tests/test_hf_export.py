@@ -223,20 +223,20 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     assert not weights["layers.1.feed_forward.w2.weight"].is_contiguous()
     step = save_checkpoint(tmp_path / "step-1", weights, TINY)
     located = []
-    original_locate = CheckpointReader._locate
+    original_locate = CheckpointReader.locate
 
     def counting(self, key, entry):
         where = original_locate(self, key, entry)
         located.append((key, where is not None))
         return where
 
-    monkeypatch.setattr(CheckpointReader, "_locate", counting)
+    monkeypatch.setattr(CheckpointReader, "locate", counting)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
     fast_keys = {key for key, fast in located if fast}
     assert "layers.1.feed_forward.w2.weight" not in fast_keys and len(fast_keys) == len(weights) - 1
 
-    monkeypatch.setattr(CheckpointReader, "_locate", lambda self, key, entry: None)
+    monkeypatch.setattr(CheckpointReader, "locate", lambda self, key, entry: None)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"slow-{dtype}", dtype=dtype, max_shard_size="40KB")
         fast, slow = tmp_path / f"fast-{dtype}", tmp_path / f"slow-{dtype}"

@@ -210,7 +210,7 @@ class Trainer(Stateful):
         self.step, self.tokens_seen = state_dict["step"], state_dict["tokens_seen"]
         log_resharded_resume(self.step, self.plan.parallel_dims, state_dict)
 
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
         """Whether any rank got a stop signal; all ranks must agree to save together, so
         with several ranks they compare flags every SYNC_EVERY steps and at save points."""
         if not self.job_config.checkpoint.enable:
@@ -228,7 +228,7 @@ class Trainer(Stateful):
         except ValueError as error:
             raise DataError(str(error)) from error
 
-    def _read_unread_steps(self) -> None:
+    def read_unread_steps(self) -> None:
         """Act on the non-finite flags of the steps since the last read (see UnreadSteps.read)."""
         self.unread_steps.read(self.step)
 
@@ -284,7 +284,7 @@ class Trainer(Stateful):
         self.phase_memory.end_step(self.step)
         log_due = self.step == 1 or self.step % log_freq == 0 or self.step == training.steps
         if log_due or self.step % SYNC_EVERY == 0:
-            self._read_unread_steps()
+            self.read_unread_steps()
         if not log_due:
             return None
         # Reading the numbers waits for the device, so the window's time ends after it.
@@ -308,9 +308,9 @@ class Trainer(Stateful):
         training = self.job_config.training
         last = self.step == training.steps
         saved = self.checkpointer.should_save(self.step, training.steps)
-        stop = not last and self._stop_requested()
+        stop = not last and self.stop_requested()
         if saved or stop:
-            self._read_unread_steps()  # a step that should have stopped the run is never saved
+            self.read_unread_steps()  # a step that should have stopped the run is never saved
         if saved and not stop:  # a stop saves its own way: no interval save to wait for
             model_only = last and self.job_config.checkpoint.last_save_model_only
             self.checkpointer.save(self.step, model_only=model_only, sync=last)

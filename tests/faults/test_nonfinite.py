@@ -70,7 +70,7 @@ def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, 
         )
     )
     trainer.train_step()  # step 1 is a log step: let it read, then watch the quiet ones
-    trainer._read_unread_steps()
+    trainer.read_unread_steps()
     poison_step(trainer, 2)
     poison_step(trainer, 3)
     host_reads = []

@@ -189,7 +189,7 @@ class CheckpointManager:
         save of this step (a stop signal also reaches the writer processes of
         async_with_pinned_mem, which then die with the save they were writing)."""
         in_flight = self._in_flight
-        if in_flight is not None and self._in_flight_step != step and self._on_any_rank(not in_flight.done()):
+        if in_flight is not None and self._in_flight_step != step and self.on_any_rank(not in_flight.done()):
             last = self._in_flight_step
             logger.warning(
                 "stop signal received at step %d: the save of step %d, still being written, is the last "
@@ -214,7 +214,7 @@ class CheckpointManager:
             logger.warning("%s; saving step %d for the stop instead", failure, step)
         self.save(step, sync=True)
 
-    def _on_any_rank(self, flag: bool) -> bool:
+    def on_any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank. Over the default group: a save in flight may be
         using the checkpoint group from its background thread."""
         if self.process_group is None:

@@ -115,7 +115,7 @@ class CheckpointReader:
             self._files[relative_path] = os.open(self._step_dir / relative_path, os.O_RDONLY)
         return self._files[relative_path]
 
-    def _locate(self, key: str, entry: TensorStorageMetadata) -> tuple[int, int] | None:
+    def locate(self, key: str, entry: TensorStorageMetadata) -> tuple[int, int] | None:
         """(file descriptor, offset) of the saved tensor's row-major bytes, or None if
         its form is not the plain one described in the class docstring."""
         if len(entry.chunks) != 1 or any(entry.chunks[0].offsets) or entry.chunks[0].sizes != entry.size:
@@ -178,7 +178,7 @@ class CheckpointReader:
         are valid until the next call (they may share the reused buffer)."""
         located, rest = {}, []
         for key, entry in items:
-            where = self._locate(key, entry)
+            where = self.locate(key, entry)
             if where is None:
                 rest.append((key, entry))
             else:

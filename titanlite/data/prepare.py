@@ -66,7 +66,7 @@ def _start_worker(hf_assets_path: str | None, typecode: str) -> None:
     _worker_typecode = typecode
 
 
-def _encode_chunk(texts: list[str]) -> tuple[bytes, list[int]]:
+def encode_chunk(texts: list[str]) -> tuple[bytes, list[int]]:
     """In a worker: ``frame_documents`` with the worker's tokenizer."""
     return frame_documents(_worker_tokenizer, _worker_typecode, texts)
 
@@ -206,7 +206,7 @@ def _encoded_chunks(documents, tokenizer, typecode: str, hf_assets_path: str | N
     with concurrent.futures.ProcessPoolExecutor(workers, context, _start_worker, (hf_assets_path, typecode)) as pool:
         in_flight: collections.deque = collections.deque()  # (characters, future), in order
         for chunk, characters in _chunks(documents):
-            in_flight.append((characters, pool.submit(_encode_chunk, chunk)))
+            in_flight.append((characters, pool.submit(encode_chunk, chunk)))
             if len(in_flight) >= workers * _TASKS_PER_WORKER:
                 characters, future = in_flight.popleft()
                 yield (characters, *future.result())

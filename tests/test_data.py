@@ -1,4 +1,4 @@
-"""Tests for the data room: tokenizers, document sources, packing, data-parallel splits and resume."""
+"""Tests for the data package: tokenizers, document sources, packing, data-parallel splits and resume."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The step-time model (titanlite.estimate.step_time) and the hardware table
-(titanlite.estimate.hardware): the seed's roofline threshold C / W, FSDP vs HSDP traffic
+(titanlite.estimate.hardware): the roofline threshold C / W (compute over communication bandwidth), FSDP vs HSDP traffic
 worked out by hand, the link each group uses, the verdict, and the error messages."""
 
 import dataclasses
@@ -33,7 +33,7 @@ def estimate(**kwargs):
     return estimate_step_time(options.pop("model_args", LLAMA2_7B), **options)
 
 
-# --- the seed's threshold C / W ----------------------------------------------------------------
+# --- the roofline threshold C / W ----------------------------------------------------------------
 
 
 def test_threshold_reproduces_the_seeds_tpu_v2_number():
@@ -44,10 +44,10 @@ def test_threshold_reproduces_the_seeds_tpu_v2_number():
     assert round(threshold * 256, -3) == 46_000
 
 
-def test_threshold_reproduces_the_seeds_fsdp_2550():
-    # Seed: FSDP has "the same condition: B/X > C/W = 2550". The seed gives no chip for
-    # this one; 2550 is TPU v5p's (4.59e14 bf16 FLOP/s over 1.8e11 B/s of ICI) in How To
-    # Scale Your Model, which the seed's tutorial follows.
+def test_threshold_reproduces_the_published_fsdp_2550():
+    # The published roofline rule for FSDP: "the same condition: B/X > C/W = 2550", with no
+    # chip named; 2550 is TPU v5p's (4.59e14 bf16 FLOP/s over 1.8e11 B/s of ICI) in How To
+    # Scale Your Model, which that rule follows.
     assert threshold_tokens_per_device(4.59e14, 1.8e11) == pytest.approx(2550)
 
 
@@ -68,8 +68,8 @@ def test_h100_threshold_is_c_over_w_of_the_link_the_fsdp_group_uses():
     assert estimate(dp_shard=1).threshold_tokens_per_device is None
 
 
-def test_break_even_is_the_seeds_c_over_w_in_the_seeds_setting():
-    # The seed's setting: bf16 weights and gradients, every weight gathered in forward
+def test_break_even_is_c_over_w_in_the_rules_own_setting():
+    # The rule's own setting: bf16 weights and gradients, every weight gathered in forward
     # and backward and its gradient reduce-scattered (6 bytes per parameter, like the
     # all-reduce's 2 x 2 bytes plus forward's 2), no recomputation, full peak. Then
     # compute = F x t / C and comm = 6 N (n-1)/n / W, so t* = C/W x 6 N (n-1)/n / F.
@@ -96,7 +96,7 @@ def test_verdict_flips_when_tokens_per_device_cross_the_threshold():
     below = int(break_even // 1024)
     assert estimate(local_batch_size=below, **setting).verdict == "communication-bound"
     assert estimate(local_batch_size=below + 1, **setting).verdict == "compute-bound"
-    # Well either side of the seed's C / W the verdict agrees with the seed's rule.
+    # Well either side of C / W the verdict agrees with the roofline rule.
     c_over_w = 989e12 / 50e9
     assert estimate(local_batch_size=int(0.5 * c_over_w / 1024), **setting).verdict == "communication-bound"
     assert estimate(local_batch_size=int(2 * c_over_w / 1024), **setting).verdict == "compute-bound"

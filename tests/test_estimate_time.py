@@ -36,7 +36,7 @@ def estimate(**kwargs):
 # --- the roofline threshold C / W ----------------------------------------------------------------
 
 
-def test_threshold_reproduces_the_seeds_tpu_v2_number():
+def test_threshold_reproduces_the_published_tpu_v2_number():
     # Seed: C = 4.5e13 FLOP/s, W_ici = 2.48e11 B/s -> B/X > C/W ~ 181 tokens per chip,
     # and ~46K tokens for a 256-chip pod.
     threshold = threshold_tokens_per_device(4.5e13, 2.48e11)
@@ -51,7 +51,7 @@ def test_threshold_reproduces_the_published_fsdp_2550():
     assert threshold_tokens_per_device(4.59e14, 1.8e11) == pytest.approx(2550)
 
 
-def test_threshold_through_hardware_overrides_matches_the_seed():
+def test_threshold_through_hardware_overrides_matches_the_published_rule():
     tpu_like = get_hardware("h100", peak_flops=4.5e13, intra_node_bw=2.48e11)
     result = estimate(hardware=tpu_like, dp_shard=8)
     assert result.threshold_tokens_per_device == pytest.approx(4.5e13 / 2.48e11)
@@ -139,7 +139,7 @@ def test_hsdp_8x8_traffic_by_hand():
     assert result.comm_s < fsdp_64.comm_s / 4
 
 
-def test_seeds_three_intra_group_collectives_and_one_inter_group():
+def test_three_intra_group_collectives_and_one_inter_group():
     # Seed: "3 collectives x layers" inside the group, "1 all_reduce at the end" across
     # groups. With one dtype (bf16) each intra-group collective moves one model's worth.
     result = estimate(dp_replicate=8, dp_shard=8, reduce_dtype="bfloat16", reshard_after_forward="always")

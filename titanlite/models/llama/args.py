@@ -69,30 +69,20 @@ LLAMA2_FLAVORS = {
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096),
 }
 
-_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, multiple_of=1024)
+# What the published Llama 3 sizes share: the 128K vocabulary, RoPE base 500000 and 8 key/value
+# heads; the two large ones round the FFN size to a multiple of 4096.
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, n_kv_heads=8, multiple_of=1024)
+_LLAMA3_LARGE = {**_LLAMA3, "multiple_of": 4096}
 
 LLAMA3_FLAVORS = {
     # torchtitan's llama3 debugmodel embeds 2048 ids so that its test tokenizer (2,000 ids)
     # fits; the same here, so its debug config and assets carry over. The byte tokenizer
     # uses the first 258 rows.
     "debugmodel": replace(_DEBUG, n_kv_heads=4, rope_theta=500000.0, vocab_size=2048),
-    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, **_LLAMA3),
-    "70B": LlamaArgs(
-        dim=8192,
-        n_layers=80,
-        n_heads=64,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.3,
-        **{**_LLAMA3, "multiple_of": 4096},
-    ),
+    "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, **_LLAMA3),
+    "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, **_LLAMA3_LARGE),
     "405B": LlamaArgs(
-        dim=16384,
-        n_layers=126,
-        n_heads=128,
-        n_kv_heads=8,
-        ffn_dim_multiplier=1.2,
-        rope_scaling=RopeScaling(),
-        **{**_LLAMA3, "multiple_of": 4096},
+        dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, rope_scaling=RopeScaling(), **_LLAMA3_LARGE
     ),
     # The test suite's model, small enough for dozens of runs on a shared CPU: 3 blocks (so
     # "every 2nd block" activation checkpointing and the last-block reshard rule both show),

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from titanlite.config import parse_args
@@ -41,6 +42,19 @@ class NoArgs:
 
     def architecture(self) -> dict:
         return {}
+
+
+class StepCounter(Stateful):
+    """A test's stand-in for the trainer's train_state: the step alone."""
+
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.step = state_dict["step"]
 
 
 def tiny_args(overrides: dict[str, object] | None = None) -> list[str]:

@@ -28,10 +28,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.stateful import Stateful
 
 import titanlite.checkpoint.manager as manager_module
-from tests.helpers import NoArgs, tiny_args
+from tests.helpers import NoArgs, StepCounter, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState, complete_steps
 from titanlite.config import Checkpoint
@@ -39,23 +38,12 @@ from titanlite.config import Checkpoint
 SHARD = "__0_0.distcp"
 
 
-class _TrainState(Stateful):
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.step = state_dict["step"]
-
-
 class Run:
     """A Linear "model" and a step counter under a CheckpointManager, as a trainer has them."""
 
     def __init__(self, dump: Path, **options):
         torch.manual_seed(0)
-        self.model, self.train_state = torch.nn.Linear(8, 8), _TrainState()
+        self.model, self.train_state = torch.nn.Linear(8, 8), StepCounter()
         states = {
             "model": ModelState(self.model, ModelDescription("linear", "8x8", NoArgs())),
             "train_state": self.train_state,

@@ -22,9 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.stateful import Stateful
 
-from tests.helpers import NoArgs, full_weights, tiny_args
+from tests.helpers import NoArgs, StepCounter, full_weights, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
 from titanlite.config import Checkpoint, parse_args
@@ -120,20 +119,9 @@ def _train_on_ranks(args: list[str]) -> dict:
     return result
 
 
-class _TrainState(Stateful):
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.step = state_dict["step"]
-
-
-def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear, _TrainState]:
+def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
     """A manager over a small Linear "model" and a step counter, as a trainer would build it."""
-    model, train_state = torch.nn.Linear(4, 3), _TrainState()
+    model, train_state = torch.nn.Linear(4, 3), StepCounter()
     manager = CheckpointManager(
         {"model": ModelState(model, ModelDescription("linear", "4x3", NoArgs())), "train_state": train_state},
         Checkpoint(enable=True, **options),

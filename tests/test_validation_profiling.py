@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -22,6 +23,7 @@ from titanlite.data.sources import python_stdlib_documents, stdlib_split_files
 from titanlite.loss import cross_entropy_sum
 from titanlite.profiling import Profiler, profiler_context
 from titanlite.train import Trainer
+from titanlite.trainer_setup import build_run_validator
 from titanlite.validation import Validator, build_validation_documents, build_validator, count_windows
 
 SEQ_LEN = 32
@@ -60,18 +62,16 @@ def make_trainer(dump_folder: str, extra_args: list[str] = ()) -> Trainer:
 
 
 def trainer_validator(trainer: Trainer, validation: Validation) -> Validator:
-    """The validator the way the trainer is expected to build it."""
-    training = trainer.job_config.training
-    return build_validator(
-        validation,
-        tokenizer=trainer.tokenizer,
-        training_seq_len=training.seq_len,
-        training_local_batch_size=training.local_batch_size,
-        loss_fn=trainer.loss_fn,
-        compute_context=trainer.compute_context,
-        device=trainer.device,
-        dp_rank=trainer.rank,
-        dp_degree=trainer.plan.parallel_dims.dp_degree,
+    """The validator the trainer builds for `validation` (turned on)."""
+    job_config = dataclasses.replace(trainer.job_config, validation=dataclasses.replace(validation, enable=True))
+    return build_run_validator(
+        job_config,
+        trainer.plan,
+        trainer.tokenizer,
+        trainer.loss_fn,
+        trainer.compute_context,
+        trainer.rank,
+        trainer.device,
     )
 
 

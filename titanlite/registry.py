@@ -9,7 +9,6 @@ model to its parallelize function and models must not import parallel code.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from titanlite.config import ConfigError
@@ -22,15 +21,8 @@ from titanlite.models.llama import (
     Transformer,
     hf_config_to_args,
     hf_model_name,
-    rope_tables,
 )
 from titanlite.parallel import parallelize_decoder
-
-
-def _set_llama_buffers(model: nn.Module, device: torch.device) -> None:
-    # The RoPE tables: derived from the args, never saved. Kept in float32 whatever the
-    # weights' dtype, as init_weights does.
-    model.rope_cos, model.rope_sin = rope_tables(model.args, device=device)
 
 
 @dataclass(frozen=True)
@@ -40,14 +32,12 @@ class ModelSpec:
     flavors: dict
     parallelize_fn: Callable
     state_dict_adapter: type
-    args_cls: type = LlamaArgs
-    # Fills a loaded model's non-persistent buffers (model, device): checkpoints do not hold them.
-    set_buffers: Callable[[nn.Module, torch.device], None] = _set_llama_buffers
+    args_cls: type
 
 
 MODELS = {
-    "llama2": ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, LlamaStateDictAdapter),
-    "llama3": ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, LlamaStateDictAdapter),
+    "llama2": ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs),
+    "llama3": ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs),
 }
 
 

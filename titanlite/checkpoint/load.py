@@ -37,7 +37,7 @@ def _build(description: ModelDescription, device: torch.device, dtype: torch.dty
 
 def _finish(model: nn.Module, description: ModelDescription, device: torch.device) -> nn.Module:
     """Fill the non-persistent buffers (never saved: derived from the args) and switch to eval."""
-    get_model_spec(description.name).set_buffers(model, device)
+    model.init_buffers(device)
     return model.eval()
 
 

@@ -1,6 +1,6 @@
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS, LlamaArgs, RopeScaling
 from titanlite.models.llama.hf_config import args_to_hf_config, hf_config_to_args, hf_model_name
-from titanlite.models.llama.model import Transformer, rope_tables
+from titanlite.models.llama.model import Transformer
 from titanlite.models.llama.state_dict_adapter import LlamaStateDictAdapter
 
 __all__ = [
@@ -13,5 +13,4 @@ __all__ = [
     "args_to_hf_config",
     "hf_config_to_args",
     "hf_model_name",
-    "rope_tables",
 ]

@@ -195,6 +195,11 @@ class Transformer(nn.Module):
             h = block(h, self.rope_cos, self.rope_sin)
         return self.output(self.norm(h))
 
+    def init_buffers(self, device: torch.device) -> None:
+        """The RoPE tables: derived from the args and never saved, so a model whose weights
+        were loaded needs them made too. Kept in float32 whatever the weights' dtype."""
+        self.rope_cos, self.rope_sin = rope_tables(self.args, device=device)
+
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and buffer. The values depend only on `seed` and the
@@ -202,7 +207,7 @@ class Transformer(nn.Module):
         in this fixed order, and every rank keeps its own part of it."""
         device = buffer_device or self.norm.weight.device
         generator = torch.Generator(device=device).manual_seed(seed)
-        self.rope_cos, self.rope_sin = rope_tables(self.args, device=device)
+        self.init_buffers(device)
         fill_normal_(self.tok_embeddings.weight, std=1.0, generator=generator)
         for block in self.layers.values():
             block.init_weights(generator)

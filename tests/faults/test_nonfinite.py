@@ -9,7 +9,10 @@ from titanlite.config import parse_args
 from titanlite.errors import NonFiniteError
 from titanlite.train import Trainer
 
-ARGS = tiny_args({"training.steps": 5})
+
+def make_trainer(dump, overrides: dict | None = None) -> Trainer:
+    """The tiny model for 5 steps (unless `overrides` says otherwise), writing into `dump`."""
+    return Trainer(parse_args(tiny_args({"training.steps": 5, "job.dump_folder": str(dump), **(overrides or {})})))
 
 
 def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> None:
@@ -23,20 +26,8 @@ def poison_step(trainer: Trainer, step: int, value: float = float("nan")) -> Non
 
 @pytest.mark.parametrize("implementation", ["fused", "foreach"])
 def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path, implementation):
-    trainer = Trainer(
-        parse_args(
-            ARGS
-            + [
-                "--job.dump_folder",
-                str(tmp_path),
-                "--checkpoint.enable",
-                "--checkpoint.interval",
-                "1",
-                "--optimizer.implementation",
-                implementation,
-            ]
-        )
-    )
+    overrides = {"checkpoint.enable": True, "checkpoint.interval": 1, "optimizer.implementation": implementation}
+    trainer = make_trainer(tmp_path, overrides)
     poison_step(trainer, 3)
     with pytest.raises(
         NonFiniteError,
@@ -51,24 +42,9 @@ def test_a_nan_stops_training_before_it_is_applied_or_saved(tmp_path, implementa
 def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, monkeypatch):
     # The host reads the flags only at log steps, save points and every SYNC_EVERY steps;
     # the steps in between never wait for the device, yet none applies a NaN or is saved.
-    trainer = Trainer(
-        parse_args(
-            ARGS
-            + [
-                "--job.dump_folder",
-                str(tmp_path),
-                "--training.steps",
-                "12",
-                "--metrics.log_freq",
-                "100",
-                "--checkpoint.enable",
-                "--checkpoint.interval",
-                "5",
-                "--training.skip_nonfinite_steps",
-                "1",
-            ]
-        )
-    )
+    overrides = {"training.steps": 12, "metrics.log_freq": 100, "checkpoint.enable": True}
+    overrides |= {"checkpoint.interval": 5, "training.skip_nonfinite_steps": 1}
+    trainer = make_trainer(tmp_path, overrides)
     trainer.train_step()  # step 1 is a log step: let it read, then watch the quiet ones
     trainer.read_unread_steps()
     poison_step(trainer, 2)
@@ -96,27 +72,14 @@ def test_between_reads_the_device_skips_and_the_next_save_point_stops(tmp_path, 
 
 
 def test_an_inf_is_named_too(tmp_path):
-    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path)]))
+    trainer = make_trainer(tmp_path)
     poison_step(trainer, 1, float("inf"))
     with pytest.raises(NonFiniteError, match=r"^step 1: gradient norm (inf|nan)"):
         trainer.train()
 
 
 def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
-    trainer = Trainer(
-        parse_args(
-            ARGS
-            + [
-                "--job.dump_folder",
-                str(tmp_path),
-                "--training.skip_nonfinite_steps",
-                "1",
-                "--ema.enable",
-                "--ema.decay",
-                "0.5",
-            ]
-        )
-    )
+    trainer = make_trainer(tmp_path, {"training.skip_nonfinite_steps": 1, "ema.enable": True, "ema.decay": 0.5})
     poison_step(trainer, 3)
     poison_step(trainer, 5)
     trainer.train_step()
@@ -139,7 +102,7 @@ def test_skipping_leaves_the_weights_and_optimizer_alone_then_goes_on(tmp_path):
 
 
 def test_too_many_skips_in_a_row_stop(tmp_path):
-    trainer = Trainer(parse_args(ARGS + ["--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps", "1"]))
+    trainer = make_trainer(tmp_path, {"training.skip_nonfinite_steps": 1})
     poison_step(trainer, 2)
     poison_step(trainer, 3)
     with pytest.raises(NonFiniteError, match=r"^step 3: "):

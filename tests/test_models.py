@@ -10,8 +10,8 @@ import torch
 from titanlite.config import ConfigError, parse_args
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
+from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
-from titanlite.train import plan_run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((REPO_ROOT / "train_configs").glob("*.toml"))

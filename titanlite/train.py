@@ -23,7 +23,6 @@ from titanlite.checkpoint.description import ModelDescription
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
 from titanlite.data import tokenizer_file
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line
-from titanlite.estimate import check_memory_floor
 from titanlite.loss import cross_entropy_sum, global_loss
 from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
@@ -37,9 +36,8 @@ from titanlite.parallel import (
     exit_process,
     is_collective_failure,
     use_collective_timeout,
-    world_size_from_env,
 )
-from titanlite.plan import build_model, load_tokenizer_and_data, plan_run
+from titanlite.plan import build_model
 from titanlite.profiling import profiler_context
 from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
@@ -47,7 +45,8 @@ from titanlite.trainer_setup import (
     build_loader,
     build_metrics,
     build_run_validator,
-    check_config,
+    check_run,
+    config_ok_line,
     log_built_model,
     log_resharded_resume,
     log_run_summary,
@@ -67,10 +66,8 @@ class Trainer(Stateful):
         training = job_config.training
 
         # 1. Decide and validate everything before creating a process group or tensor.
-        self.plan = plan_run(job_config, world_size_from_env())
-        check_memory_floor(job_config, self.plan)
+        self.plan, self.tokenizer, windows = check_run(job_config)
         model_spec = get_model_spec(job_config.model.name)
-        self.tokenizer, windows = load_tokenizer_and_data(job_config, self.plan.model_args.vocab_size)
 
         # 2. Devices and processes.
         self.device, self.rank, mesh, self.flight_recorder_dump = start_processes(job_config, self.plan)
@@ -356,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"titanlite: config error: {error}", 2, rank0)
     try:
         if job_config.job.validate_only:
-            print(check_config(job_config))
+            print(config_ok_line(check_run(job_config)[0]))
             return 0
         trainer = Trainer(job_config)
     except (ConfigError, CheckpointError) as error:

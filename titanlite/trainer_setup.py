@@ -1,8 +1,8 @@
 """The parts of a run the Trainer builds from the config beside the model and optimizer:
 this rank's processes, the data loader, the metrics, the held-out validator, a seed from
 Hugging Face weights, and what start-up logs about them. Each is a plain function of what
-it needs, so the Trainer's constructor reads as a list; ``check_config`` is the same
-start-up's checks alone (job.validate_only)."""
+it needs, so the Trainer's constructor reads as a list; ``check_run`` is the start-up's
+checks, which job.validate_only runs alone."""
 
 import dataclasses
 import logging
@@ -35,12 +35,18 @@ from titanlite.validation import Validator, build_validator
 logger = logging.getLogger("titanlite")
 
 
-def check_config(job_config: JobConfig) -> str:
-    """Every check the trainer makes before it starts (layout, memory floor, tokenizer, data),
-    and nothing else; the one line that says the plan. A problem is a ConfigError."""
+def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
+    """(plan, tokenizer, training windows): every check made before a process group or tensor
+    exists (layout, memory floor, tokenizer, data). A problem is a ConfigError. The trainer
+    starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
     check_memory_floor(job_config, plan)
-    load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
+    tokenizer, windows = load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
+    return plan, tokenizer, windows
+
+
+def config_ok_line(plan: RunPlan) -> str:
+    """What job.validate_only prints when every check passed."""
     return (
         f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
         f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"

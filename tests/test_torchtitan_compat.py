@@ -166,7 +166,7 @@ def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
 
 
 def test_command_line_torchtitan_options():
-    config, warnings = parse_args_with_warnings(["--job.print_args", "--parallelism.tensor_parallel_degree=1"])
+    config, warnings = parse_args_with_warnings(["--job.print_args", "--parallelism.context_parallel_degree=1"])
     assert len(warnings) == 2 and "--job.print_args = true" in warnings[0]
     with pytest.raises(ConfigError, match=r"parallelism\.pipeline_parallel_degree = 2 on the command line"):
         parse_args(["--parallelism.pipeline_parallel_degree", "2"])
@@ -388,7 +388,6 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
         "print_args",
         "use_for_integration_test",
         "converters",
-        "tensor_parallel_degree",
         "context_parallel_degree",
         "pipeline_parallel_degree",
         "pipeline_parallel_schedule",
@@ -418,7 +417,7 @@ def test_torchtitan_8b_is_accepted_by_the_estimator(tmp_path, capsys):
     assert estimate.main(["--job.config_file", str(path), "--world_size", "8", "--skip_memory"]) == 0
     captured = capsys.readouterr()
     assert "llama3 8B, seq_len 8192" in captured.out
-    assert captured.err.count("titanlite: warning: ") == 6, captured.err
+    assert captured.err.count("titanlite: warning: ") == 5, captured.err
 
 
 def test_the_slurm_example_parses():

@@ -69,8 +69,9 @@ def trainer_validator(trainer: Trainer, validation: Validation) -> Validator:
         trainer.plan,
         trainer.tokenizer,
         trainer.loss_fn,
+        trainer.loss_context,
         trainer.compute_context,
-        trainer.rank,
+        trainer.mesh,
         trainer.device,
     )
 

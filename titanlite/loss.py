@@ -12,13 +12,15 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
 
 
-def global_loss(loss_share: torch.Tensor) -> tuple[float, float]:
-    """The loss over the global batch, and the largest of the ranks' own mean losses, from
-    this rank's share of the global mean (a collective on every rank). Every rank holds the
-    same number of tokens, so a rank's mean is its share times the number of ranks."""
+def global_loss(loss_share: torch.Tensor, ranks_per_dp_rank: int = 1) -> tuple[float, float]:
+    """The loss over the global batch, and the largest of the data-parallel ranks' own mean
+    losses, from this rank's share of the global mean (a collective on every rank). Every
+    data-parallel rank holds the same number of tokens, so its mean is its share times their
+    number. The ``ranks_per_dp_rank`` tensor-parallel ranks of one data-parallel rank hold the
+    same share and are adjacent in rank order (the mesh's last dimension): one of each counts."""
     if not dist.is_initialized():
         return loss_share.item(), loss_share.item()
     shares = [torch.zeros_like(loss_share) for _ in range(dist.get_world_size())]
     dist.all_gather(shares, loss_share)
-    shares = torch.stack(shares)
+    shares = torch.stack(shares)[::ranks_per_dp_rank]
     return shares.sum().item(), (shares.max() * len(shares)).item()

@@ -33,18 +33,43 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
     model_args = get_model_args(job_config.model.name, job_config.model.flavor).with_seq_len(training.seq_len)
     try:
         parallel_dims = ParallelDims.resolve(
-            parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+            parallelism.data_parallel_replicate_degree,
+            parallelism.data_parallel_shard_degree,
+            world_size,
+            tp=parallelism.tensor_parallel_degree,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if training.enable_cpu_offload and parallel_dims.world_size == 1:
-        raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one rank")
+    check_tensor_parallel(job_config, model_args, parallel_dims.tp)
+    if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
+        raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one data-parallel rank")
 
     try:
         global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunPlan(parallel_dims, model_args, global_batch, accumulation)
+
+
+def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
+    """The TP degree against the model's shapes, and async TP against what it needs."""
+    problem = get_model_spec(job_config.model.name).tensor_parallel_problem(model_args, tp)
+    if problem is not None:
+        raise ConfigError(f"{problem} ({job_config.model.name} {job_config.model.flavor})")
+    if not job_config.parallelism.enable_async_tensor_parallel:
+        return
+    compiled = job_config.compile.enable and "model" in job_config.compile.components
+    missing = [
+        what
+        for what, present in (
+            ("parallelism.tensor_parallel_degree > 1", tp > 1),
+            ("compile.enable with 'model' in compile.components", compiled),
+            ("CUDA GPUs", torch.cuda.is_available()),
+        )
+        if not present
+    ]
+    if missing:
+        raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
 
 
 def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):

@@ -22,7 +22,7 @@ from titanlite.models.llama import (
     hf_config_to_args,
     hf_model_name,
 )
-from titanlite.parallel import parallelize_decoder
+from titanlite.parallel import parallelize_decoder, tensor_parallel_problem
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,14 @@ class ModelSpec:
     parallelize_fn: Callable
     state_dict_adapter: type
     args_cls: type
+    tensor_parallel_problem: Callable  # (args, tp degree) -> why the TP plan cannot split them, or None
 
 
 MODELS = {
-    "llama2": ModelSpec("llama2", Transformer, LLAMA2_FLAVORS, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs),
-    "llama3": ModelSpec("llama3", Transformer, LLAMA3_FLAVORS, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs),
+    name: ModelSpec(
+        name, Transformer, flavors, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs, tensor_parallel_problem
+    )
+    for name, flavors in (("llama2", LLAMA2_FLAVORS), ("llama3", LLAMA3_FLAVORS))
 }
 
 

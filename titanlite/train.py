@@ -13,10 +13,12 @@ import os
 import sys
 import time
 import traceback
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
@@ -35,6 +37,7 @@ from titanlite.parallel import (
     destroy_distributed,
     exit_process,
     is_collective_failure,
+    loss_context,
     use_collective_timeout,
 )
 from titanlite.plan import build_model
@@ -73,8 +76,9 @@ class Trainer(Stateful):
         self.device, self.rank, mesh, self.flight_recorder_dump = start_processes(job_config, self.plan)
         parallel_dims, self.mesh = self.plan.parallel_dims, mesh
 
-        # 3. Data: every rank reads a disjoint part of each global batch.
-        self.loader = build_loader(job_config, self.plan, windows, self.rank, self.device)
+        # 3. Data: every data-parallel rank reads a disjoint part of each global batch (the
+        # tensor-parallel ranks of one group read the same part).
+        self.loader = build_loader(job_config, self.plan, windows, mesh, self.rank, self.device)
 
         # 4. Model: built on meta, parallelised, then materialised shard by shard.
         model = build_model(
@@ -82,6 +86,8 @@ class Trainer(Stateful):
         )
         self.model = model
         self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
+        # Entered anew for each micro-batch's loss and its backward (loss parallel under TP).
+        self.loss_context = partial(loss_context, parallel_dims, job_config)
         self.loss_fn = cross_entropy_sum
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
@@ -125,7 +131,14 @@ class Trainer(Stateful):
         # 7. Metrics and held-out loss.
         self.metrics = build_metrics(job_config, self.plan, self.rank, self.device)
         self.validator = build_run_validator(
-            job_config, self.plan, self.tokenizer, self.loss_fn, self.compute_context, self.rank, self.device
+            job_config,
+            self.plan,
+            self.tokenizer,
+            self.loss_fn,
+            self.loss_context,
+            self.compute_context,
+            mesh,
+            self.device,
         )
         log_run_summary(job_config, self.plan, model, self.device)
 
@@ -156,14 +169,16 @@ class Trainer(Stateful):
             with self.metrics.data_loading():
                 # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())
-            with self.compute_context:
-                logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels) / global_tokens
-            del logits  # the [batch, seq, vocab] logits are the largest activation
-            self.phase_memory.mark("forward")
-            loss.backward()
+            with self.loss_context():
+                with self.compute_context:
+                    logits = self.model(inputs)
+                    loss = self.loss_fn(logits, labels) / global_tokens
+                del logits  # the [batch, seq, vocab] logits are the largest activation
+                self.phase_memory.mark("forward")
+                loss.backward()
             self.phase_memory.mark("backward")
-            loss_share += loss.detach()
+            # Under loss parallel the loss is a DTensor every TP rank holds whole.
+            loss_share += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
         # A NaN/inf anywhere reaches the global norm, which every rank holds alike after its
@@ -201,6 +216,7 @@ class Trainer(Stateful):
             "world_size": dims.world_size,
             "dp_replicate": dims.dp_replicate,
             "dp_shard": dims.dp_shard,
+            "tp": dims.tp,
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -231,7 +247,7 @@ class Trainer(Stateful):
 
     def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
         """The loss over the global batch, and the largest of the ranks' own mean losses."""
-        return global_loss(loss_share)
+        return global_loss(loss_share, ranks_per_dp_rank=self.plan.parallel_dims.tp)
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -272,7 +288,9 @@ class Trainer(Stateful):
         training = self.job_config.training
         lr = self.lr_scheduler.get_last_lr()[0]
         loss_share, grad_norm = self.train_step()
-        self.metrics.step_done(training.local_batch_size * training.seq_len * self.plan.grad_accum_steps)
+        # Per device: the tp ranks of a group share their data-parallel rank's tokens (and FLOPs).
+        device_tokens = training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
+        self.metrics.step_done(device_tokens / self.plan.parallel_dims.tp)
         if self.step % training.gc_freq == 0:
             gc.collect(1)
         if self.dtype_probe is not None:

@@ -10,6 +10,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import seed_from_hf
@@ -76,11 +77,11 @@ def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device,
     return device, rank, mesh, flight_recorder_dump
 
 
-def build_loader(job_config: JobConfig, plan: RunPlan, windows, rank: int, device: torch.device) -> DataLoader:
-    """The loader over ``windows``, once the ranks agree the prepared files are intact. Data
-    parallelism is the only dimension, so the data-parallel rank is the global rank."""
+def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int, device: torch.device) -> DataLoader:
+    """The loader over ``windows``, once the ranks agree the prepared files are intact. It
+    reads the part of each batch of this rank's data-parallel index, its place in the mesh."""
     data, dims = job_config.data, plan.parallel_dims
-    if data.verify_checksums:
+    if data.verify_checksums:  # split over all ranks: each checks its own share of the files
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         error = first_error_on_any_rank(verify_share(windows, rank, world_size))
         if error is not None:
@@ -91,7 +92,7 @@ def build_loader(job_config: JobConfig, plan: RunPlan, windows, rank: int, devic
     return DataLoader(
         windows,
         job_config.training.local_batch_size,
-        dp_rank=rank,
+        dp_rank=dims.dp_rank(mesh),
         dp_degree=dims.dp_degree,
         prefetch=data.prefetch,
         pin_memory=device.type == "cuda",
@@ -108,6 +109,7 @@ def log_built_model(
     settings = {
         "strategy": dims.strategy,
         "mesh": mesh if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True)),
+        "tensor_parallel": dims.tp,
         "reshard_after_forward": job_config.parallelism.fsdp_reshard_after_forward,
         "param_dtype": training.mixed_precision_param,
         "reduce_dtype": training.mixed_precision_reduce,
@@ -115,8 +117,12 @@ def log_built_model(
         "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
         "compile": job_config.compile.components if job_config.compile.enable else "off",
     }
+    if dims.tp > 1:
+        settings["sequence_parallel"] = job_config.parallelism.enable_sequence_parallel
+        settings["loss_parallel"] = not job_config.parallelism.disable_loss_parallel
+        settings["async_tensor_parallel"] = job_config.parallelism.enable_async_tensor_parallel
     blocks = list(model.layers.values())
-    log_startup(model, settings, len(blocks), sharded=mesh is not None, rank=rank)
+    log_startup(model, settings, len(blocks), sharded=dims.fsdp_applied, rank=rank)
     dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
     return dtype_probe, PhaseMemory(MemoryMonitor(device))
 
@@ -137,23 +143,31 @@ def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch
 
 
 def build_run_validator(
-    job_config: JobConfig, plan: RunPlan, tokenizer, loss_fn, compute_context, rank: int, device: torch.device
+    job_config: JobConfig, plan: RunPlan, tokenizer, loss_fn, loss_context, compute_context, mesh, device: torch.device
 ) -> Validator | None:
-    """The held-out loss's validator, or None when validation is off; a bad setting is a ConfigError."""
+    """The held-out loss's validator, or None when validation is off; a bad setting is a ConfigError.
+    ``loss_context()`` is what the training loss runs under (loss parallel under TP)."""
     if not job_config.validation.enable:
         return None
-    training = job_config.training
+    training, dims = job_config.training, plan.parallel_dims
+
+    def summed_loss(logits, labels):
+        with loss_context():
+            loss = loss_fn(logits, labels)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
     try:
         return build_validator(
             job_config.validation,
             tokenizer=tokenizer,
             training_seq_len=training.seq_len,
             training_local_batch_size=training.local_batch_size,
-            loss_fn=loss_fn,
+            loss_fn=summed_loss,
             compute_context=compute_context,
             device=device,
-            dp_rank=rank,
-            dp_degree=plan.parallel_dims.dp_degree,
+            dp_rank=dims.dp_rank(mesh),
+            dp_degree=dims.dp_degree,
+            ranks_per_dp_rank=dims.tp,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -163,7 +177,7 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
     """The one start-up line that says what runs where: model, layout and batch."""
     dims, training = plan.parallel_dims, job_config.training
     logger.info(
-        "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d) on %s, "
+        "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d x tp %d) on %s, "
         "global batch %d = local %d x dp %d x accumulation %d",
         job_config.job.description,
         job_config.model.name,
@@ -173,6 +187,7 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
         dims.world_size,
         dims.dp_replicate,
         dims.dp_shard,
+        dims.tp,
         device.type,
         plan.global_batch_size,
         training.local_batch_size,
@@ -194,14 +209,16 @@ def seed_weights_from_hf(job_config: JobConfig, plan: RunPlan, model: nn.Module,
 
 def log_resharded_resume(step: int, dims: ParallelDims, train_state: dict) -> None:
     """Say so when the checkpoint being resumed was written by another layout."""
-    saved = (train_state["world_size"], train_state["dp_replicate"], train_state["dp_shard"])
-    if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard):
+    # Checkpoints written before tensor parallelism existed have no "tp": they had none.
+    saved = (train_state["world_size"], train_state["dp_replicate"], train_state["dp_shard"], train_state.get("tp", 1))
+    if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp):
         logger.info(
-            "resuming at step %d on %d rank(s) (replicate %d x shard %d) from a checkpoint written by "
-            "%d rank(s) (replicate %d x shard %d): model, optimizer and data position are resharded",
+            "resuming at step %d on %d rank(s) (replicate %d x shard %d x tp %d) from a checkpoint written by "
+            "%d rank(s) (replicate %d x shard %d x tp %d): model, optimizer and data position are resharded",
             step,
             dims.world_size,
             dims.dp_replicate,
             dims.dp_shard,
+            dims.tp,
             *saved,
         )

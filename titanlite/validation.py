@@ -83,6 +83,8 @@ class Validator:
         device: where inputs go; the model must already be there.
         dp_rank, dp_degree: this rank's place in the data-parallel group.
         process_group: group to all-reduce the totals over (None: the default group).
+        ranks_per_dp_rank: ranks in the group that read the same windows (the tensor-parallel
+            degree), whose totals the all-reduce therefore counts that many times.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class Validator:
         dp_rank: int = 0,
         dp_degree: int = 1,
         process_group: dist.ProcessGroup | None = None,
+        ranks_per_dp_rank: int = 1,
     ):
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(f"validation.steps: expected -1 or a positive int, got {steps!r}")
@@ -112,6 +115,7 @@ class Validator:
         self.compute_context = compute_context
         self.device = torch.device(device)
         self.process_group = process_group
+        self.ranks_per_dp_rank = ranks_per_dp_rank
         # Building a loader now checks seq_len, batch size, rank and tokenizer with the loader's own errors.
         self._new_loader()
         self.windows, self.steps = self._plan(steps)
@@ -184,7 +188,7 @@ class Validator:
             model.train(was_training)
         if dist.is_initialized():
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.process_group)
-        loss_sum, tokens = totals.tolist()
+        loss_sum, tokens = (total / self.ranks_per_dp_rank for total in totals.tolist())
         loss = loss_sum / tokens
         return {"loss": loss, "perplexity": _perplexity(loss), "tokens": int(tokens), "steps": self.steps}
 

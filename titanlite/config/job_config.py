@@ -237,6 +237,22 @@ class Parallelism:
     """Free gathered parameters after forward: always (FULL_SHARD), never (SHARD_GRAD_OP) or default (always, except the
     root)."""
 
+    tensor_parallel_degree: int = ranged(at_least(1), default=1)
+    """Ranks each layer's matrices are split over (tensor parallelism, within a node); it must divide the attention
+    heads, the key/value heads, the FFN size and the world size. Data parallelism takes the ranks left over."""
+
+    enable_sequence_parallel: bool = True
+    """With tensor parallelism: split the norms' and residuals' activations along the sequence over the TP ranks
+    instead of repeating them on each (less activation memory, the same collectives' volume)."""
+
+    disable_loss_parallel: bool = False
+    """With tensor parallelism: gather the vocabulary-sharded logits before the loss instead of computing the loss on
+    each rank's vocabulary shard (loss parallel, which never holds the full logits)."""
+
+    enable_async_tensor_parallel: bool = False
+    """Overlap TP's collectives with its matmuls inside compiled blocks (micro-pipelined TP); needs CUDA,
+    tensor_parallel_degree > 1 and compile.enable with the model compiled."""
+
 
 @dataclass
 class ActivationCheckpoint:

@@ -75,7 +75,6 @@ def _only_default(default: Any, advice: str, *neutral: Any) -> TorchtitanKey:
     return TorchtitanKey(default, "IGNORE_IF_DEFAULT", advice, tuple(neutral))
 
 
-NO_TP = "titanlite has no tensor parallelism; use parallelism.data_parallel_shard_degree (FSDP) instead"
 NO_PP = "titanlite has no pipeline parallelism; use FSDP/HSDP (parallelism.data_parallel_*_degree) instead"
 NO_CP = "titanlite has no context parallelism; shorten training.seq_len or use activation checkpointing instead"
 NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
@@ -118,9 +117,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "training.dataloader.prefetch_factor": _ignore(None),
     # [parallelism]
     "parallelism.enable_compiled_autograd": _ignore(False),
-    "parallelism.tensor_parallel_degree": _only_default(1, NO_TP),
-    "parallelism.disable_loss_parallel": _ignore(False),
-    "parallelism.enable_async_tensor_parallel": _ignore(False),
     "parallelism.pipeline_parallel_degree": _only_default(1, NO_PP),
     "parallelism.pipeline_parallel_split_points": _ignore([]),
     "parallelism.module_fqns_per_model_part": _ignore(None),
@@ -229,7 +225,8 @@ SHARED_KEYS = (
     "training.enable_cpu_offload", "training.mixed_precision_param",
     "training.mixed_precision_reduce", "training.gc_freq",
     "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
-    "parallelism.fsdp_reshard_after_forward",
+    "parallelism.fsdp_reshard_after_forward", "parallelism.tensor_parallel_degree",
+    "parallelism.disable_loss_parallel", "parallelism.enable_async_tensor_parallel",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval",
     "checkpoint.initial_load_path", "checkpoint.initial_load_model_only",
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_model_only",

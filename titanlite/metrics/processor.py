@@ -48,7 +48,7 @@ class MetricsProcessor:
         finally:
             self.data_seconds += time.perf_counter() - start
 
-    def step_done(self, device_tokens: int) -> None:
+    def step_done(self, device_tokens: float) -> None:
         """One optimizer step consumed `device_tokens` tokens on this device."""
         self.window_steps += 1
         self.window_tokens += device_tokens

@@ -1,6 +1,6 @@
-"""Parallelism: the device mesh, FSDP2/AC/compile application and global grad-norm clipping.
+"""Parallelism: the device mesh, TP/AC/compile/FSDP2 application and global grad-norm clipping.
 
-Knows the model only as "a decoder with a ``layers`` ModuleDict" and nothing of the loop.
+Knows the Llama decoder only by its module names (the TP plan) and nothing of the loop.
 """
 
 from titanlite.parallel.distributed import (
@@ -15,7 +15,12 @@ from titanlite.parallel.distributed import (
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.parallelize import compute_context, parallelize_decoder
+from titanlite.parallel.parallelize import (
+    compute_context,
+    loss_context,
+    parallelize_decoder,
+    tensor_parallel_problem,
+)
 
 __all__ = [
     "ParallelDims",
@@ -26,8 +31,10 @@ __all__ = [
     "first_error_on_any_rank",
     "init_distributed",
     "is_collective_failure",
+    "loss_context",
     "parallelize_decoder",
     "pick_device",
+    "tensor_parallel_problem",
     "use_collective_timeout",
     "world_size_from_env",
 ]

@@ -1,25 +1,72 @@
 """Gradient-norm clipping that sees the whole model, not one rank's shard."""
 
+import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+
+def _copies(grad: torch.Tensor) -> int:
+    """How many ranks hold this rank's piece of ``grad``: the sizes of the mesh dimensions it
+    is replicated over (a DTensor), or every rank (a plain tensor, which nothing split)."""
+    if not isinstance(grad, DTensor):
+        return dist.get_world_size() if dist.is_initialized() else 1
+    copies = 1
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(f"a gradient is still a partial sum over mesh dimension {dim}; reduce it first")
+        if placement.is_replicate():
+            copies *= grad.device_mesh.size(dim)
+    return copies
+
+
+@torch.no_grad()
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all of ``grads`` together, the same on every rank, with one all-reduce.
+
+    Gradients are split in different ways on one mesh (FSDP shards over the data-parallel
+    dimensions, TP over ``tp``, some only over one of them, some over none), so each rank
+    adds up its own pieces' |g|^p, divided by the number of ranks holding the same piece,
+    and the sum over all ranks counts every element of every gradient exactly once.
+    """
+    if not grads:
+        return torch.zeros(())
+    local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
+    norms = torch._foreach_norm(local, norm_type)
+    if math.isinf(norm_type):
+        total = torch.stack(norms).max().float()
+        if dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        return total
+    # Python numbers, not a tensor: nothing is copied to the device for them.
+    powered = torch._foreach_div(torch._foreach_pow(norms, norm_type), [float(_copies(grad)) for grad in grads])
+    total = torch.stack(powered).sum().float()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return total.pow(1.0 / norm_type)
+
+
+def _finish_partial_grads(parameters: list[torch.nn.Parameter]) -> None:
+    """Sum the gradients that are still partial sums across ranks into their parameter's
+    layout. Under sequence parallelism without FSDP, a norm's weight (whole on every TP
+    rank) gets from each rank the gradient of its slice of the sequence only; FSDP would
+    sum them in its reduce-scatter, without it they are summed here, once, before the norm
+    and the optimizer read them."""
+    for param in parameters:
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients to a global norm and return that norm (before clipping).
-
-    Under FSDP each gradient is a DTensor holding only this rank's shard. The norm of
-    those local pieces alone would differ per rank and understate the true norm, so the
-    partial norms are reduced over the mesh (``full_tensor``) before clipping.
-    ``max_norm <= 0`` only measures.
-    """
+    """Clip gradients to the global norm and return that norm (before clipping); every rank
+    gets the same norm, so all clip alike. ``max_norm <= 0`` only measures."""
     parameters = list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    _finish_partial_grads(parameters)
+    total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

@@ -1,42 +1,54 @@
-"""The data-parallel layout: how many replicas, how many shards each, and the mesh."""
+"""The layout: how many model replicas, how many shards each, how many tensor-parallel ranks
+per layer, and the one device mesh they make."""
 
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+# The mesh's dimensions, outermost first. Ranks fill it row by row, so the ranks of one
+# tensor-parallel group are consecutive: on the same node, where TP's per-layer collectives
+# need the fast link. Data parallelism, which talks once per block, spans the nodes.
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees; ``dp_replicate * dp_shard == world_size`` always holds.
+    """Resolved degrees; ``dp_replicate * dp_shard * tp == world_size`` always holds.
 
-    The four classic strategies are points of this grid (plus the reshard policy):
-    single process (1 x 1), FSDP (1 x N), DDP (N x 1) and HSDP (R x S). Data parallelism
-    is the only dimension, so a rank's data-parallel index is its global rank.
+    The data-parallel strategies are points of the (replicate, shard) grid: single
+    process (1 x 1), FSDP (1 x N), DDP (N x 1) and HSDP (R x S). Tensor parallelism (tp)
+    splits each layer within every data-parallel rank, so the ``tp`` ranks of one group
+    see the same batch.
     """
 
     dp_replicate: int
     dp_shard: int
     world_size: int
+    tp: int = 1
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int) -> "ParallelDims":
-        """Fill in a -1 degree with the ranks left over; raise ValueError if the product is wrong."""
+    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1) -> "ParallelDims":
+        """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
+        ValueError naming the key when the degrees do not multiply to the world size."""
         names = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree")
+        if world_size % tp != 0:
+            raise ValueError(f"parallelism.tensor_parallel_degree ({tp}) must divide the world size ({world_size})")
+        dp_ranks = world_size // tp
+        # What the data-parallel degrees must fill: the world, or what TP leaves of it.
+        ranks_left = (
+            f"the world size ({world_size})" if tp == 1 else f"the world size ({world_size}) / {names[2]} ({tp})"
+        )
         if -1 in (dp_replicate, dp_shard):
             known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)
-            if world_size % known != 0:
-                raise ValueError(
-                    f"{known_name} ({known}) must divide the world size ({world_size}) when the other degree is -1"
-                )
-            dp_replicate, dp_shard = (
-                (world_size // known, known) if dp_replicate == -1 else (known, world_size // known)
-            )
-        if dp_replicate * dp_shard != world_size:
+            if known == -1 or dp_ranks % known != 0:
+                raise ValueError(f"{known_name} ({known}) must divide {ranks_left} when the other degree is -1")
+            dp_replicate, dp_shard = (dp_ranks // known, known) if dp_replicate == -1 else (known, dp_ranks // known)
+        if dp_replicate * dp_shard != dp_ranks:
             raise ValueError(
-                f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal the world size "
-                f"({world_size}); use -1 for one of them to take the ranks left over"
+                f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
+                "use -1 for one of them to take the ranks left over"
             )
-        return cls(dp_replicate, dp_shard, world_size)
+        return cls(dp_replicate, dp_shard, world_size, tp)
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -53,22 +65,56 @@ class ParallelDims:
 
     @property
     def dp_degree(self) -> int:
+        """Data-parallel ranks: how many different micro-batches one micro-step reads."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_applied(self) -> bool:
+        """Whether fully_shard wraps the model: with any data parallelism (DDP is FSDP2
+        replicating over a shard group of one)."""
+        return self.dp_degree > 1
 
     @property
     def strategy(self) -> str:
         if self.world_size == 1:
             return "single process"
-        if self.dp_replicate == 1:
-            return "FSDP"
-        return "DDP" if self.dp_shard == 1 else "HSDP"
+        if self.dp_degree == 1:
+            data_parallel = ""
+        elif self.dp_replicate == 1:
+            data_parallel = "FSDP"
+        else:
+            data_parallel = "DDP" if self.dp_shard == 1 else "HSDP"
+        if self.tp == 1:
+            return data_parallel
+        return f"{data_parallel} + TP" if data_parallel else "TP"
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The mesh FSDP shards over: 1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
+        """The run's one mesh. Without tensor parallelism it is the data-parallel mesh FSDP
+        shards over (1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP); with it, the
+        3-D (dp_replicate, dp_shard, tp) mesh. None for a single process."""
         if self.world_size == 1:
             return None
+        if self.tp > 1:
+            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
         if self.dp_replicate == 1:
             return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(
-            device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard")
-        )
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=MESH_DIMS[:2])
+
+    def dp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The data-parallel part of ``mesh`` that FSDP shards (and replicates) over, or None
+        when there is no data parallelism."""
+        if mesh is None or not self.fsdp_applied:
+            return None
+        return mesh["dp_shard"] if self.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+
+    def tp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The tensor-parallel part of ``mesh``, or None without tensor parallelism."""
+        return mesh["tp"] if mesh is not None and self.tp > 1 else None
+
+    def dp_rank(self, mesh: DeviceMesh | None) -> int:
+        """This rank's index among the data-parallel ranks (which part of each batch it reads),
+        from its place in the mesh: tp ranks of one group share it."""
+        if mesh is None:
+            return 0
+        coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+        return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)

@@ -1,10 +1,16 @@
-"""Where parallelism is applied: activation checkpointing, torch.compile, then FSDP2.
+"""Where parallelism is applied: tensor parallelism, activation checkpointing, torch.compile,
+then FSDP2.
 
 The order matters and is fixed:
-  1. activation checkpointing wraps each transformer block, so that
-  2. torch.compile sees the checkpointed block and compiles recomputation with it, and
-  3. fully_shard runs last, around the (compiled, checkpointed) blocks and then the
-     root, so FSDP's all-gather/reduce-scatter hooks sit outside compiled code.
+  1. tensor parallelism turns each block's matrices into DTensors split over the mesh's
+     ``tp`` dimension, with the collectives between them; everything after sees the
+     already-split block;
+  2. activation checkpointing wraps each transformer block, so that
+  3. torch.compile sees the checkpointed block and compiles recomputation (and TP's
+     collectives) with it, and
+  4. fully_shard runs last, around the (compiled, checkpointed) blocks and then the
+     root, over the mesh's data-parallel dimensions, so FSDP's all-gather/reduce-scatter
+     hooks sit outside compiled code and shard the TP shards further.
 The model must still be on the meta device; the caller materialises it afterwards.
 """
 
@@ -16,6 +22,15 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanlite.config import JobConfig
@@ -36,6 +51,112 @@ _SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default} | {
     )
     if hasattr(_aten, name)
 }
+
+
+# --- Tensor parallelism: the Llama plan ------------------------------------------------
+# Megatron-style: in each block the first matrix of a pair is split by output features
+# (column-wise: wq/wk/wv by heads, w1/w3 by FFN features) and the second by input features
+# (row-wise: wo, w2), so the pair needs one collective, after the second matrix. With
+# sequence parallelism the activations between pairs (norms, residuals) are split along
+# the sequence instead of repeated: the collective before a pair is an all-gather of the
+# sequence, the one after a reduce-scatter back to it.
+
+
+def tensor_parallel_problem(args, tp: int) -> str | None:
+    """Why the Llama TP plan cannot split ``args`` over ``tp`` ranks (one line naming the
+    key), or None. Each rank must get whole query heads, whole key/value heads (so a query
+    head and the key/value head it reads land on the same rank) and equal FFN slices."""
+    key = "parallelism.tensor_parallel_degree"
+    for what, count in (
+        ("attention heads", args.n_heads),
+        ("key/value heads", args.kv_heads),
+        ("FFN hidden size", args.ffn_hidden_dim),
+    ):
+        if count % tp != 0:
+            return f"{key} ({tp}) must divide the model's {what} ({count})"
+    return None
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool, shard_logits: bool) -> None:
+    """Split a Llama decoder over ``tp_mesh`` in place. ``shard_logits``: the output layer
+    leaves the logits split by vocabulary (a DTensor) for loss parallel to work on as they are."""
+    # Between blocks the residual stream is split by sequence (sequence parallel) or whole.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    outer_plan = {
+        # Rows of the embedding are split by vocabulary; each rank looks up the ids it holds
+        # and the partial results are summed (and scattered by sequence).
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "output": ColwiseParallel(
+            input_layouts=stream,
+            output_layouts=Shard(-1) if shard_logits else Replicate(),
+            use_local_output=not shard_logits,
+        ),
+    }
+    if sequence_parallel:
+        outer_plan["norm"] = SequenceParallel()
+    else:
+        replicate_over(model.norm, tp_mesh)
+    parallelize_module(model, tp_mesh, outer_plan)
+    for block in model.layers.values():
+        # Attention's extra arguments are the RoPE tables, plain tensors every rank holds whole.
+        block_plan = {
+            "attention": PrepareModuleInput(
+                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        }
+        if sequence_parallel:
+            block_plan["attention_norm"] = SequenceParallel()
+            block_plan["ffn_norm"] = SequenceParallel()
+        else:
+            replicate_over(block.attention_norm, tp_mesh)
+            replicate_over(block.ffn_norm, tp_mesh)
+        parallelize_module(block, tp_mesh, block_plan)
+
+
+def replicate_over(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Make ``module``'s parameters DTensors held whole by every TP rank, taking and giving
+    plain tensors. Without sequence parallelism the norms are not split at all, but their
+    parameters must still live on the same mesh as all the others: FSDP then shards every
+    parameter over the same 2-D mesh, and the optimizer's and clipping's foreach kernels,
+    which take one mesh per call, see one."""
+
+    def inputs_to_dtensors(module, inputs, mesh):
+        return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs)
+
+    def output_to_local(module, output, mesh):
+        return output.to_local()
+
+    distribute_module(module, tp_mesh, input_fn=inputs_to_dtensors, output_fn=output_to_local)
+
+
+def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+    """Let the compiler split TP's all-gather/reduce-scatter and the matmuls next to them
+    into pieces that overlap (micro-pipelining); the collectives then run over symmetric
+    memory, which must be enabled for the TP group. CUDA and compiled blocks only."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):
+    """What the loss's forward and backward run under: loss parallel when the logits are
+    split by vocabulary, so cross entropy works on each rank's slice (exchanging only the
+    per-token maxima and sums), never gathering the [batch, seq, vocab] logits."""
+    if parallel_dims.tp > 1 and not job_config.parallelism.disable_loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+# --- Activation checkpointing, compile, FSDP ------------------------------------------
 
 
 def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -112,17 +233,33 @@ def apply_fsdp(
 def parallelize_decoder(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
 ) -> nn.Module:
-    """Apply AC, compile and FSDP, in that order, to a decoder with a ``layers`` ModuleDict."""
+    """Apply TP, AC, compile and FSDP, in that order, to a Llama decoder."""
+    parallelism = job_config.parallelism
+    # 1. Tensor parallelism over the mesh's tp dimension.
+    tp_mesh = parallel_dims.tp_mesh(mesh)
+    if tp_mesh is not None:
+        apply_tensor_parallel(
+            model,
+            tp_mesh,
+            sequence_parallel=parallelism.enable_sequence_parallel,
+            shard_logits=not parallelism.disable_loss_parallel,
+        )
+        if parallelism.enable_async_tensor_parallel:
+            enable_async_tensor_parallel(tp_mesh)
+    # 2. Activation checkpointing, per block.
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
+    # 3. Compile, per block.
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model.layers)
-    if mesh is not None:
+    # 4. FSDP over the data-parallel dimensions.
+    dp_mesh = parallel_dims.dp_mesh(mesh)
+    if dp_mesh is not None:
         training = job_config.training
         apply_fsdp(
             model,
             model.layers,
-            mesh,
+            dp_mesh,
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
@@ -132,8 +269,8 @@ def parallelize_decoder(
 
 
 def compute_context(parallel_dims: ParallelDims, param_dtype: str, device_type: str):
-    """Mixed precision for forward/backward. Under FSDP the policy casts parameters; a
-    single process has no FSDP, so autocast provides the same bf16 compute instead."""
-    if parallel_dims.world_size > 1 or DTYPES[param_dtype] == torch.float32:
+    """Mixed precision for forward/backward. Under FSDP the policy casts parameters; without
+    FSDP (one process, or tensor parallelism alone) autocast provides the same bf16 compute."""
+    if parallel_dims.fsdp_applied or DTYPES[param_dtype] == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=DTYPES[param_dtype])

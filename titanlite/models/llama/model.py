@@ -101,7 +101,7 @@ class Attention(nn.Module):
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.n_heads, self.kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.head_dim = args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
@@ -109,9 +109,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        q = self.wq(x).view(batch, seq_len, self.n_heads, self.head_dim)
-        k = self.wk(x).view(batch, seq_len, self.kv_heads, self.head_dim)
-        v = self.wv(x).view(batch, seq_len, self.kv_heads, self.head_dim)
+        # Heads are counted from the projections' outputs (-1), not from the args: under
+        # tensor parallelism each rank holds only its share of the query and key/value heads.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Attention wants [batch, heads, seq, head_dim].
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

@@ -137,14 +137,11 @@ def replicate_over(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     distribute_module(module, tp_mesh, input_fn=inputs_to_dtensors, output_fn=output_to_local)
 
 
-def enable_async_tensor_parallel(tp_mesh: DeviceMesh) -> None:
+def enable_async_tensor_parallel() -> None:
     """Let the compiler split TP's all-gather/reduce-scatter and the matmuls next to them
-    into pieces that overlap (micro-pipelining); the collectives then run over symmetric
-    memory, which must be enabled for the TP group. CUDA and compiled blocks only."""
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
+    into pieces that overlap (micro-pipelining, over symmetric memory, which torch 2.13
+    sets up for a group by itself). It acts inside compiled blocks, on CUDA only."""
     torch._inductor.config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):
@@ -245,7 +242,7 @@ def parallelize_decoder(
             shard_logits=not parallelism.disable_loss_parallel,
         )
         if parallelism.enable_async_tensor_parallel:
-            enable_async_tensor_parallel(tp_mesh)
+            enable_async_tensor_parallel()
     # 2. Activation checkpointing, per block.
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)

@@ -141,7 +141,9 @@ def enable_async_tensor_parallel() -> None:
     """Let the compiler split TP's all-gather/reduce-scatter and the matmuls next to them
     into pieces that overlap (micro-pipelining, over symmetric memory, which torch 2.13
     sets up for a group by itself). It acts inside compiled blocks, on CUDA only."""
-    torch._inductor.config._micro_pipeline_tp = True
+    import torch._inductor.config as inductor_config  # loaded by torch.compile only when it first runs
+
+    inductor_config._micro_pipeline_tp = True
 
 
 def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):

@@ -30,9 +30,13 @@ class ParallelDims:
     def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1) -> "ParallelDims":
         """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
         ValueError naming the key when the degrees do not multiply to the world size."""
-        names = ("parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree")
+        names = (
+            "parallelism.data_parallel_replicate_degree",
+            "parallelism.data_parallel_shard_degree",
+            "parallelism.tensor_parallel_degree",
+        )
         if world_size % tp != 0:
-            raise ValueError(f"parallelism.tensor_parallel_degree ({tp}) must divide the world size ({world_size})")
+            raise ValueError(f"{names[2]} ({tp}) must divide the world size ({world_size})")
         dp_ranks = world_size // tp
         # What the data-parallel degrees must fill: the world, or what TP leaves of it.
         ranks_left = (

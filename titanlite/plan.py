@@ -56,6 +56,17 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     problem = get_model_spec(job_config.model.name).tensor_parallel_problem(model_args, tp)
     if problem is not None:
         raise ConfigError(f"{problem} ({job_config.model.name} {job_config.model.flavor})")
+    if tp > 1 and job_config.parallelism.enable_sequence_parallel:
+        # Sequence parallel splits every sequence into tp equal slices.
+        lengths = {"training.seq_len": job_config.training.seq_len}
+        if job_config.validation.enable and job_config.validation.seq_len != -1:
+            lengths["validation.seq_len"] = job_config.validation.seq_len
+        for key, seq_len in lengths.items():
+            if seq_len % tp != 0:
+                raise ConfigError(
+                    f"{key} ({seq_len}) must be a multiple of parallelism.tensor_parallel_degree ({tp}) with "
+                    "sequence parallel; change it or set parallelism.enable_sequence_parallel = false"
+                )
     if not job_config.parallelism.enable_async_tensor_parallel:
         return
     compiled = job_config.compile.enable and "model" in job_config.compile.components

@@ -59,6 +59,9 @@ from titanlite.trainer_setup import (
 
 logger = logging.getLogger("titanlite")
 
+# How long a rank that leaves a failure's line to rank 0 waits before it exits.
+QUIET_RANK_EXIT_DELAY_SECONDS = 3
+
 
 class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
@@ -362,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
             if show_traceback:
                 traceback.print_exc()
+        else:
+            # Another rank (rank 0) prints this same line. torchrun stops every rank as soon
+            # as one exits, so a quicker exit here could kill rank 0 before it has printed.
+            time.sleep(QUIET_RANK_EXIT_DELAY_SECONDS)
         return status
 
     rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank finds the same config mistake

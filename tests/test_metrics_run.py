@@ -183,6 +183,30 @@ def test_two_rank_diagnostics(tmp_path):
         assert all(line[tags.MAX_LOSS] >= line[tags.LOSS] for line in lines)
 
 
+def tensor_parallel_start_up(dump: str) -> list[str]:
+    captured = _capture("titanlite")
+    Trainer(parse_args(BASE + ["--job.dump_folder", dump, "--parallelism.tensor_parallel_degree=2"]))
+    dist.destroy_process_group()
+    return captured.lines
+
+
+def test_tensor_parallel_start_up_shows_the_split(tmp_path):
+    lines = run_on_ranks(2, tensor_parallel_start_up, str(tmp_path))[0]
+    assert any("strategy=TP" in line and "tensor_parallel=2" in line and "loss_parallel=True" in line for line in lines)
+    (shards,) = [line for line in lines if line.startswith("parameter shards of block 0 on rank 0: ")]
+    dim, hidden = TINY.dim, TINY.ffn_hidden_dim
+    kv_dim = TINY.kv_heads * TINY.head_dim
+    for expected in (
+        f"attention.wq.weight [{dim}, {dim}] -> [{dim // 2}, {dim}]",  # by query heads
+        f"attention.wk.weight [{kv_dim}, {dim}] -> [{kv_dim // 2}, {dim}]",  # by key/value heads
+        f"attention.wo.weight [{dim}, {dim}] -> [{dim}, {dim // 2}]",  # by input features
+        f"feed_forward.w1.weight [{hidden}, {dim}] -> [{hidden // 2}, {dim}]",
+        f"feed_forward.w2.weight [{dim}, {hidden}] -> [{dim}, {hidden // 2}]",
+        f"attention_norm.weight [{dim}] -> [{dim}]",  # whole on each TP rank
+    ):
+        assert expected in shards, (expected, shards)
+
+
 def shard_root_only() -> list[str]:
     """The mistake the warning is for: fully_shard on the root alone."""
     dist.init_process_group("gloo")

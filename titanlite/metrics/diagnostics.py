@@ -8,14 +8,16 @@
 3. one phase dominates memory: report the peak after forward, after backward and after
    the optimizer step for the first few steps.
 
-Every rank also logs its own local trainable parameter MiB, so uneven shards show.
+Every rank also logs its own local trainable parameter MiB, so uneven shards show, and
+rank 0 the global and local shape of each parameter of one block, which shows how tensor
+parallelism and FSDP split it.
 """
 
 import logging
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX, CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -46,6 +48,16 @@ def local_trainable_mib(model: nn.Module) -> float:
     return total / 2**20
 
 
+def shard_shapes(block: nn.Module) -> str:
+    """'name [global shape] -> [this rank's shape]' for each parameter of ``block``."""
+    shapes = []
+    for name, param in block.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        name = name.removeprefix(_CHECKPOINT_PREFIX)  # the names of the model, with or without AC
+        shapes.append(f"{name} {list(param.shape)} -> {list(local.shape)}")
+    return ", ".join(shapes)
+
+
 def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool) -> str | None:
     """Why the sharding looks wrong, or None. Each block should be a unit of its own,
     plus the root that holds the embeddings, final norm and output."""
@@ -64,7 +76,8 @@ def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool) -> str | N
 
 
 def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sharded: bool, rank: int) -> list[str]:
-    """Log the resolved parallel settings and the sharding; returns the FSDP unit names."""
+    """Log the resolved parallel settings and the sharding; returns the FSDP unit names.
+    ``model.layers`` holds the blocks."""
     units = fsdp_unit_names(model)
     logger.info("parallel settings: %s", ", ".join(f"{key}={value}" for key, value in settings.items()))
     samples = ", ".join(units[:SAMPLE_UNITS]) + (", ..." if len(units) > SAMPLE_UNITS else "")
@@ -78,6 +91,8 @@ def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sh
     problem = wrap_problem(units, n_blocks, sharded)
     if problem:
         logger.warning("!!! SHARDING PROBLEM: %s !!!", problem)
+    name, first_block = next(iter(model.layers.items()))
+    logger.info("parameter shards of block %s on rank %d: %s", name, rank, shard_shapes(first_block))
     rank_logger.info("rank %d: local trainable parameters %.2f MiB", rank, local_trainable_mib(model))
     return units
 

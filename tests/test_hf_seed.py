@@ -49,17 +49,17 @@ def hf_weights_in_titanlite_layout(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def seed_and_train(hf_dir: str, extra: list[str]) -> dict:
-    """Seed from hf_dir, report the seeded weights (whole) and this rank's part sizes,
+    """Seed from hf_dir, report the seeded weights (whole) and the part this rank read,
     the logits on PROBE, then train two steps."""
     trainer = Trainer(parse_args(BASE_ARGS + ["--checkpoint.initial_load_path", hf_dir] + extra))
     seeded = full_weights(trainer.model)
-    local_rows = {n: local_box(t)[0] for n, t in trainer.model.state_dict().items()}
+    local_boxes = {n: local_box(t) for n, t in trainer.model.state_dict().items()}
     with torch.no_grad():
         logits = trainer.model(PROBE) if not dist.is_initialized() else None
     records = trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {"seeded": seeded, "local_rows": local_rows, "logits": logits, "loss": [r.loss for r in records]}
+    return {"seeded": seeded, "local_boxes": local_boxes, "logits": logits, "loss": [r.loss for r in records]}
 
 
 @pytest.fixture(scope="module")
@@ -78,22 +78,33 @@ def test_single_process_matches_transformers(hf_folder, single):
     torch.testing.assert_close(single["logits"], reference, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ranks_seed_like_one_process(hf_folder, single, world_size):
-    runs = run_on_ranks(
-        world_size, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"]
-    )
+# name -> (world size, arguments): the global batch stays GLOBAL_BATCH sequences.
+LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size=2"]),
+    "fsdp4": (4, ["--training.local_batch_size=1"]),
+    # Column-wise weights are FSDP's strided shards of TP's shards.
+    "tp2_fsdp2": (4, ["--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_ranks_seed_like_one_process(hf_folder, single, layout):
+    world_size, args = LAYOUTS[layout]
+    runs = run_on_ranks(world_size, seed_and_train, str(hf_folder), args)
     for run in runs:
         for name, value in single["seeded"].items():
             assert torch.equal(run["seeded"][name], value), name
         torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(single["loss"]), rtol=1e-5, atol=0)
-    # Each rank held (and so read) only its own rows: together they tile every tensor.
+    # Each rank read only its own part; the different parts tile every tensor (TP ranks that
+    # hold the same part, a norm say, read it each).
     for name, value in single["seeded"].items():
-        rows = sorted(run["local_rows"][name] for run in runs)
-        assert rows[0][0] == 0 and rows[-1][1] == value.shape[0], name
-        assert all(a[1] == b[0] for a, b in zip(rows, rows[1:], strict=False)), name
+        boxes = {tuple(run["local_boxes"][name]) for run in runs}
+        times_read = torch.zeros(value.shape, dtype=torch.int)
+        for box in boxes:
+            times_read[tuple(slice(start, stop) for start, stop in box)] += 1
+        assert bool((times_read == 1).all()), name
         if world_size == 4 and name.endswith("attention.wk.weight"):
-            assert rows[0][1] - rows[0][0] < TINY.head_dim  # a shard ends inside a head
+            assert min(box[0][1] - box[0][0] for box in boxes) < TINY.head_dim  # a shard ends inside a head
 
 
 def test_rows_from_hf_matches_the_whole_permutation():

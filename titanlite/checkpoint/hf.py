@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
 from titanlite.checkpoint.files import check_output, single_process, write_atomically
@@ -77,21 +77,18 @@ def _hf_weight_map(hf_dir: Path) -> dict[str, Path]:
 
 def local_box(tensor: torch.Tensor) -> list[tuple[int, int]]:
     """[start, stop) along each dimension of the part of `tensor` this rank holds: all of a
-    plain tensor, or the local shard of a DTensor. Shards follow torch.chunk: every
-    part but the last has ceil(size / parts) rows, and trailing ranks may hold none."""
-    box = [(0, size) for size in tensor.shape]
+    plain tensor, or the local shard of a DTensor, placed where DTensor places it for DCP
+    (the chunk a checkpoint records). That covers every layout DCP saves, among them FSDP's
+    strided shard of a tensor-parallel shard (TP x FSDP), whose box is not the one a plain
+    left-to-right split of the mesh dimensions would give."""
     if not isinstance(tensor, DTensor):
-        return box
-    coordinate = tensor.device_mesh.get_coordinate()
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if isinstance(placement, Shard):
-            start, stop = box[placement.dim]
-            chunk = -(-(stop - start) // tensor.device_mesh.size(mesh_dim))
-            first = min(start + coordinate[mesh_dim] * chunk, stop)
-            box[placement.dim] = (first, min(first + chunk, stop))
-        elif not isinstance(placement, Replicate):
-            raise ValueError(f"a parameter is laid out as {placement}, which reading slices does not support")
-    if tuple(stop - start for start, stop in box) != tuple(tensor.to_local().shape):
+        return [(0, size) for size in tensor.shape]
+    try:
+        (chunk,) = tensor.__create_chunk_list__()
+    except (ValueError, RuntimeError) as error:  # e.g. a Partial placement: no part of the tensor
+        raise ValueError(f"a parameter laid out as {tensor.placements} has no box to read ({error})") from None
+    box = [(start, start + size) for start, size in zip(chunk.offsets, chunk.sizes, strict=True)]
+    if tuple(chunk.sizes) != tuple(tensor.to_local().shape):
         raise ValueError(f"a parameter's local shard {tuple(tensor.to_local().shape)} does not match {box}")
     return box
 

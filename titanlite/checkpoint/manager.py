@@ -44,7 +44,7 @@ from titanlite.checkpoint.files import (
     stored_prefixes,
 )
 from titanlite.checkpoint.manifest import write_manifest
-from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
+from titanlite.checkpoint.steps import LATER_TRAIN_STATE_ENTRIES, MODEL, TRAIN_STATE, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
 from titanlite.dtypes import DTYPES
 from titanlite.files import fsync_path
@@ -349,14 +349,18 @@ class CheckpointManager:
                 raise CheckpointError(f"{failure} (on rank {rank})" if rank is not None else str(failure)) from error
             raise CheckpointError(f"{path}: loading failed {describe_failure(error)}") from error
 
-    def _skip_absent_descriptions(self, state: dict, path: Path) -> None:
+    def _skip_absent_records(self, state: dict, path: Path) -> None:
         """Ask only for the model part's non-tensor entries (its description) that the
         checkpoint holds: checkpoints written by other tools, torchtitan's among them, hold
-        the weights alone, and older ones lack entries added since (tokenizer_path). A
-        missing tensor is still an error."""
+        the weights alone, and older ones lack entries added since (tokenizer_path). Likewise
+        the train_state's entries added since (LATER_TRAIN_STATE_ENTRIES): a checkpoint
+        from before them must still resume. A missing tensor is still an error."""
         stored = stored_prefixes(path)
         for key in [k for k, v in state.items() if k not in self.states and not isinstance(v, torch.Tensor)]:
             _drop_unstored(state, key, key, stored)
+        for key in LATER_TRAIN_STATE_ENTRIES:
+            if key in state.get(TRAIN_STATE, {}) and f"{TRAIN_STATE}.{key}" not in stored:
+                del state[TRAIN_STATE][key]
 
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.
@@ -369,7 +373,7 @@ class CheckpointManager:
             return []
         path, parts = plan
         state = self._collect(parts)
-        self._skip_absent_descriptions(state, path)
+        self._skip_absent_records(state, path)
         self._dcp_load(state, path)
         for name in parts:
             part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]

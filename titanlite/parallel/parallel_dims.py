@@ -40,9 +40,7 @@ class ParallelDims:
         dp_ranks = world_size // tp
         # What the data-parallel degrees must fill: the world, or what TP leaves of it.
         ranks_left = (
-            f"the world size ({world_size})"
-            if tp == 1
-            else f"the world size ({world_size}) / parallelism.tensor_parallel_degree ({tp})"
+            f"the world size ({world_size})" if tp == 1 else f"the world size ({world_size}) / {names[2]} ({tp})"
         )
         if -1 in (dp_replicate, dp_shard):
             known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)

@@ -67,6 +67,10 @@ class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
     "train_state": the step, the tokens seen and the layout that wrote it."""
 
+    # train_state entries that checkpoints written before them lack (the checkpoint manager
+    # then leaves them out of the load): "tp", absent where no layout had tensor parallelism.
+    entries_added_later = ("tp",)
+
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
         training = job_config.training

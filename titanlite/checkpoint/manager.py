@@ -44,7 +44,7 @@ from titanlite.checkpoint.files import (
     stored_prefixes,
 )
 from titanlite.checkpoint.manifest import write_manifest
-from titanlite.checkpoint.steps import LATER_TRAIN_STATE_ENTRIES, MODEL, TRAIN_STATE, plan_load, purge_old_steps
+from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
 from titanlite.dtypes import DTYPES
 from titanlite.files import fsync_path
@@ -353,14 +353,16 @@ class CheckpointManager:
         """Ask only for the model part's non-tensor entries (its description) that the
         checkpoint holds: checkpoints written by other tools, torchtitan's among them, hold
         the weights alone, and older ones lack entries added since (tokenizer_path). Likewise
-        the train_state's entries added since (LATER_TRAIN_STATE_ENTRIES): a checkpoint
-        from before them must still resume. A missing tensor is still an error."""
+        the entries a state lists in its ``entries_added_later``: a checkpoint written before
+        them must still resume, and the state's load_state_dict gives them a default. A
+        missing tensor is still an error."""
         stored = stored_prefixes(path)
         for key in [k for k, v in state.items() if k not in self.states and not isinstance(v, torch.Tensor)]:
             _drop_unstored(state, key, key, stored)
-        for key in LATER_TRAIN_STATE_ENTRIES:
-            if key in state.get(TRAIN_STATE, {}) and f"{TRAIN_STATE}.{key}" not in stored:
-                del state[TRAIN_STATE][key]
+        for name, stateful in self.states.items():
+            for key in getattr(stateful, "entries_added_later", ()):
+                if key in state.get(name, {}) and f"{name}.{key}" not in stored:
+                    del state[name][key]
 
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.

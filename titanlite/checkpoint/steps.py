@@ -24,10 +24,6 @@ def _part(name: str) -> str:
 # The parts with rules of their own: the model's entries are stored at the top level of a
 # checkpoint, and only a checkpoint with a train_state can resume a run.
 MODEL, TRAIN_STATE = _part("model"), _part("train_state")
-# Entries of the train_state added after checkpoints were first written, which a resume
-# reads with a default: "tp", the tensor-parallel degree of the layout that wrote the
-# checkpoint, absent (no TP) in checkpoints from before tensor parallelism.
-LATER_TRAIN_STATE_ENTRIES = ("tp",)
 
 
 def is_resumable(path: Path) -> bool:

@@ -19,6 +19,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -97,6 +98,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     else:
         replicate_over(model.norm, tp_mesh)
     parallelize_module(model, tp_mesh, outer_plan)
+    model.tok_embeddings.register_forward_hook(_wait_for_collective)
     for block in model.layers.values():
         # Attention's extra arguments are the RoPE tables, plain tensors every rank holds whole.
         block_plan = {
@@ -119,6 +121,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             replicate_over(block.attention_norm, tp_mesh)
             replicate_over(block.ffn_norm, tp_mesh)
         parallelize_module(block, tp_mesh, block_plan)
+
+
+class _WaitedCollective(torch.autograd.Function):
+    """The result of an asynchronous collective, waited for, as a plain tensor that autograd
+    links to the collective (the gradient passes through unchanged)."""
+
+    @staticmethod
+    def forward(ctx, pending: AsyncCollectiveTensor) -> torch.Tensor:
+        return pending.trigger_wait()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _wait_for_collective(module: nn.Module, inputs, output):
+    """Forward hook after the embedding's TP hook, whose sum over the TP ranks is still in
+    flight (an AsyncCollectiveTensor). A compiled block that takes such a tensor waits for it
+    itself but drops its autograd history (torch 2.13): the embedding then gets no gradient,
+    silently under FSDP, or the backward fails on a plain tensor where a DTensor belongs."""
+    return _WaitedCollective.apply(output) if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def replicate_over(module: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -179,6 +202,18 @@ def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, selective_o
             # Llama has no dropout, so the RNG state need not be saved and restored.
             block = checkpoint_wrapper(block, preserve_rng_state=False)
         layers.register_module(name, block)
+
+
+def keep_compiled_graphs_per_rank() -> None:
+    """Turn off torch's AOTAutograd cache, which hands one rank the graph another rank traced.
+    Its key for a DTensor holds the mesh and placements but not this rank's place in the mesh
+    (torch 2.13), while TP code bakes that place in: loss parallel, for one, compares the labels
+    with its rank's slice of the vocabulary. With a warm cache every rank ran the first rank's
+    graph, and the loss and gradients came out silently wrong. Inductor's FX graph cache, keyed
+    on the traced graph itself (constants included), stays on."""
+    import torch._functorch.config as functorch_config  # not loaded by `import torch`
+
+    functorch_config.enable_autograd_cache = False
 
 
 def apply_compile(layers: nn.ModuleDict) -> None:
@@ -248,7 +283,9 @@ def parallelize_decoder(
     # 2. Activation checkpointing, per block.
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
-    # 3. Compile, per block.
+    # 3. Compile, per block. Process-wide, so for the compiled loss too.
+    if job_config.compile.enable and tp_mesh is not None:
+        keep_compiled_graphs_per_rank()
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model.layers)
     # 4. FSDP over the data-parallel dimensions.

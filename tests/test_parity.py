@@ -2,8 +2,9 @@
 
 Each run trains the same tiny model from the same seed on the same global batches
 (8 sequences per step) for 8 steps in float32; the per-step loss and global grad norm
-of FSDP, HSDP, DDP, SHARD_GRAD_OP, gradient accumulation, activation checkpointing and
-compile must equal a single process without any FSDP.
+of FSDP, HSDP, DDP, SHARD_GRAD_OP, tensor parallelism (alone, with FSDP and with DDP; with
+and without sequence and loss parallel), gradient accumulation, activation checkpointing
+and compile must equal a single process without any FSDP.
 """
 
 import functools
@@ -78,32 +79,39 @@ def test_reference_learns():
     assert all(norm > 0.5 for norm in ref["grad_norm"])  # clipping at 0.5 really acts
 
 
+# Overrides the layouts below combine.
+TP2 = ["--parallelism.tensor_parallel_degree=2"]
+REPLICATE2 = ["--parallelism.data_parallel_replicate_degree=2"]  # DDP, or HSDP with shards
+NO_SP = ["--parallelism.enable_sequence_parallel=false"]
+NO_LP = ["--parallelism.disable_loss_parallel"]
+FULL_AC = ["--activation_checkpoint.mode=full"]
+SELECTIVE_2ND = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]
+SELECTIVE_OP = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
+
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size=4"]),
     "fsdp4": (4, ["--training.local_batch_size=2"]),
-    "hsdp2x2": (4, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "hsdp2x2": (4, ["--training.local_batch_size=2", *REPLICATE2]),
     # DDP with 2 micro-batches: only the last one all-reduces across replicas.
-    "ddp2_accum": (2, ["--training.local_batch_size=2", "--parallelism.data_parallel_replicate_degree=2"]),
+    "ddp2_accum": (2, ["--training.local_batch_size=2", *REPLICATE2]),
     "shard_grad_op2_accum": (2, ["--training.local_batch_size=2", "--parallelism.fsdp_reshard_after_forward=never"]),
     "single_accum4": (1, ["--training.local_batch_size=2"]),
     "fsdp2_cpu_offload": (2, ["--training.local_batch_size=4", "--training.enable_cpu_offload"]),
-    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
-    "fsdp2_selective_ac_every_2nd": (
+    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", *FULL_AC]),
+    "fsdp2_selective_ac_every_2nd": (2, ["--training.local_batch_size=4", *SELECTIVE_2ND]),
+    "fsdp2_selective_ac_op": (2, ["--training.local_batch_size=4", *SELECTIVE_OP]),
+    # Tensor parallelism: two cases per layout, which between them switch each of sequence
+    # parallel, loss parallel, activation checkpointing and accumulation on and off, in a
+    # different pairing on each layout; every AC mode appears once.
+    "tp2": (2, ["--training.local_batch_size=8", *TP2]),
+    "tp2_no_sp_no_lp_selective_ac_op_accum": (
         2,
-        [
-            "--training.local_batch_size=4",
-            "--activation_checkpoint.mode=selective",
-            "--activation_checkpoint.selective_ac_option=2",
-        ],
+        ["--training.local_batch_size=4", *TP2, *NO_SP, *NO_LP, *SELECTIVE_OP],
     ),
-    "fsdp2_selective_ac_op": (
-        2,
-        [
-            "--training.local_batch_size=4",
-            "--activation_checkpoint.mode=selective",
-            "--activation_checkpoint.selective_ac_option=op",
-        ],
-    ),
+    "tp2_fsdp2_no_lp_accum": (4, ["--training.local_batch_size=2", *TP2, *NO_LP]),
+    "tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC]),
+    "tp2_ddp2_selective_ac_every_2nd_accum": (4, ["--training.local_batch_size=2", *TP2, *REPLICATE2, *SELECTIVE_2ND]),
+    "tp2_ddp2_no_sp_no_lp": (4, ["--training.local_batch_size=4", *TP2, *REPLICATE2, *NO_SP, *NO_LP]),
 }
 
 
@@ -115,11 +123,19 @@ def test_layout_matches_single_process(layout):
         assert_same_training(rank_run, rtol=1e-5)
 
 
-def test_compile_matches_single_process():
-    runs = run_on_ranks(
-        2, train_and_report, ["--training.local_batch_size=4", "--compile.enable", "--compile.components=model,loss"]
-    )
-    assert_same_training(runs[0], rtol=1e-4)
+COMPILED_LAYOUTS = {
+    "fsdp2": (2, ["--training.local_batch_size=4"]),
+    # The compiled blocks hold TP's collectives and DTensor code; loss parallel's too.
+    "tp2_fsdp2": (4, ["--training.local_batch_size=4", *TP2]),
+}
+
+
+@pytest.mark.parametrize("layout", COMPILED_LAYOUTS)
+def test_compile_matches_single_process(layout):
+    world_size, extra = COMPILED_LAYOUTS[layout]
+    runs = run_on_ranks(world_size, train_and_report, [*extra, "--compile.enable", "--compile.components=model,loss"])
+    for rank_run in runs:
+        assert_same_training(rank_run, rtol=1e-4)
 
 
 # --- the global grad norm -------------------------------------------------------------
@@ -258,7 +274,7 @@ ROPE_LAYOUTS = {
     "single": (1, [f"--training.local_batch_size={GLOBAL_BATCH}"]),
     "fsdp2": (2, ["--training.local_batch_size=4"]),
     "fsdp2_cpu_offload": (2, ["--training.local_batch_size=4", "--training.enable_cpu_offload"]),
-    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", "--activation_checkpoint.mode=full"]),
+    "fsdp2_full_ac": (2, ["--training.local_batch_size=4", *FULL_AC]),
 }
 
 

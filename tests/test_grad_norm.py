@@ -1,0 +1,72 @@
+"""total_grad_norm on gradients split every way one (dp, tp) mesh splits them.
+
+Under FSDP x TP a run's gradients are DTensors sharded over both mesh dimensions, over one
+and replicated over the other, or replicated over both, plus plain tensors every rank holds
+whole. Each rank adds up |g|^p of its own pieces divided by how many ranks hold the same
+piece; the sum over ranks must count every element once. A 2 x 2 mesh, so that a wrong
+replica count on either dimension shows.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from tests.multiprocess import run_on_ranks
+from titanlite.parallel.grad_norm import total_grad_norm
+
+NORM_TYPES = (2.0, 3.0, math.inf)
+# (shape, placements over (dp, tp)); None: a plain tensor. Odd sizes shard unevenly.
+GRADIENTS = (
+    ((6, 5), (Shard(0), Shard(1))),  # FSDP x TP: a matrix split both ways
+    ((7,), (Shard(0), Replicate())),  # a norm's weight: FSDP shards it, TP ranks repeat it
+    ((4, 6), (Replicate(), Shard(0))),  # DDP x TP: TP splits it, replicas repeat it
+    ((3, 3), (Replicate(), Replicate())),
+    ((5,), None),
+)
+
+
+def full_gradients() -> list[torch.Tensor]:
+    """The same values on every rank; the largest in magnitude lies in one rank's shard only."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) for shape, _ in GRADIENTS]
+    grads[0][-1, -1] = -6.0  # dp rank 1 x tp rank 1: rank 3 alone holds it
+    return grads
+
+
+def norms_on_rank() -> dict:
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    grads = [
+        full.clone() if placements is None else distribute_tensor(full, mesh, list(placements))
+        for full, (_, placements) in zip(full_gradients(), GRADIENTS, strict=True)
+    ]
+    report = {p: total_grad_norm(grads, p).item() for p in NORM_TYPES}
+    # Each rank's pieces summed as they are, repeated pieces counted once per rank that
+    # holds them: the answer a missing division would give, to show the test would see it.
+    local = torch.stack([(g.to_local() if isinstance(g, DTensor) else g).square().sum() for g in grads])
+    dist.all_reduce(local)
+    report["without_division_2"] = local.sum().sqrt().item()
+    # A gradient still to be summed over dp has no norm yet: refused before any collective.
+    pending = DTensor.from_local(torch.ones(2), mesh, [Partial(), Replicate()])
+    try:
+        total_grad_norm([*grads, pending])
+        report["partial_refused"] = False
+    except ValueError:
+        report["partial_refused"] = True
+    dist.destroy_process_group()
+    return report
+
+
+def test_grad_norm_counts_each_element_once():
+    every_element = torch.cat([g.flatten() for g in full_gradients()])
+    expected = {p: torch.linalg.vector_norm(every_element, p).item() for p in NORM_TYPES}
+    assert expected[math.inf] == 6.0
+    for report in run_on_ranks(4, norms_on_rank):  # every rank gets the same norm
+        for p in NORM_TYPES:
+            assert report[p] == pytest.approx(expected[p], rel=1e-6), p
+        assert report["without_division_2"] > 1.2 * expected[2.0]
+        assert report["partial_refused"]

@@ -1,0 +1,86 @@
+"""ParallelDims: degrees resolved against the world size and the tensor-parallel degree, the
+strategy named in the logs, and each rank's place in the mesh it builds."""
+
+import pytest
+import torch.distributed as dist
+
+from tests.multiprocess import run_on_ranks
+from titanlite.parallel import ParallelDims
+
+
+@pytest.mark.parametrize(
+    "replicate, shard, world, tp, resolved, strategy",
+    [
+        (1, -1, 1, 1, (1, 1), "single process"),
+        (1, -1, 4, 1, (1, 4), "FSDP"),
+        (-1, 1, 4, 1, (4, 1), "DDP"),
+        (2, -1, 4, 1, (2, 2), "HSDP"),
+        (1, -1, 2, 2, (1, 1), "TP"),
+        (1, -1, 8, 2, (1, 4), "FSDP + TP"),  # -1 takes what TP leaves of the world
+        (2, -1, 4, 2, (2, 1), "DDP + TP"),
+        (-1, 2, 8, 2, (2, 2), "HSDP + TP"),
+        (2, 2, 16, 4, (2, 2), "HSDP + TP"),
+    ],
+)
+def test_resolve(replicate, shard, world, tp, resolved, strategy):
+    dims = ParallelDims.resolve(replicate, shard, world, tp=tp)
+    assert (dims.dp_replicate, dims.dp_shard, dims.world_size, dims.tp) == (*resolved, world, tp)
+    assert dims.strategy == strategy
+    assert dims.dp_degree == world // tp
+    # fully_shard wraps the model exactly when there is data parallelism, TP or not.
+    assert dims.fsdp_applied == (dims.dp_degree > 1)
+
+
+def test_batch_plan_counts_data_parallel_ranks_only():
+    # 8 ranks, 2 per TP group: 4 data-parallel ranks read 2 sequences each per micro-step.
+    dims = ParallelDims.resolve(1, -1, 8, tp=2)
+    assert dims.batch_plan(local_batch_size=2, global_batch_size=16) == (16, 2)
+    with pytest.raises(ValueError, match=r"data-parallel degree \(4\)"):
+        dims.batch_plan(local_batch_size=2, global_batch_size=12)
+
+
+@pytest.mark.parametrize(
+    "replicate, shard, world, tp, message",
+    [
+        (1, -1, 4, 3, r"^parallelism\.tensor_parallel_degree \(3\) must divide the world size \(4\)$"),
+        (3, -1, 8, 2, r"^parallelism\.data_parallel_replicate_degree \(3\) must divide the world size \(8\) / "),
+        (2, 4, 8, 2, r"must equal the world size \(8\) / parallelism\.tensor_parallel_degree \(2\);"),
+    ],
+)
+def test_resolve_names_the_key(replicate, shard, world, tp, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.resolve(replicate, shard, world, tp=tp)
+
+
+# (dp_replicate, dp_shard, tp) over 4 ranks.
+MESH_LAYOUTS = ((1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1))
+
+
+def places_in_meshes() -> dict:
+    dist.init_process_group("gloo")
+    places = {}
+    for replicate, shard, tp in MESH_LAYOUTS:
+        dims = ParallelDims(replicate, shard, 4, tp)
+        mesh = dims.build_mesh("cpu")
+        tp_mesh, dp_mesh = dims.tp_mesh(mesh), dims.dp_mesh(mesh)
+        places[(replicate, shard, tp)] = {
+            "dp_rank": dims.dp_rank(mesh),
+            "tp_group": None if tp_mesh is None else tp_mesh.mesh.flatten().tolist(),
+            "dp_group": dp_mesh.mesh.flatten().tolist(),
+        }
+    dist.destroy_process_group()
+    return places
+
+
+def test_dp_rank_and_groups_on_a_real_mesh():
+    for rank, places in enumerate(run_on_ranks(4, places_in_meshes)):
+        for (replicate, shard, tp), place in places.items():
+            # The tp ranks of a group are consecutive and read the same data-parallel part.
+            assert place["dp_rank"] == rank // tp, (replicate, shard, tp)
+            if tp > 1:
+                first = rank // tp * tp
+                assert place["tp_group"] == list(range(first, first + tp))
+            else:
+                assert place["tp_group"] is None
+            # The data-parallel ranks: one from each TP group, at this rank's TP position.
+            assert place["dp_group"] == list(range(rank % tp, 4, tp))

@@ -31,6 +31,19 @@ def test_resolve(replicate, shard, world, tp, resolved, strategy):
     assert dims.fsdp_applied == (dims.dp_degree > 1)
 
 
+@pytest.mark.parametrize(
+    "tp, ranks_per_node, crosses", [(1, 3, False), (2, 8, False), (8, 8, False), (16, 8, True), (4, 6, True)]
+)
+def test_a_tp_group_across_nodes_is_named(tp, ranks_per_node, crosses):
+    dims = ParallelDims.resolve(1, -1, 48, tp=tp)
+    warning = dims.tensor_parallel_crosses_nodes(ranks_per_node)
+    assert (warning is not None) == crosses
+    if crosses:
+        assert warning.startswith(
+            f"parallelism.tensor_parallel_degree ({tp}) does not divide the {ranks_per_node} ranks"
+        )
+
+
 def test_batch_plan_counts_data_parallel_ranks_only():
     # 8 ranks, 2 per TP group: 4 data-parallel ranks read 2 sequences each per micro-step.
     dims = ParallelDims.resolve(1, -1, 8, tp=2)

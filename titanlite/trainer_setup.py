@@ -6,6 +6,7 @@ checks, which job.validate_only runs alone."""
 
 import dataclasses
 import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,9 @@ def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device,
     if job_config.debug.deterministic:
         torch.use_deterministic_algorithms(True)
     mesh = plan.parallel_dims.build_mesh(device.type)
+    crossing = plan.parallel_dims.tensor_parallel_crosses_nodes(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if crossing is not None:
+        logger.warning(crossing)
     # init_device_mesh makes HSDP's and DDP's sub-groups with PyTorch's default timeout
     # (30 min on gloo, 10 on NCCL): they get the run's, here and after the first step.
     use_collective_timeout(mesh, job_config.comm.init_timeout_seconds)

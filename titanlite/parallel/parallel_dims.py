@@ -104,6 +104,17 @@ class ParallelDims:
             return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=MESH_DIMS[:2])
 
+    def tensor_parallel_crosses_nodes(self, ranks_per_node: int) -> str | None:
+        """Why this layout's TP groups are not each inside one node (a warning), or None. A
+        TP group is tp consecutive ranks, so it stays on a node when tp divides the ranks
+        per node."""
+        if self.tp == 1 or ranks_per_node % self.tp == 0:
+            return None
+        return (
+            f"parallelism.tensor_parallel_degree ({self.tp}) does not divide the {ranks_per_node} ranks per node: "
+            "some TP groups span nodes, and their per-layer collectives cross the network"
+        )
+
     def dp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The data-parallel part of ``mesh`` that FSDP shards (and replicates) over, or None
         when there is no data parallelism."""

@@ -15,8 +15,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+from tests.helpers import tiny_args
 from tests.multiprocess import run_on_ranks
-from titanlite.parallel.grad_norm import total_grad_norm
+from titanlite.config import parse_args
+from titanlite.parallel.grad_norm import clip_grad_norm_, total_grad_norm
+from titanlite.train import Trainer
 
 NORM_TYPES = (2.0, 3.0, math.inf)
 # (shape, placements over (dp, tp)); None: a plain tensor. Odd sizes shard unevenly.
@@ -70,3 +73,32 @@ def test_grad_norm_counts_each_element_once():
             assert report[p] == pytest.approx(expected[p], rel=1e-6), p
         assert report["without_division_2"] > 1.2 * expected[2.0]
         assert report["partial_refused"]
+
+
+def tensor_parallel_gradients_after_clipping(dump: str) -> dict:
+    """One backward of a TP 2 run without FSDP, then clipping: what each gradient became."""
+    trainer = Trainer(parse_args(tiny_args({"parallelism.tensor_parallel_degree": 2, "job.dump_folder": dump})))
+    inputs, labels = trainer.loader.next_batch()
+    with trainer.loss_context():
+        trainer.loss_fn(trainer.model(inputs), labels).backward()
+    clip_grad_norm_(trainer.model.parameters(), max_norm=1.0)
+    layouts = {}
+    for name, param in trainer.model.named_parameters():
+        local = param.grad.to_local()
+        layouts[name] = {
+            "same_placements": tuple(param.grad.placements) == tuple(param.placements),
+            "same_local_shape": local.shape == param.to_local().shape,
+            "storage_is_the_shard": local.untyped_storage().nbytes() == local.numel() * local.element_size(),
+        }
+    dist.destroy_process_group()
+    return layouts
+
+
+def test_tensor_parallel_gradients_end_in_their_parameters_layout(tmp_path):
+    # Without FSDP, TP leaves the norms' gradients as partial sums and the vocabulary-split
+    # embedding's gradient whole; the optimizer must see them laid out like the parameters,
+    # and the whole embedding gradient must not stay alive behind a slice.
+    layouts = run_on_ranks(2, tensor_parallel_gradients_after_clipping, str(tmp_path))[0]
+    assert "tok_embeddings.weight" in layouts and "layers.0.attention_norm.weight" in layouts
+    for name, layout in layouts.items():
+        assert all(layout.values()), (name, layout)

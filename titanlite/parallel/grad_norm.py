@@ -48,16 +48,32 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
     return total.pow(1.0 / norm_type)
 
 
-def _finish_partial_grads(parameters: list[torch.nn.Parameter]) -> None:
-    """Sum the gradients that are still partial sums across ranks into their parameter's
-    layout. Under sequence parallelism without FSDP, a norm's weight (whole on every TP
-    rank) gets from each rank the gradient of its slice of the sequence only; FSDP would
-    sum them in its reduce-scatter, without it they are summed here, once, before the norm
-    and the optimizer read them."""
+def _grads_in_parameter_layout(parameters: list[torch.nn.Parameter]) -> None:
+    """Put every gradient into its parameter's layout, once, before the norm and the
+    optimizer read it. Without FSDP (which reduces into the parameter's layout) two kinds
+    differ under tensor parallelism:
+    - partial sums: a norm's weight, whole on every TP rank, gets from each rank the
+      gradient of its slice of the sequence only (sequence parallel); they are summed here;
+    - whole gradients of split parameters: DTensor's embedding backward has no
+      vocabulary-split rule, so the vocabulary-split embedding gets its gradient whole on
+      every TP rank. Its slice is taken here (no communication) and copied, so that the
+      whole gradient is freed instead of staying alive under a view."""
     for param in parameters:
         grad = param.grad
-        if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
-            param.grad = grad.redistribute(param.device_mesh, param.placements)
+        if not isinstance(grad, DTensor) or tuple(grad.placements) == tuple(param.placements):
+            continue
+        in_layout = grad.redistribute(param.device_mesh, param.placements)
+        local = in_layout.to_local()
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+            in_layout = DTensor.from_local(
+                local.clone(),
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        param.grad = in_layout
 
 
 @torch.no_grad()
@@ -65,7 +81,7 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, n
     """Clip gradients to the global norm and return that norm (before clipping); every rank
     gets the same norm, so all clip alike. ``max_norm <= 0`` only measures."""
     parameters = list(parameters)
-    _finish_partial_grads(parameters)
+    _grads_in_parameter_layout(parameters)
     total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)

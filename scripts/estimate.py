@@ -183,14 +183,14 @@ def _report(result: dict, describe_model: str) -> str:
     lines += [
         "step time (analytic)",
         f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  "
-        f"({timing['tokens_per_device_per_step']:,} tokens/device, {timing['efficiency']:.0%} of peak)",
+        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak)",
         _collective_line("all-gather", timing, "all_gather", "shard_link"),
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         f"  step           {timing['step_s'] * 1e3:10.1f} ms  "
         f"-> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, MFU {timing['mfu_percent']:.1f}%",
         f"  verdict: {timing['verdict']} "
-        f"({timing['tokens_per_device_per_micro_batch']:,} tokens/device per micro-batch; "
+        f"({timing['tokens_per_device_per_micro_batch']:,.0f} tokens/device per micro-batch; "
         f"threshold C/W = {'n/a' if threshold is None else f'{threshold:,.0f}'}, break-even here "
         f"{timing['break_even_tokens_per_device']:,.0f})",
     ]

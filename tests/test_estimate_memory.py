@@ -93,10 +93,11 @@ def _measure_on_rank(argv: list[str]) -> dict:
         dist.destroy_process_group()
 
 
-def _estimate_against_real(world_size: int, argv: list[str], activations_rel: float):
+def _estimate_against_real(world_size: int, argv: list[str], activations_rel: float = 0.0):
     """Rank 0's estimate and the real tensors of every gloo rank for the same config. What the
     simulation tracked must be what rank 0 really holds; the arithmetic must give the same
-    parameters and optimizer state; no rank may hold more than rank 0. Returns (estimate, rank 0)."""
+    parameters and optimizer state; no rank may hold more than rank 0; the activations must
+    agree to ``activations_rel``. Returns (estimate, rank 0)."""
     estimate = estimate_memory(parse_args(argv), world_size=world_size)
     real = run_on_ranks(world_size, _measure_on_rank, argv)
     rank0 = real[0]
@@ -106,7 +107,8 @@ def _estimate_against_real(world_size: int, argv: list[str], activations_rel: fl
     assert rank0["optimizer_state"] == estimate.exact.optimizer_state
     # Rank 0 holds the largest shard: no rank needs more.
     assert all(r["parameters"] + r["optimizer_state"] <= rank0["parameters"] + rank0["optimizer_state"] for r in real)
-    assert estimate.activations == pytest.approx(rank0["activations"], rel=activations_rel)
+    if activations_rel:
+        assert estimate.activations == pytest.approx(rank0["activations"], rel=activations_rel)
     print(
         f"\n{estimate.strategy} on {world_size} rank(s): activations estimated {estimate.activations} B, measured "
         f"{rank0['activations']} B; peak estimated {estimate.peak_bytes} B, measured {rank0['peak']} B"
@@ -201,10 +203,18 @@ TP_CASES = [
 
 @pytest.mark.parametrize("world_size, extra", TP_CASES)
 def test_tensor_parallel_estimate_matches_real_tensors(world_size, extra):
+    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra)
     # The same tensors in the same order: the activations (sequence-split, all-gathered, the
-    # vocabulary-split or gathered logits) and the peak agree to the byte here.
-    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra, activations_rel=0.02)
-    assert estimate.peak_bytes == pytest.approx(rank0["peak"], rel=0.02)
+    # vocabulary-split or gathered logits) and the peak usually agree to the byte. A real gloo
+    # collective's output is freed only once gloo's own thread lets go of it, so under load the
+    # real run may still hold the largest one at the peak (the gathered logits without loss
+    # parallel, an all-gathered [4, 128, 64] activation with it; float32 covers bf16) and a few
+    # small tensors (the int64 labels, the loss): 8 KiB.
+    config = parse_args(TINY_ARGS + extra)
+    gathered = TINY.vocab_size if config.parallelism.disable_loss_parallel else TINY.dim
+    in_flight = config.training.local_batch_size * config.training.seq_len * gathered * 4 + 8192
+    for name, estimated in (("activations", estimate.activations), ("peak", estimate.peak_bytes)):
+        assert estimated <= rank0[name] <= estimated + in_flight, name
     with torch.device("meta"):
         embedding = Transformer(TINY).tok_embeddings.weight
     if estimate.dp_shard == 1:

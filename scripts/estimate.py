@@ -3,21 +3,26 @@
     python scripts/estimate.py --job.config_file train_configs/llama7b.toml --world_size 8 --hardware h100
     python scripts/estimate.py --job.config_file train_configs/llama3_70b.toml --nodes 16 --json
     python scripts/estimate.py --job.config_file train_configs/llama7b.toml --sweep
+    python scripts/estimate.py --job.config_file train_configs/llama3_8b.toml --sweep --sweep_sizes 8,64
+    python scripts/estimate.py --job.config_file CFG --world_size 16 --parallelism.tensor_parallel_degree 8
     python scripts/estimate.py --job.config_file CFG --inter_node_gbps 25 --training.local_batch_size 4
 
 Memory: rank 0 of the requested layout is simulated in this process with a fake process
 group and fake tensors (nothing of the model's size is allocated): the config's real
-parallelize function, optimizer, activation checkpointing and mixed precision, one
-forward/backward/optimizer step under PyTorch's FSDP memory tracker. Step time: an
-analytic model of compute (FLOPs per token x tokens per device over peak x efficiency)
-and FSDP/HSDP communication (all-gather and reduce-scatter on the shard group, the
-all-reduce on the replicate group, each on the link its ranks share). Every other
-option is a config override (--section.key value), as for training.
+parallelize function (tensor parallelism included), optimizer, activation checkpointing and
+mixed precision, one forward/backward/optimizer step under PyTorch's FSDP memory tracker.
+Step time: an analytic model of compute (FLOPs per token x tokens per device over peak x
+efficiency) and communication (FSDP's all-gather and reduce-scatter on the shard group, the
+all-reduce on the replicate group, TP's per-block collectives on the TP group, each on the
+link its ranks share). Every other option is a config override (--section.key value), as
+for training: --parallelism.tensor_parallel_degree 2 asks for TP.
 
 The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
-FSDP and HSDP (one shard group per node) at 8, 64, 512 and 4096 GPUs, keeping the local
-batch (no accumulation). A layout that does not fit is reported as such (exit status 0);
-bad input is one line on stderr and exit status 2.
+FSDP and HSDP (one shard group per node), each with every TP degree the model and the node
+allow, at 8, 64, 512 and 4096 GPUs (or --sweep_sizes), holding the global batch
+(training.global_batch_size, or local_batch_size x GPUs) with no accumulation, then which
+layout wins at each size and whether TP wins, and why. A layout that does not fit is
+reported as such (exit status 0); bad input is one line on stderr and exit status 2.
 """
 
 import argparse
@@ -58,7 +63,10 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default=2.0,
         help="memory kept aside for the CUDA context, NCCL and fragmentation (default 2)",
     )
-    parser.add_argument("--sweep", action="store_true", help="FSDP and HSDP at 8, 64, 512 and 4096 GPUs")
+    parser.add_argument(
+        "--sweep", action="store_true", help="FSDP and HSDP with each TP degree at 8, 64, 512 and 4096 GPUs"
+    )
+    parser.add_argument("--sweep_sizes", default=None, help="the sweep's GPU counts, comma-separated (e.g. 8,64)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--skip_memory", action="store_true", help="step time only (no memory simulation)")
     parser.add_argument("-h", "--help", action="store_true")
@@ -97,11 +105,13 @@ def _world_size(options, hardware) -> int:
     return options.world_size or by_nodes or hardware.gpus_per_node
 
 
-def _with_layout(job_config, replicate: int, shard: int):
-    """A copy of the config with this layout and no accumulation (the sweep keeps the local batch)."""
+def _with_layout(job_config, replicate: int, shard: int, tp: int, local_batch_size: int):
+    """A copy of the config with this layout and local batch, and no accumulation."""
     changed = copy.deepcopy(job_config)
     changed.parallelism.data_parallel_replicate_degree = replicate
     changed.parallelism.data_parallel_shard_degree = shard
+    changed.parallelism.tensor_parallel_degree = tp
+    changed.training.local_batch_size = local_batch_size
     changed.training.global_batch_size = -1
     return changed
 
@@ -118,14 +128,17 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
             "world_size": world_size,
             "dp_replicate": timing.dp_replicate,
             "dp_shard": timing.dp_shard,
+            "tp": timing.tp,
+            "local_batch_size": job_config.training.local_batch_size,
             "hardware": hardware.name,
         },
         "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"},
     }
     if options.skip_memory:
         return result
-    # Per-rank memory depends on the shard degree, not on how many replicas there are.
-    key = (timing.dp_shard, timing.dp_replicate > 1)
+    # Per-rank memory depends on the shard and TP degrees and the batch, not on how many
+    # replicas there are.
+    key = (timing.dp_shard, timing.tp, timing.dp_replicate > 1, job_config.training.local_batch_size)
     memory = None if memory_cache is None else memory_cache.get(key)
     if memory is None:
         memory = estimate_memory(job_config, world_size)
@@ -156,9 +169,10 @@ def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
 
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
+    tp = f" x tp {layout['tp']}" if layout["tp"] > 1 else ""
     lines = [
         f"{describe_model} on {layout['world_size']} x {layout['hardware']}: {layout['strategy']}, "
-        f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s)",
+        f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s){tp}",
         "",
     ]
     if memory is not None:
@@ -175,7 +189,8 @@ def _report(result: dict, describe_model: str) -> str:
         )
         lines.append(
             f"  sharded parameters / gradients / optimizer state: {memory['parameters'] / GIB:.2f} / "
-            f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB (params x bytes / shards)"
+            f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB "
+            "(params x bytes / (shards x tp))"
         )
         lines.extend(f"  note: {note}" for note in memory["notes"])
         lines.append("")
@@ -183,37 +198,171 @@ def _report(result: dict, describe_model: str) -> str:
     lines += [
         "step time (analytic)",
         f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  "
-        f"({timing['tokens_per_device_per_step']:,} tokens/device, {timing['efficiency']:.0%} of peak)",
+        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak)",
         _collective_line("all-gather", timing, "all_gather", "shard_link"),
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
+        _collective_line("TP", timing, "tp", "tp_link"),
         f"  step           {timing['step_s'] * 1e3:10.1f} ms  "
         f"-> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, MFU {timing['mfu_percent']:.1f}%",
         f"  verdict: {timing['verdict']} "
-        f"({timing['tokens_per_device_per_micro_batch']:,} tokens/device per micro-batch; "
+        f"({timing['tokens_per_device_per_micro_batch']:,.0f} tokens/device per micro-batch; "
         f"threshold C/W = {'n/a' if threshold is None else f'{threshold:,.0f}'}, break-even here "
         f"{timing['break_even_tokens_per_device']:,.0f})",
     ]
     return "\n".join(lines)
 
 
+def _layout_name(layout: dict) -> str:
+    return f"{layout['strategy']} {layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
+
+
 def _sweep_rows(results: list[dict]) -> str:
     header = (
-        f"{'GPUs':>5} {'layout':<6} {'replicas x shards':>17} {'peak GiB':>9} {'fits':>5} {'step ms':>9} "
-        f"{'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+        f"{'GPUs':>5} {'layout':<10} {'repl x shard x tp':>17} {'batch':>5} {'peak GiB':>9} {'fits':>5} "
+        f"{'step ms':>9} {'TP ms':>7} {'tok/s/GPU':>10} {'MFU %':>6}  verdict"
     )
     rows = [header]
     for r in results:
         layout, timing, memory = r["layout"], r["step_time"], r.get("memory")
         peak = "-" if memory is None else f"{memory['peak_bytes'] / GIB:.2f}"
         fit = "-" if memory is None else ("yes" if memory["fits"] else "NO")
+        degrees = f"{layout['dp_replicate']} x {layout['dp_shard']} x {layout['tp']}"
         rows.append(
-            f"{layout['world_size']:>5} {layout['strategy']:<6} "
-            f"{str(layout['dp_replicate']) + ' x ' + str(layout['dp_shard']):>17} {peak:>9} {fit:>5} "
-            f"{timing['step_s'] * 1e3:>9.1f} {timing['tokens_per_second_per_device']:>10,.0f} "
-            f"{timing['mfu_percent']:>6.1f}  {timing['verdict']}"
+            f"{layout['world_size']:>5} {layout['strategy']:<10} {degrees:>17} {layout['local_batch_size']:>5} "
+            f"{peak:>9} {fit:>5} {timing['step_s'] * 1e3:>9.1f} {timing['tp_s'] * 1e3:>7.1f} "
+            f"{timing['tokens_per_second_per_device']:>10,.0f} {timing['mfu_percent']:>6.1f}  {timing['verdict']}"
         )
     return "\n".join(rows)
+
+
+def _throughput(result: dict) -> float:
+    return result["step_time"]["tokens_per_second_per_device"]
+
+
+def _fits(result: dict) -> bool:
+    """Whether the layout fits; unknown (memory skipped) counts as fitting."""
+    return "memory" not in result or result["memory"]["fits"]
+
+
+def _data_parallel_seconds(timing: dict) -> float:
+    return timing["all_gather_s"] + timing["reduce_scatter_s"] + timing["all_reduce_s"]
+
+
+def _why_tp_wins(winner: dict, without_tp: list[dict], tried_without_tp: list[dict]) -> str:
+    """Why the winning TP layout beats every layout without TP, in one clause."""
+    if not without_tp:
+        if not tried_without_tp:
+            return "no layout without TP has a sequence per data-parallel rank"
+        smallest = min(tried_without_tp, key=lambda r: r["memory"]["peak_bytes"])
+        return (
+            f"no layout without TP fits in memory (the smallest peak, {_layout_name(smallest['layout'])}, "
+            f"is {smallest['memory']['peak_bytes'] / GIB:.1f} GiB of {smallest['memory']['device_bytes'] / GIB:.0f})"
+        )
+    best = max(without_tp, key=_throughput)
+    gain = _throughput(winner) / _throughput(best) - 1
+    timing = best["step_time"]
+    if _data_parallel_seconds(timing) > timing["compute_s"]:
+        return (
+            f"{gain:+.0%} over the best without TP, {_layout_name(best['layout'])}, whose data-parallel "
+            f"collectives ({_data_parallel_seconds(timing) * 1e3:,.0f} ms over {timing['shard_link']}) exceed its "
+            f"compute ({timing['compute_s'] * 1e3:,.0f} ms); TP {winner['layout']['tp']} divides the bytes "
+            "each GPU gathers and reduces by the TP degree"
+        )
+    return f"{gain:+.0%} over the best without TP, {_layout_name(best['layout'])}"
+
+
+def _sweep_verdicts(results: list[dict]) -> list[str]:
+    """One line per world size: which layout wins (the most tokens/s per GPU among those that
+    fit) and whether TP wins, and why."""
+    lines = []
+    for world_size in dict.fromkeys(r["layout"]["world_size"] for r in results):
+        tried = [r for r in results if r["layout"]["world_size"] == world_size]
+        fitting = [r for r in tried if _fits(r)]
+        if not fitting:
+            lines.append(f"{world_size} GPUs: no layout fits")
+            continue
+        winner = max(fitting, key=_throughput)
+        with_tp = [r for r in fitting if r["layout"]["tp"] > 1]
+        without_tp = [r for r in fitting if r["layout"]["tp"] == 1]
+        line = (
+            f"{world_size} GPUs: {_layout_name(winner['layout'])} wins, {_throughput(winner):,.0f} tokens/s/GPU "
+            f"(MFU {winner['step_time']['mfu_percent']:.1f}%)"
+        )
+        if winner["layout"]["tp"] > 1:
+            tried_without_tp = [r for r in tried if r["layout"]["tp"] == 1]
+            line += "; TP wins: " + _why_tp_wins(winner, without_tp, tried_without_tp)
+        elif with_tp:
+            best = max(with_tp, key=_throughput)
+            timing = best["step_time"]
+            line += (
+                f"; TP does not: the best with TP, {_layout_name(best['layout'])}, reaches "
+                f"{_throughput(best):,.0f} ({_throughput(best) / _throughput(winner) - 1:+.0%}), its collectives "
+                f"adding {timing['tp_s'] * 1e3:,.0f} ms a step over {timing['tp_link']}"
+            )
+        lines.append(line)
+    return lines
+
+
+def _tensor_parallel_degrees(job_config, world_size: int, gpus_per_node: int) -> list[int]:
+    """The TP degrees the sweep tries: the divisors of the GPUs per node (a TP group stays in
+    one node, where its per-block collectives get the fast link) that divide the world size
+    and that the model's TP plan accepts (whole heads and key/value heads, equal FFN slices)."""
+    from titanlite.registry import get_model_args, get_model_spec
+
+    model = job_config.model
+    args, spec = get_model_args(model.name, model.flavor), get_model_spec(model.name)
+    return [
+        tp
+        for tp in range(1, gpus_per_node + 1)
+        if gpus_per_node % tp == 0 and world_size % tp == 0 and spec.tensor_parallel_problem(args, tp) is None
+    ]
+
+
+def _sweep_layouts(world_size: int, gpus_per_node: int, tp_degrees: list[int]) -> list[tuple[int, int, int]]:
+    """(replicate, shard, tp) for each TP degree: FSDP over all the data-parallel ranks, and,
+    beyond one node, HSDP with one shard x TP group per node (the replicas across nodes)."""
+    layouts = []
+    for tp in tp_degrees:
+        layouts.append((1, world_size // tp, tp))
+        if world_size > gpus_per_node and world_size % gpus_per_node == 0:
+            layouts.append((world_size // gpus_per_node, gpus_per_node // tp, tp))
+    return layouts
+
+
+def _sweep_sizes(options) -> list[int]:
+    if options.sweep_sizes is None:
+        return list(SWEEP_SIZES)
+    try:
+        sizes = [int(size) for size in options.sweep_sizes.split(",") if size.strip()]
+    except ValueError:
+        raise ValueError(f"--sweep_sizes {options.sweep_sizes!r}: expected GPU counts like 8,64") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--sweep_sizes {options.sweep_sizes!r}: expected positive GPU counts")
+    return sizes
+
+
+def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
+    """Every layout of the sweep that holds the global batch, estimated; and a line for each
+    layout left out because its data-parallel ranks do not split the global batch."""
+    results, skipped, cache = [], [], {}
+    training = job_config.training
+    for world_size in _sweep_sizes(options):
+        global_batch = training.global_batch_size
+        if global_batch == -1:
+            global_batch = training.local_batch_size * world_size
+        tp_degrees = _tensor_parallel_degrees(job_config, world_size, hardware.gpus_per_node)
+        for replicate, shard, tp in _sweep_layouts(world_size, hardware.gpus_per_node, tp_degrees):
+            data_parallel = replicate * shard
+            if global_batch % data_parallel:
+                skipped.append(
+                    f"skipped {world_size} GPUs {replicate} x {shard} x {tp}: the global batch of {global_batch} "
+                    f"sequences does not split over {data_parallel} data-parallel ranks"
+                )
+                continue
+            layout = _with_layout(job_config, replicate, shard, tp, global_batch // data_parallel)
+            results.append(estimate_one(layout, world_size, hardware, options, cache))
+    return results, skipped
 
 
 def run(argv: list[str]) -> int:
@@ -227,16 +376,14 @@ def run(argv: list[str]) -> int:
         f"local batch {job_config.training.local_batch_size}"
     )
     if options.sweep:
-        results, cache = [], {}
-        for world_size in SWEEP_SIZES:
-            layouts = [(1, world_size)]
-            if world_size > hardware.gpus_per_node and world_size % hardware.gpus_per_node == 0:
-                layouts.append((world_size // hardware.gpus_per_node, hardware.gpus_per_node))
-            for replicate, shard in layouts:
-                results.append(
-                    estimate_one(_with_layout(job_config, replicate, shard), world_size, hardware, options, cache)
-                )
-        print(json.dumps(results, indent=2) if options.json else f"{model} on {hardware.name}\n" + _sweep_rows(results))
+        results, skipped = sweep(job_config, hardware, options)
+        if options.json:
+            print(json.dumps(results, indent=2))
+        else:
+            global_batch = job_config.training.global_batch_size
+            held = "local batch x GPUs" if global_batch == -1 else f"{global_batch} sequences"
+            print(f"{model} on {hardware.name}; global batch held at {held}, no accumulation")
+            print("\n".join([_sweep_rows(results), *skipped, "", *_sweep_verdicts(results)]))
         return 0
     try:
         world_size = _world_size(options, hardware)

@@ -37,12 +37,22 @@ def test_throughput_quick_prints_the_table_and_the_key_ratio():
 
 def test_memory_scaling_quick_prints_every_rank_and_the_worst_ratio():
     lines = _run("memory_scaling.py", "--quick")
-    rows = [line for line in lines if line.startswith("| debug (5.3 M) |")]
-    assert len(rows) == 3, lines  # 1 rank + 2 ranks
+    rows = [line.rstrip(" |").split(" | ") for line in lines if line.startswith("| debug (5.3 M) |")]
+    assert [(row[1], row[2]) for row in rows] == [("1", "single"), ("2", "FSDP 2"), ("2", "FSDP 2")] + [
+        ("2", "TP 2")
+    ] * 2, lines
+    # Bytes, unlike timings, are deterministic: the debug model shards evenly over 2 ranks.
+    ratios = {row[2]: float(row[9]) for row in rows}
+    assert 0.99 < ratios["FSDP 2"] < 1.01, lines
+    # TP 2 alone: within 1% but for the embedding's gradient, which DTensor returns whole.
+    note = next(line for line in lines if line.startswith("note: debug, TP 2: rank 0 holds "))
+    assert 0.99 < float(note.rsplit(" ", 1)[1]) < 1.01 < ratios["TP 2"], note
+    # The estimator (a fake process group in the parent) gives every rank's bytes exactly.
+    assert all(row[10] == row[7] for row in rows), lines
+    assert "estimator vs measured, every rank of every layout: largest difference 0 bytes" in lines
     assert lines[-1].startswith("worst per-rank param+grad+optimizer bytes / (total / world size) = "), lines
     worst = float(lines[-1].split(" = ")[1].split()[0])
-    # Bytes, unlike timings, are deterministic: the debug model shards evenly over 2 ranks.
-    assert 0.99 < worst < 1.01, lines[-1]
+    assert worst == ratios["TP 2"], lines[-1]
 
 
 def test_gpu_mfu_skips_without_a_gpu_or_runs_briefly_with_one():

@@ -1,12 +1,21 @@
 """The step-time model (titanlite.estimate.step_time) and the hardware table
 (titanlite.estimate.hardware): the roofline threshold C / W (compute over communication bandwidth), FSDP vs HSDP traffic
-worked out by hand, the link each group uses, the verdict, and the error messages."""
+worked out by hand, TP's collectives against what DTensor really sends, the link each group uses, the verdict, and
+the error messages."""
 
 import dataclasses
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanlite.config import JobConfig
+from tests.helpers import TINY
+from titanlite.config import JobConfig, parse_args
 from titanlite.estimate import (
     HARDWARE,
     estimate_for_job_config,
@@ -15,8 +24,12 @@ from titanlite.estimate import (
     parse_hardware_overrides,
     threshold_tokens_per_device,
 )
+from titanlite.estimate.communication import recomputed_collective_blocks, ring_bytes, tensor_parallel_bytes
+from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
+from titanlite.parallel import loss_context
+from titanlite.plan import build_model, plan_run
 
 LLAMA2_7B = LLAMA2_FLAVORS["7B"]
 N_7B = count_params(LLAMA2_7B)  # every parameter, embedding included: FSDP moves them all
@@ -360,3 +373,164 @@ def test_estimate_from_a_job_config():
     config.training.global_batch_size = 20
     with pytest.raises(ValueError, match="must be a multiple"):
         estimate_for_job_config(config, world_size=4, hardware="a100")
+
+
+# --- tensor parallelism --------------------------------------------------------------------
+
+
+class _CollectiveBytes(TorchDispatchMode):
+    """Bytes this rank sends in DTensor's collectives (ring volumes, as the estimator counts
+    them). DTensor runs first (NotImplemented), so the mode sees the collectives it issues."""
+
+    ROUNDS = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1, "all_reduce": 2}
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        if func.namespace != "_c10d_functional" or name not in self.ROUNDS:
+            return out
+        size, n = args[0].numel() * args[0].element_size(), _resolve_process_group(args[-1]).size()
+        # An all-gather's input is this rank's piece, a reduce-scatter's or all-reduce's the whole.
+        self.sent += size * (n - 1) if name == "all_gather_into_tensor" else self.ROUNDS[name] * ring_bytes(size, n)
+        return out
+
+
+def _measured_tp_bytes(world_size: int, argv: list[str]) -> tuple[float, float]:
+    """(bytes this rank sent in TP's collectives during one forward + backward of the tiny
+    model on a fake process group, the norms' gradient reductions among them)."""
+    config = parse_args(["--model.name=llama3", "--model.flavor=tiny", *argv])
+    plan = plan_run(config, world_size)
+    _clear_sharding_prop_cache()  # DTensor's cache would carry meshes across fake groups
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        model = build_model(config, plan, plan.parallel_dims.build_mesh("cpu"), device="cpu")
+        tokens = torch.randint(0, TINY.vocab_size, (config.training.local_batch_size, config.training.seq_len))
+        with _CollectiveBytes() as sent, loss_context(plan.parallel_dims, config):
+            cross_entropy_sum(model(tokens), tokens).backward()
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+    norms = sum(1 for p in model.parameters() if p.dim() == 1)
+    # Under FSDP the norms' gradients, partial sums over the TP group, are all-reduced in
+    # backward (without FSDP clipping does it): 2L + 1 vectors, which the estimator leaves out.
+    norm_reductions = norms * 2 * ring_bytes(TINY.dim * 4, 2) if plan.parallel_dims.fsdp_applied else 0.0
+    return sent.sent, norm_reductions
+
+
+@pytest.mark.parametrize(
+    "world_size, options",
+    [
+        (2, {"activation_checkpoint.mode": "none"}),
+        (2, {"activation_checkpoint.mode": "full", "parallelism.enable_sequence_parallel": "false"}),
+        (2, {"activation_checkpoint.selective_ac_option": "op", "parallelism.disable_loss_parallel": "true"}),
+        (2, {"activation_checkpoint.selective_ac_option": "2", "parallelism.enable_sequence_parallel": "false"}),
+        (4, {"activation_checkpoint.mode": "full"}),  # FSDP 2 x TP 2
+    ],
+)
+def test_tensor_parallel_bytes_are_what_dtensor_sends(world_size, options):
+    """The estimator's TP volumes against the collectives the real TP plan issues (float32, so
+    the activations are 4 bytes), per block, recomputation, embedding/output and logits."""
+    settings = {"training.seq_len": "16", "training.local_batch_size": "2", "training.mixed_precision_param": "float32"}
+    settings |= {"parallelism.tensor_parallel_degree": "2", **options}
+    config = parse_args([f"--{key}={value}" for key, value in settings.items()])
+    measured, norm_reductions = _measured_tp_bytes(world_size, [f"--{k}={v}" for k, v in settings.items()])
+    parallelism, ac = config.parallelism, config.activation_checkpoint
+    expected = tensor_parallel_bytes(
+        TINY,
+        tokens=2 * 16,
+        activation_bytes=4,
+        tp=2,
+        sequence_parallel=parallelism.enable_sequence_parallel,
+        loss_parallel=not parallelism.disable_loss_parallel,
+        recomputed_blocks=recomputed_collective_blocks(TINY.n_layers, ac.mode, ac.selective_ac_option),
+    )
+    assert measured - norm_reductions == pytest.approx(expected)
+
+
+def test_tp_8_traffic_by_hand():
+    """Llama 3 8B, seq 8192, one sequence per data-parallel rank, TP 2 x FSDP 4 in one node,
+    no recomputation: the TP group splits the FLOPs and the weights FSDP moves."""
+    args = LLAMA3_FLAVORS["8B"]
+    n = count_params(args)
+    result = estimate(model_args=args, seq_len=8192, dp_shard=4, tp=2, ac_mode="none", reshard_after_forward="always")
+    assert (result.strategy, result.world_size, result.tp_link, result.shard_link) == (
+        "FSDP + TP",
+        8,
+        "intra-node",
+        "intra-node",
+    )
+    activation = 8192 * 4096 * 2  # one [1, 8192, 4096] bf16 activation
+    per_block, ends, loss_parallel = 8 * activation, 4 * activation, 3 * 2 * 8192 * 4
+    assert result.tp_bytes == pytest.approx((32 * per_block + ends + loss_parallel) / 2)
+    assert result.tp_s == pytest.approx(result.tp_bytes / 450e9)
+    # FSDP over 4 moves each device's half of the weights: gathered twice (bf16), reduced once (fp32).
+    assert result.all_gather_bytes == pytest.approx(2 * n / 2 * 2 * 3 / 4)
+    assert result.reduce_scatter_bytes == pytest.approx(n / 2 * 4 * 3 / 4)
+    assert result.tokens_per_device_per_step == 4096
+    assert result.compute_s == pytest.approx(flops_per_token(args, 8192) * 4096 / (989e12 * 0.5))
+    # TP's collectives wait between the matmuls: added to compute, then FSDP overlaps both.
+    data_parallel = result.all_gather_s + result.reduce_scatter_s + result.all_reduce_s
+    assert result.step_s == pytest.approx(max(result.compute_s + result.tp_s, data_parallel) + data_parallel / 33)
+    assert result.comm_s == pytest.approx(data_parallel + result.tp_s)
+    # Async TP hides them under the matmuls.
+    hidden = estimate(
+        model_args=args, seq_len=8192, dp_shard=4, tp=2, ac_mode="none", reshard_after_forward="always", async_tp=True
+    )
+    assert hidden.step_s == pytest.approx(max(result.compute_s, data_parallel) + data_parallel / 33)
+
+
+def test_without_loss_parallel_the_logits_are_gathered():
+    args = LLAMA3_FLAVORS["8B"]
+    with_loss_parallel = estimate(model_args=args, seq_len=8192, dp_shard=1, tp=8)
+    gathered = estimate(model_args=args, seq_len=8192, dp_shard=1, tp=8, loss_parallel=False)
+    logits = 8192 * 128256 * 2 * 7 / 8  # bf16 [8192, 128256] logits, all-gathered over 8
+    assert gathered.tp_bytes - with_loss_parallel.tp_bytes == pytest.approx(logits - 3 * 2 * 8192 * 4 * 7 / 8)
+    # Sequence parallel changes which collectives, not their bytes (recomputation aside).
+    no_recompute = dict(model_args=args, seq_len=8192, dp_shard=1, tp=8, ac_mode="none")
+    assert estimate(**no_recompute).tp_bytes == estimate(**no_recompute, sequence_parallel=False).tp_bytes
+
+
+@pytest.mark.parametrize(
+    "replicate, shard, tp, gpus_per_node, links",
+    [
+        (1, 4, 2, 8, ("intra-node", "none", "intra-node")),  # 8 GPUs, one node
+        (1, 32, 2, 8, ("inter-node", "none", "intra-node")),  # FSDP across 8 nodes, TP pairs inside
+        (8, 4, 2, 8, ("intra-node", "inter-node", "intra-node")),  # HSDP + TP: only replicas cross
+        (8, 1, 8, 8, ("none", "inter-node", "intra-node")),  # DDP + TP 8: one TP group per node
+        (1, 2, 8, 4, ("inter-node", "none", "inter-node")),  # TP 8 on 4-GPU nodes straddles two
+    ],
+)
+def test_link_choice_with_tensor_parallelism(replicate, shard, tp, gpus_per_node, links):
+    result = estimate(
+        model_args=LLAMA3_FLAVORS["8B"], dp_replicate=replicate, dp_shard=shard, tp=tp, gpus_per_node=gpus_per_node
+    )
+    assert (result.shard_link, result.replicate_link, result.tp_link) == links
+
+
+def test_tensor_parallel_degree_must_suit_the_model_and_the_world():
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree \(3\) must divide the model's attention heads"):
+        estimate(dp_shard=1, tp=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree \(16\) must divide the model's key/value heads"):
+        estimate(model_args=LLAMA3_FLAVORS["8B"], dp_shard=1, tp=16)
+    with pytest.raises(ValueError, match=r"must divide the world size \(12\)"):
+        estimate(dp_shard=-1, tp=8, world_size=12)
+    with pytest.raises(ValueError, match="tp must be a positive integer"):
+        estimate(tp=0)
+
+
+def test_estimate_from_a_job_config_with_tensor_parallelism():
+    config = JobConfig()  # llama3 debugmodel: 16 heads, 4 key/value heads
+    config.parallelism.tensor_parallel_degree = 4
+    config.parallelism.disable_loss_parallel = True
+    config.parallelism.enable_sequence_parallel = False
+    result = estimate_for_job_config(config, world_size=8, hardware="h100")
+    assert (result.strategy, result.dp_shard, result.tp) == ("FSDP + TP", 2, 4)
+    assert (result.sequence_parallel, result.loss_parallel, result.async_tp) == (False, False, False)
+    assert result.tokens_per_device_per_step == 8 * 2048 / 4
+    assert "x 4 TP" in result.describe()

@@ -1,5 +1,6 @@
 """The communication side of a training step's estimate: how many bytes each device sends in
-FSDP's and the replicas' collectives, and over which link (pure arithmetic, see step_time)."""
+FSDP's, the replicas' and tensor parallelism's collectives, and over which link (pure
+arithmetic, see step_time)."""
 
 import math
 
@@ -69,19 +70,80 @@ def replicate_all_reduce_bytes(params: int, reduce_bytes: int, dp_shard: int, dp
     return 2 * ring_bytes(params / dp_shard * reduce_bytes, dp_replicate)
 
 
-def group_spans_nodes(dp_replicate: int, dp_shard: int, gpus_per_node: int, dim: str) -> bool:
-    """Whether any group of mesh dimension ``dim`` ("shard" or "replicate") has ranks on
-    two nodes. Ranks fill the (replicate, shard) mesh row by row, rank = i x s + j, and
-    nodes hold consecutive ranks, so a group spans nodes when its first and last rank
-    sit on different nodes: shard groups are s consecutive ranks, replicate groups have
-    stride s. One straddling group is enough: a collective waits for its slowest group.
+def recomputed_collective_blocks(n_layers: int, ac_mode: str, selective_ac_option: str) -> int:
+    """Blocks whose forward TP collectives activation checkpointing issues a second time:
+
+    none          -> 0
+    full          -> every block
+    selective N   -> ceil(n_layers / N) (blocks 0, N, 2N, ... as parallelize.py wraps them)
+    selective op  -> every block: only matmul and attention outputs are saved, so recomputing
+                     the norms' inputs and outputs re-runs the collectives between them
+
+    Unlike recomputed FLOPs (step_time.recompute_fraction), per-op checkpointing saves none of
+    the communication.
     """
-    g = gpus_per_node
-    if dim == "shard":
-        firsts, span = range(0, dp_replicate * dp_shard, dp_shard), dp_shard - 1
+    if ac_mode == "none":
+        return 0
+    if ac_mode == "full" or selective_ac_option == "op":
+        return n_layers
+    return math.ceil(n_layers / int(selective_ac_option))
+
+
+def tensor_parallel_bytes(
+    args: LlamaArgs,
+    tokens: int,
+    activation_bytes: int,
+    tp: int,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    recomputed_blocks: int,
+) -> float:
+    """Per-device bytes of tensor parallelism's collectives in one micro-batch (forward and
+    backward) over the TP group, for ``tokens`` tokens (the data-parallel rank's micro-batch,
+    which every rank of its TP group sees), each rank sending ``ring_bytes`` of:
+
+        a = tokens x dim x activation_bytes      one [batch, seq, dim] activation, whole
+        blocks     8 a per block: with sequence parallel an all-gather of the sequence before
+                   attention and before the FFN and a reduce-scatter after wo and after w2, and
+                   the same four reversed in backward; without it an all-reduce (2 a) after wo
+                   and after w2 in forward and before the column-wise inputs in backward: the
+                   same bytes
+        recompute  3 a (two all-gathers and the reduce-scatter after wo) or 2 a (the all-reduce
+                   after wo) per block checkpointing re-runs: the recomputation stops before the
+                   block's last collective, whose output backward does not need
+        ends       4 a: the embedding's reduce-scatter (all-reduce) of its partial lookups and,
+                   for the output projection, the all-gather of the final norm's output (in
+                   backward the reduction of its gradient), each with its mirror in backward
+        logits     loss parallel: three all-reduces of one float32 per token (the maximum, the
+                   sum of exponentials and the target's logit); without it the all-gather of
+                   the [tokens, vocab] logits in the compute dtype (its backward is a local slice)
+
+    The gradients of the norms, which TP replicates, are also summed over the TP group: 2L + 1
+    vectors of dim per micro-batch, left out (a few hundred KB).
+    """
+    activation = tokens * args.dim * activation_bytes
+    per_recomputed_block = 3 if sequence_parallel else 2
+    whole_activations = 8 * args.n_layers + per_recomputed_block * recomputed_blocks + 4
+    if loss_parallel:
+        logits = 3 * 2 * tokens * 4  # three all-reduces (2 x the bytes) of one float32 per token
     else:
-        firsts, span = range(dp_shard), (dp_replicate - 1) * dp_shard
-    return any(first // g != (first + span) // g for first in firsts)
+        logits = tokens * args.vocab_size * activation_bytes
+    return ring_bytes(whole_activations * activation + logits, tp)
+
+
+def group_spans_nodes(dp_replicate: int, dp_shard: int, tp: int, gpus_per_node: int, dim: str) -> bool:
+    """Whether any group of mesh dimension ``dim`` ("replicate", "shard" or "tp") has ranks on
+    two nodes. Ranks fill the (replicate, shard, tp) mesh row by row, rank = (i x s + j) x t + k,
+    and nodes hold consecutive ranks: a TP group is t consecutive ranks, a shard group has
+    stride t, a replicate group stride s x t. A group spans nodes when its first and last rank
+    sit on different nodes (the ranks between them lie between). One straddling group is
+    enough: a collective waits for its slowest group.
+    """
+    size = {"replicate": dp_replicate, "shard": dp_shard, "tp": tp}[dim]
+    stride = {"replicate": dp_shard * tp, "shard": tp, "tp": 1}[dim]
+    span = (size - 1) * stride
+    firsts = (rank for rank in range(dp_replicate * dp_shard * tp) if rank // stride % size == 0)
+    return any(first // gpus_per_node != (first + span) // gpus_per_node for first in firsts)
 
 
 def link(hardware: Hardware, group_size: int, spans_nodes: bool) -> tuple[str, float]:

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.parallel.parallel_dims import MESH_DIMS
 from titanlite.plan import RunPlan, meta_model
+
+# The mesh dimension tensor parallelism splits layers over (the last: its ranks are consecutive).
+TP_DIM = MESH_DIMS[-1]
 
 
 @dataclass(frozen=True)
@@ -23,28 +28,50 @@ class ModelStateBytes:
 
 
 def _shard_rows(rows: int, shards: int, rank: int) -> tuple[int, int]:
-    """(padded, actual) dim-0 rows of ``rank``'s shard: FSDP splits dim 0 like torch.chunk
-    and pads every shard's storage to the first (largest) one."""
+    """(padded, actual) rows of ``rank``'s piece when ``rows`` are split over ``shards``: FSDP on
+    dim 0 and DTensor alike split like torch.chunk (the first ranks get the larger pieces);
+    FSDP pads every shard's storage to the first (largest) one, DTensor pads nothing."""
     padded = math.ceil(rows / shards)
     return padded, max(0, min(padded, rows - rank * padded))
 
 
-def exact_model_state_bytes(
-    model: nn.Module, shards: int, optimizer_name: str = "AdamW", rank: int = 0
-) -> ModelStateBytes:
-    """Parameters, gradients and Adam state of one rank, computed from the parameter shapes
-    of an unsharded (e.g. meta) model.
+def tensor_parallel_shape(param: torch.Tensor, tp_rank: int = 0) -> tuple[int, ...]:
+    """The shape of ``tp_rank``'s piece of ``param`` once tensor parallelism has split it, before
+    FSDP shards it further, read from the parameter's own placements: a DTensor placed Shard(d)
+    on the mesh's tensor-parallel dimension keeps its piece of dimension d; a DTensor replicated
+    over that dimension (the norms), one without it, or a plain (e.g. meta) tensor keeps its
+    whole shape. FSDP's placements on the data-parallel dimensions are left to the caller."""
+    shape = list(param.shape)
+    if isinstance(param, DTensor):
+        names = param.device_mesh.mesh_dim_names or ()
+        if TP_DIM in names:
+            mesh_dim = names.index(TP_DIM)
+            placement = param.placements[mesh_dim]
+            if placement.is_shard():
+                _, shape[placement.dim] = _shard_rows(shape[placement.dim], param.device_mesh.size(mesh_dim), tp_rank)
+    return tuple(shape)
 
-    FSDP keeps each sharded parameter, and the gradient reduce-scattered into it, in a
-    storage padded to the largest shard; Adam's moments are ``zeros_like`` the parameter's
-    local shard, so they are not padded; its step counter is one float32 per parameter.
+
+def exact_model_state_bytes(
+    model: nn.Module, shards: int, optimizer_name: str = "AdamW", rank: int = 0, tp_rank: int = 0
+) -> ModelStateBytes:
+    """Parameters, gradients and Adam state of one rank, by arithmetic on parameter shapes:
+    those of an unsharded (e.g. meta) model, or of a parallelised one, whose tensor-parallel
+    placements say which parameters TP split (see tensor_parallel_shape). ``rank`` is the
+    rank's index in the FSDP shard group, ``tp_rank`` in the TP group.
+
+    FSDP shards dim 0 of each (TP-split) parameter over ``shards`` ranks and keeps the shard,
+    and the gradient reduce-scattered into it, in a storage padded to the largest shard; Adam's
+    moments are ``zeros_like`` the parameter's local shard, so they are not padded; its step
+    counter is one float32 per parameter. Gradients are counted in their parameter's layout.
     """
     if optimizer_name not in ("AdamW", "Adam"):
         raise ValueError(f"no arithmetic for optimizer {optimizer_name}")
     padded_bytes = local_bytes = count = 0
     for param in model.parameters():
-        row_elems = param.numel() // param.shape[0] if param.dim() else 1
-        padded, actual = _shard_rows(param.shape[0], shards, rank) if param.dim() else (1, 1)
+        shape = tensor_parallel_shape(param, tp_rank)
+        row_elems = math.prod(shape[1:])  # 1 for a scalar, which FSDP does not split
+        padded, actual = _shard_rows(shape[0], shards, rank) if shape else (1, 1)
         padded_bytes += padded * row_elems * param.element_size()
         local_bytes += actual * row_elems * param.element_size()
         count += 1
@@ -70,16 +97,26 @@ def step_floor_bytes(
     seq_len: int,
     compute_bytes: int,
     cpu_offload: bool,
+    tp: int = 1,
+    loss_parallel: bool = True,
 ) -> dict[str, int]:
     """What one rank surely holds at once during a step, by arithmetic on Python ints (no
     tensor is made, so any batch size is safe to ask about): the sharded weights and Adam
     state (unless offloaded), and the logits in the compute dtype beside the float32
     log-probabilities the loss keeps for backward. The real peak is higher (activations,
-    gradients, all-gathered units); scripts/estimate.py simulates it."""
+    gradients, all-gathered units); scripts/estimate.py simulates it.
+
+    With tensor parallelism over ``tp`` ranks the model (unsharded: nothing in it says which
+    parameters TP splits) is taken as split ``tp`` ways on top of the FSDP shards. For a matrix
+    that is what rank 0 holds when the dimensions divide evenly and less otherwise; the norms,
+    which TP replicates, are counted low; so the figure stays a floor. Under loss parallel
+    each rank holds its vocabulary slice of the logits, else all of them.
+    """
     state = exact_model_state_bytes(model, shards)
+    vocab_per_rank = math.ceil(vocab_size / tp) if loss_parallel else vocab_size
     return {
-        "weights and Adam state": 0 if cpu_offload else state.parameters + state.optimizer_state,
-        "logits": local_batch_size * seq_len * vocab_size * (compute_bytes + 4),
+        "weights and Adam state": 0 if cpu_offload else (state.parameters + state.optimizer_state) // tp,
+        "logits": local_batch_size * seq_len * vocab_per_rank * (compute_bytes + 4),
     }
 
 
@@ -100,6 +137,8 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
         training.seq_len,
         compute_bytes,
         training.enable_cpu_offload,
+        parallel_dims.tp,
+        loss_parallel=not job_config.parallelism.disable_loss_parallel,
     )
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
@@ -112,8 +151,12 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
         key = f"training.local_batch_size {training.local_batch_size} (x seq_len {training.seq_len})"
         fix = "lower training.local_batch_size (training.global_batch_size keeps the batch through accumulation)"
     else:
-        key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s)"
-        fix = "shard over more ranks (parallelism.data_parallel_shard_degree) or offload (training.enable_cpu_offload)"
+        tp = f" x {parallel_dims.tp} tensor-parallel rank(s)" if parallel_dims.tp > 1 else ""
+        key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s){tp}"
+        fix = (
+            "shard over more ranks (parallelism.data_parallel_shard_degree, parallelism.tensor_parallel_degree) "
+            "or offload (training.enable_cpu_offload)"
+        )
     raise ConfigError(
         f"{key}: one rank needs at least {_gib(needed)} ({parts}), more than {what} holds "
         f"({_gib(available)}); {fix}. scripts/estimate.py estimates the whole step"

@@ -2,19 +2,26 @@
 
 ``estimate_memory(job_config, world_size)`` pretends to be rank 0 of ``world_size`` ranks:
 a fake process group (collectives do nothing), the model built on meta and parallelised by
-the registry's own parallelize function (the config's activation checkpointing, FSDP
-layout and mixed-precision policy), then materialised as fake tensors (shapes, dtypes and
-storage sizes, no data). One training step (forward, summed cross-entropy, backward,
-gradient clipping, optimizer step) runs on a fake ``[local_batch_size, seq_len]`` batch under
-PyTorch's ``FSDPMemTracker``, which files every storage under a category and records the
-peak. Rank 0 holds the largest shard when a dimension does not split evenly, so its
-figures are the most any rank needs.
+the registry's own parallelize function (the config's tensor parallelism, activation
+checkpointing, FSDP layout and mixed-precision policy, on the run's 1-, 2- or 3-D mesh),
+then materialised as fake tensors (shapes, dtypes and storage sizes, no data). One training
+step (forward, summed cross-entropy, backward, gradient clipping, optimizer step) runs on a
+fake ``[local_batch_size, seq_len]`` batch under PyTorch's ``FSDPMemTracker``, which files
+every storage under a category and records the peak; under tensor parallelism the loss runs
+under loss parallel as in the trainer. Rank 0 holds the largest shard when a dimension does
+not split evenly, so its figures are the most any rank needs.
+
+With tensor parallelism a parameter is split by TP and then by FSDP, so each rank holds about
+1 / (dp_shard x tp) of it; the norms, which TP replicates, only 1 / dp_shard. Activations are
+the rank's own: with sequence parallelism the residual stream is split along the sequence,
+the attention and FFN inputs are all-gathered (counted as they are held).
 
 What each figure means (bytes on one rank):
 
 * ``parameters``: the sharded parameters (FSDP's padded shard storage, in the parameter
   dtype, float32 for the master weights).
-* ``gradients``: the sharded gradients once backward is done.
+* ``gradients``: the sharded gradients once backward is done, in the layout they really get
+  (a gradient can be held larger than its parameter; see the notes).
 * ``optimizer_state``: the tensors in ``optimizer.state`` (Adam: two moments plus a
   one-element step counter per parameter).
 * ``activations``: the largest amount the tracker files as "Activation" during the step:
@@ -52,20 +59,22 @@ import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import ConfigError, JobConfig
-from titanlite.estimate.floor import ModelStateBytes, exact_model_state_bytes
+from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes
 from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_step
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
-from titanlite.parallel import compute_context
-from titanlite.plan import build_model, meta_model, plan_run
+from titanlite.parallel import compute_context, loss_context
+from titanlite.plan import build_model, plan_run
 
 
 class EstimateError(RuntimeError):
@@ -84,6 +93,8 @@ class MemoryEstimate:
 
     world_size: int
     strategy: str
+    dp_shard: int  # FSDP shards of each parameter
+    tp: int  # tensor-parallel ranks each matrix is split over first
     device_type: str
     local_batch_size: int
     seq_len: int
@@ -103,8 +114,9 @@ class MemoryEstimate:
         """A short human-readable report, one line per figure."""
         gib = 2**30
         out = [
-            f"memory per rank ({self.strategy}, {self.world_size} rank(s), batch {self.local_batch_size} x "
-            f"{self.seq_len}, {self.num_params / 1e9:.2f} B params): peak {self.peak_bytes / gib:.2f} GiB",
+            f"memory per rank ({self.strategy}, {self.world_size} rank(s), {self.dp_shard} shard(s) x tp {self.tp}, "
+            f"batch {self.local_batch_size} x {self.seq_len}, {self.num_params / 1e9:.2f} B params): "
+            f"peak {self.peak_bytes / gib:.2f} GiB",
         ]
         for name in CATEGORIES:
             out.append(f"  {name:<16} {self.peak[name] / gib:8.2f} GiB at the peak")
@@ -135,22 +147,28 @@ def _without_compile(job_config: JobConfig) -> JobConfig:
 
 
 @contextlib.contextmanager
-def _fake_process_group(world_size: int):
-    """Rank 0 of a fake process group of ``world_size`` ranks, destroyed on the way out."""
+def _fake_process_group(world_size: int, rank: int):
+    """Rank ``rank`` of a fake process group of ``world_size`` ranks, destroyed on the way out."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     if world_size == 1:
         yield
         return
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    # DTensor caches its sharding decisions by mesh layout, not by process group: a cached
+    # output would carry the mesh (and group names) of an earlier, destroyed group into this
+    # one, or of this fake group into the caller's next real one. Forget them both ways.
+    _clear_sharding_prop_cache()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()
 
 
-def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "cuda") -> MemoryEstimate:
-    """Estimate rank 0's memory for one training step of ``job_config`` on ``world_size`` ranks.
+def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "cuda", rank: int = 0) -> MemoryEstimate:
+    """Estimate one rank's memory for one training step of ``job_config`` on ``world_size`` ranks:
+    rank 0's by default, which holds the largest shards, i.e. the most any rank needs.
 
     Runs in the calling process with a fake process group and fake tensors: nothing of the
     model's size is allocated. Raises EstimateError when a real process group is already
@@ -163,6 +181,8 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
         )
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, not {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank {rank} is not one of the {world_size} rank(s)")
     start = time.perf_counter()
     notes = []
     if job_config.compile.enable:
@@ -176,7 +196,7 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
             f"{accumulation} micro-batches per step: measured the last, with the earlier ones' gradients resident"
         )
 
-    with _fake_process_group(world_size):
+    with _fake_process_group(world_size, rank):
         # The mesh is a CPU one: the fake backend serves any device, and CPU fake tensors
         # need no accelerator in this process. Byte counts do not depend on the device.
         mesh = parallel_dims.build_mesh("cpu")
@@ -192,26 +212,58 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
                 for _ in range(2)
             )
             context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
-            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context)
+            losses = partial(loss_context, parallel_dims, job_config)
+            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
+        notes.extend(_larger_gradients(model))
+        # The arithmetic reads which parameters TP split from the model's own placements.
+        shard_rank, tp_rank = _mesh_coordinates(mesh)
+        exact = exact_model_state_bytes(model, parallel_dims.dp_shard, job_config.optimizer.name, shard_rank, tp_rank)
+        num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
 
     peak, measured, activations = fold_step(step)
     _add_untracked(peak, ema_bytes, training.enable_cpu_offload, notes)
-    shards = parallel_dims.dp_shard if parallel_dims.world_size > 1 else 1
-    reference = meta_model(job_config, plan.model_args)  # unsharded, for the arithmetic
     return MemoryEstimate(
         world_size=world_size,
         strategy=parallel_dims.strategy,
+        dp_shard=parallel_dims.dp_shard,
+        tp=parallel_dims.tp,
         device_type=device_type,
         local_batch_size=training.local_batch_size,
         seq_len=training.seq_len,
         peak=peak,
         activations=activations,
         measured=measured,
-        exact=exact_model_state_bytes(reference, shards, job_config.optimizer.name),
-        num_params=sum(p.numel() for p in reference.parameters()),
+        exact=exact,
+        num_params=num_params,
         seconds=time.perf_counter() - start,
         notes=notes,
     )
+
+
+def _mesh_coordinates(mesh) -> tuple[int, int]:
+    """(index in the FSDP shard group, index in the TP group) of this rank; 0 without them."""
+    if mesh is None:
+        return 0, 0
+    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+    return coordinate.get("dp_shard", 0), coordinate.get(TP_DIM, 0)
+
+
+def _larger_gradients(model: nn.Module) -> list[str]:
+    """A note for each parameter whose gradient this rank holds larger than the parameter
+    itself: the tracked gradients then exceed the arithmetic, which counts every gradient in
+    its parameter's layout. (Under TP without FSDP the vocabulary-split embedding's gradient
+    comes back whole: DTensor's embedding backward has no vocabulary-split strategy.)"""
+    notes = []
+    for name, param in model.named_parameters():
+        if param.grad is None or _local(param.grad).numel() <= _local(param).numel():
+            continue
+        grad, local = _local(param.grad), _local(param)
+        extra = (grad.numel() - local.numel()) * grad.element_size()
+        notes.append(
+            f"the gradient of {name} is held as {list(grad.shape)}, its parameter as {list(local.shape)}: "
+            f"{extra / 2**20:,.2f} MiB more than the arithmetic counts"
+        )
+    return notes
 
 
 def _add_untracked(peak: dict[str, int], ema_bytes: int, cpu_offload: bool, notes: list[str]) -> None:
@@ -273,7 +325,8 @@ def measure_real_memory(job_config: JobConfig) -> dict[str, int]:
         for _ in range(2)
     )
     context = compute_context(plan.parallel_dims, training.mixed_precision_param, "cpu")
-    step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context)
+    losses = partial(loss_context, plan.parallel_dims, job_config)
+    step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
     peak, _, activations = fold_step(step)
     params = list(model.parameters())
     return {

@@ -1,6 +1,6 @@
-"""An analytic model of one training step under FSDP / HSDP / DDP: compute time,
-communication time, which of the two bounds the step, and the throughput and MFU that
-follow. Pure arithmetic: nothing is built, nothing runs on a device.
+"""An analytic model of one training step under FSDP / HSDP / DDP, with or without tensor
+parallelism: compute time, communication time, which of the two bounds the step, and the
+throughput and MFU that follow. Pure arithmetic: nothing is built, nothing runs on a device.
 
 The roofline rule it reproduces (data parallelism and FSDP alike, since an all-reduce
 is an all-gather plus a reduce-scatter): a step is compute-bound when the tokens each
@@ -23,6 +23,12 @@ Assumptions (each is also stated where it is used):
   * FSDP overlaps communication with compute (prefetching the next unit's all-gather,
     reduce-scattering while the previous unit's backward runs), so a step takes
     max(compute, communication) plus the part that nothing can hide.
+  * Tensor parallelism splits every matmul (and attention, by heads) over the t ranks of a
+    TP group, which see the same batch: each device does 1/t of its data-parallel rank's
+    FLOPs and holds 1/t of the weights FSDP gathers. TP's collectives sit between the
+    matmuls that need their results, so they add to the compute time (async TP, which
+    overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
+    TP groups are consecutive ranks, inside a node whenever t divides the GPUs per node.
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
 """
 
@@ -36,12 +42,15 @@ from titanlite.estimate.communication import (
     fsdp_bytes,
     group_spans_nodes,
     link,
+    recomputed_collective_blocks,
     regathered_params,
     replicate_all_reduce_bytes,
+    tensor_parallel_bytes,
 )
 from titanlite.estimate.hardware import Hardware, get_hardware
 from titanlite.metrics.flops import count_params, flops_per_token, mfu, param_counts
 from titanlite.models.llama.args import LlamaArgs
+from titanlite.parallel import tensor_parallel_problem
 from titanlite.parallel.parallel_dims import ParallelDims
 
 # Fraction of the peak a well-tuned bf16 transformer step reaches on its matmuls
@@ -58,35 +67,42 @@ class StepTimeEstimate:
     """What one optimizer step costs on each device. Bytes are those one device sends,
     summed over the step (all micro-batches); seconds are per step."""
 
-    strategy: str  # "single process", "FSDP", "DDP" or "HSDP" (ParallelDims.strategy)
+    strategy: str  # "single process", "FSDP", "DDP", "HSDP", "TP", "FSDP + TP", ... (ParallelDims.strategy)
     dp_replicate: int
     dp_shard: int
     world_size: int
+    tp: int  # ranks each layer is split over; tokens and FLOPs below are per device
     hardware: Hardware
     efficiency: float
     # compute
     flops_per_token: int  # model FLOPs (forward + backward), what MFU counts
     recompute_flops_per_token: float  # forward FLOPs redone by activation checkpointing
-    tokens_per_device_per_micro_batch: int
-    tokens_per_device_per_step: int
+    tokens_per_device_per_micro_batch: float  # the data-parallel rank's tokens / tp
+    tokens_per_device_per_step: float
     compute_s: float
     # communication
     all_gather_bytes: float  # FSDP parameter all-gathers (forward + backward re-gathers)
     reduce_scatter_bytes: float  # FSDP gradient reduce-scatters
     all_reduce_bytes: float  # HSDP/DDP gradient all-reduce across replicas
+    tp_bytes: float  # TP's activation collectives (and the logits' with or without loss parallel)
     shard_link: str  # "intra-node", "inter-node" or "none" (a group of one)
     replicate_link: str
+    tp_link: str
     all_gather_s: float
     reduce_scatter_s: float
     all_reduce_s: float
-    comm_s: float
-    exposed_comm_s: float  # communication no compute can hide
-    overlapped: bool  # communication assumed to run under compute
+    tp_s: float
+    comm_s: float  # all of it: data-parallel and TP
+    exposed_comm_s: float  # communication no compute can hide (TP's, unless async, and FSDP's ends)
+    overlapped: bool  # data-parallel communication assumed to run under compute
+    sequence_parallel: bool
+    loss_parallel: bool
+    async_tp: bool
     step_s: float
     # verdict
     verdict: str  # "compute-bound" or "communication-bound"
     threshold_tokens_per_device: float | None  # the compute-to-communication ratio C / W; None with no communication
-    break_even_tokens_per_device: float  # per micro-batch, where compute_s == comm_s here
+    break_even_tokens_per_device: float  # per micro-batch, where compute equals the data-parallel communication
     tokens_per_second_per_device: float
     mfu_percent: float
 
@@ -94,17 +110,19 @@ class StepTimeEstimate:
         """A few human-readable lines, for a command-line report."""
         hw = self.hardware
         threshold = "n/a" if self.threshold_tokens_per_device is None else f"{self.threshold_tokens_per_device:,.0f}"
+        tp = f" x {self.tp} TP" if self.tp > 1 else ""
         return "\n".join(
             [
-                f"{self.strategy}: {self.dp_replicate} replica(s) x {self.dp_shard} shard(s) "
+                f"{self.strategy}: {self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
                 f"on {self.world_size} {hw.name}",
-                f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,} tokens/device/step, "
+                f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
                 f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
                 f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
                 f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
                 f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
-                f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms",
-                f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,} tokens/device/micro-batch vs "
+                f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms; "
+                f"TP {self.tp_bytes / 1e9:.2f} GB over {self.tp_link} -> {self.tp_s * 1e3:.1f} ms",
+                f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch vs "
                 f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
                 f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
                 f"MFU {self.mfu_percent:.1f}%",
@@ -204,20 +222,22 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None) -> ParallelDims:
-    """Degrees to ParallelDims: each positive or -1 (at most one -1, which needs world_size);
-    ParallelDims.resolve reports a product that does not match the world size."""
+def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1) -> ParallelDims:
+    """Degrees to ParallelDims: the data-parallel ones positive or -1 (at most one -1, which
+    needs world_size), tp positive; ParallelDims.resolve reports a product that does not match
+    the world size."""
     for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
         if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and degree != -1):
             raise ValueError(f"{name} must be a positive integer or -1, got {degree!r}")
+    _positive_int("tp", tp)
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError("dp_replicate and dp_shard cannot both be -1; set one of them")
     if world_size is None:
         if -1 in (dp_replicate, dp_shard):
             raise ValueError("a degree of -1 (take the ranks left over) needs world_size")
-        world_size = dp_replicate * dp_shard
+        world_size = dp_replicate * dp_shard * tp
     _positive_int("world_size", world_size)
-    return ParallelDims.resolve(dp_replicate, dp_shard, world_size)
+    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp)
 
 
 def _precision_choices(field_name: str) -> tuple[str, ...]:
@@ -262,20 +282,26 @@ def estimate_step_time(
     dp_replicate: int = 1,
     dp_shard: int = -1,
     world_size: int | None = None,
+    tp: int = 1,
     grad_accum_steps: int = 1,
     param_dtype: str = "bfloat16",
     reduce_dtype: str = "float32",
     reshard_after_forward: str = "default",
     ac_mode: str = "selective",
     selective_ac_option: str = "2",
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    async_tp: bool = False,
     efficiency: float = DEFAULT_EFFICIENCY,
     gpus_per_node: int | None = None,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
-    fp32 reductions, reshard "default", selective AC every 2nd block).
+    fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
+    sequence parallel and loss parallel on, async TP off).
 
-    hardware: a Hardware or a table name ("h100"). gpus_per_node overrides the
-    hardware's. world_size may be left out when neither degree is -1.
+    local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp
+    ranks of its group see. hardware: a Hardware or a table name ("h100"). gpus_per_node
+    overrides the hardware's. world_size may be left out when neither degree is -1.
     Raises ValueError with a one-line message for any inconsistent input.
     """
     for name, value in (
@@ -289,67 +315,85 @@ def estimate_step_time(
     if gpus_per_node is not None:
         _positive_int("gpus_per_node", gpus_per_node)
         hw = replace(hw, gpus_per_node=gpus_per_node)
-    dims = _resolve_layout(dp_replicate, dp_shard, world_size)
-    r, s = dims.dp_replicate, dims.dp_shard
+    dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp)
+    r, s, t = dims.dp_replicate, dims.dp_shard, dims.tp
+    problem = tensor_parallel_problem(model_args, t)
+    if problem is not None:
+        raise ValueError(problem)
 
-    # compute
+    # compute: a TP group shares its data-parallel rank's tokens, each device 1/t of the FLOPs
     model_flops = flops_per_token(model_args, seq_len)
     fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
     recompute = recompute_flops(model_args, model_flops, fraction)
-    micro_tokens = local_batch_size * seq_len
-    step_tokens = micro_tokens * grad_accum_steps
-    compute_s = compute_seconds(model_flops + recompute, step_tokens, hw.peak_flops, efficiency)
+    micro_tokens = local_batch_size * seq_len  # per data-parallel rank
+    device_tokens = micro_tokens * grad_accum_steps / t
+    compute_s = compute_seconds(model_flops + recompute, device_tokens, hw.peak_flops, efficiency)
 
-    # communication
+    # communication: FSDP and the replicas move each device's 1/t of the weights
     params = count_params(model_args, include_embedding=True)
     regathered = regathered_params(model_args, reshard_after_forward)
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
-    gather_b, scatter_b = fsdp_bytes(params, regathered, p_bytes, g_bytes, s, grad_accum_steps)
-    reduce_b = replicate_all_reduce_bytes(params, g_bytes, s, r)
-    shard_link, shard_bw = link(hw, s, group_spans_nodes(r, s, hw.gpus_per_node, "shard"))
-    replicate_link, replicate_bw = link(hw, r, group_spans_nodes(r, s, hw.gpus_per_node, "replicate"))
+    gather_b, scatter_b = fsdp_bytes(params / t, regathered / t, p_bytes, g_bytes, s, grad_accum_steps)
+    reduce_b = replicate_all_reduce_bytes(params / t, g_bytes, s, r)
+    recomputed_blocks = recomputed_collective_blocks(model_args.n_layers, ac_mode, selective_ac_option)
+    tp_b = grad_accum_steps * tensor_parallel_bytes(
+        model_args, micro_tokens, p_bytes, t, sequence_parallel, loss_parallel, recomputed_blocks
+    )
+    shard_link, shard_bw = link(hw, s, group_spans_nodes(r, s, t, hw.gpus_per_node, "shard"))
+    replicate_link, replicate_bw = link(hw, r, group_spans_nodes(r, s, t, hw.gpus_per_node, "replicate"))
+    tp_link, tp_bw = link(hw, t, group_spans_nodes(r, s, t, hw.gpus_per_node, "tp"))
     # Shard- and replicate-group collectives are added, not overlapped with each other:
     # FSDP issues the all-reduce after each unit's reduce-scatter, and when both groups
     # are inter-node they share the same network cards.
     gather_s, scatter_s, reduce_s = gather_b / shard_bw, scatter_b / shard_bw, reduce_b / replicate_bw
-    comm_s = gather_s + scatter_s + reduce_s
+    data_parallel_s, tp_s = gather_s + scatter_s + reduce_s, tp_b / tp_bw
+    comm_s = data_parallel_s + tp_s
 
-    step_s, exposed_s = overlapped_step_seconds(compute_s, comm_s, model_args.n_layers + 1)
-    tokens_per_s = step_tokens / step_s
-    # The threshold C / W uses the link that carries the heavy traffic: the FSDP shard group,
-    # or the replicate group for pure DDP.
+    # TP's collectives wait between matmuls (unless async TP hides them); FSDP's overlap both.
+    critical_s = max(compute_s, tp_s) if async_tp else compute_s + tp_s
+    step_s, exposed_s = overlapped_step_seconds(critical_s, data_parallel_s, model_args.n_layers + 1)
+    tokens_per_s = device_tokens / step_s
+    # The threshold C / W uses the link that carries the heavy data-parallel traffic: the FSDP
+    # shard group, or the replicate group for pure DDP.
     heavy_bw = shard_bw if s > 1 else replicate_bw
     return StepTimeEstimate(
         strategy=dims.strategy,
         dp_replicate=r,
         dp_shard=s,
         world_size=dims.world_size,
+        tp=t,
         hardware=hw,
         efficiency=efficiency,
         flops_per_token=model_flops,
         recompute_flops_per_token=recompute,
-        tokens_per_device_per_micro_batch=micro_tokens,
-        tokens_per_device_per_step=step_tokens,
+        tokens_per_device_per_micro_batch=micro_tokens / t,
+        tokens_per_device_per_step=device_tokens,
         compute_s=compute_s,
         all_gather_bytes=gather_b,
         reduce_scatter_bytes=scatter_b,
         all_reduce_bytes=reduce_b,
+        tp_bytes=tp_b,
         shard_link=shard_link,
         replicate_link=replicate_link,
+        tp_link=tp_link,
         all_gather_s=gather_s,
         reduce_scatter_s=scatter_s,
         all_reduce_s=reduce_s,
+        tp_s=tp_s,
         comm_s=comm_s,
-        exposed_comm_s=exposed_s,
+        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s),
         overlapped=True,
         step_s=step_s,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        async_tp=async_tp,
         # Compute-bound when the compute time exceeds the communication time.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         threshold_tokens_per_device=(
             None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)
         ),
         break_even_tokens_per_device=break_even_tokens(
-            comm_s, grad_accum_steps, model_flops + recompute, hw.peak_flops, efficiency
+            data_parallel_s, grad_accum_steps, model_flops + recompute, hw.peak_flops, efficiency
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
@@ -364,14 +408,18 @@ def estimate_for_job_config(
     gpus_per_node: int | None = None,
 ) -> StepTimeEstimate:
     """estimate_step_time with every input read from a JobConfig: model flavor, seq_len,
-    local and global batch (hence the accumulation steps), degrees, mixed precision,
-    reshard policy and activation checkpointing. world_size is the number of GPUs the
-    run would have; a layout that does not multiply to it is a ValueError."""
+    local and global batch (hence the accumulation steps), degrees (TP's with its sequence,
+    loss and async options), mixed precision, reshard policy and activation checkpointing.
+    world_size is the number of GPUs the run would have; a layout that does not multiply to
+    it is a ValueError."""
     from titanlite.registry import get_model_args  # the registry pulls in every model
 
     training, parallelism, ac = job_config.training, job_config.parallelism, job_config.activation_checkpoint
     dims = _resolve_layout(
-        parallelism.data_parallel_replicate_degree, parallelism.data_parallel_shard_degree, world_size
+        parallelism.data_parallel_replicate_degree,
+        parallelism.data_parallel_shard_degree,
+        world_size,
+        parallelism.tensor_parallel_degree,
     )
     _positive_int("training.local_batch_size", training.local_batch_size)
     _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
@@ -383,12 +431,16 @@ def estimate_for_job_config(
         dp_replicate=dims.dp_replicate,
         dp_shard=dims.dp_shard,
         world_size=dims.world_size,
+        tp=dims.tp,
         grad_accum_steps=accumulation,
         param_dtype=training.mixed_precision_param,
         reduce_dtype=training.mixed_precision_reduce,
         reshard_after_forward=parallelism.fsdp_reshard_after_forward,
         ac_mode=ac.mode,
         selective_ac_option=ac.selective_ac_option,
+        sequence_parallel=parallelism.enable_sequence_parallel,
+        loss_parallel=not parallelism.disable_loss_parallel,
+        async_tp=parallelism.enable_async_tensor_parallel,
         efficiency=efficiency,
         gpus_per_node=gpus_per_node,
     )

@@ -7,6 +7,7 @@ step); those are never allocated, so the trackers here ignore them.
 """
 
 import contextlib
+import gc
 from dataclasses import dataclass
 
 import torch
@@ -131,21 +132,39 @@ def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, keep_gra
         optimizer.zero_grad(set_to_none=True)
 
 
-def tracked_step(model, optimizer, batch, global_tokens: int, max_norm: float, context) -> StepMemory:
-    """One training step as the trainer runs it, under the memory tracker. The gradients are
-    left in place so that the caller can look at them."""
+@contextlib.contextmanager
+def _without_garbage_collection():
+    """As in the trainer's loop, which collects at fixed steps only: what reference cycles
+    (autograd's, collectives') hold stays until the step ends, not until the collector
+    happens to run, which would make the peak depend on allocations before the step."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def tracked_step(
+    model, optimizer, batch, global_tokens: int, max_norm: float, context, loss_context=contextlib.nullcontext
+) -> StepMemory:
+    """One training step as the trainer runs it, under the memory tracker. ``context`` is the
+    compute context (autocast or none), ``loss_context()`` what the loss and its backward run
+    under (loss parallel under TP). The gradients are left in place so that the caller can
+    look at them."""
     inputs, labels = batch
     tracker_cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
     tracker = tracker_cls(model, optimizer)
     if isinstance(tracker, FSDPMemTracker):
         tracker.track_inputs(batch)
-    with tracker.ignoring_shape_inference(), tracker:
+    with tracker.ignoring_shape_inference(), tracker, _without_garbage_collection():
         at_start = _snapshot_totals(tracker.get_tracker_snapshot())
-        with context:
-            logits = model(inputs)
-            loss = cross_entropy_sum(logits, labels) / global_tokens
-        del logits
-        loss.backward()
+        with loss_context():
+            with context:
+                logits = model(inputs)
+                loss = cross_entropy_sum(logits, labels) / global_tokens
+            del logits
+            loss.backward()
         clip_grad_norm_(model.parameters(), max_norm)
         optimizer.step()
     return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)

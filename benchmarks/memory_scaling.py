@@ -253,23 +253,6 @@ def print_table(rows: list[dict]) -> None:
             )
 
 
-def print_larger_gradients(row: dict) -> None:
-    """A note when rank 0's gradients take more bytes than its parameters (FSDP pads both
-    alike, so only a gradient held in a larger layout than its parameter does that), with the
-    ratio the rank would have if every gradient were parameter-shaped."""
-    figures = row["ranks"][0]
-    local = figures["local"]
-    extra = local["gradients"] - local["parameters"]
-    if extra <= 0:
-        return
-    shaped = dict(local, gradients=local["parameters"])
-    print(
-        f"note: {row['model']}, {_layout(row)}: rank 0 holds {extra / MIB:.3f} MiB more gradient than parameters "
-        f"(under TP without FSDP DTensor returns the vocabulary-split embedding's gradient whole); with "
-        f"parameter-shaped gradients the ratio would be {ratio(dict(figures, local=shaped)):.4f}"
-    )
-
-
 def print_ratios(rows: list[dict]) -> None:
     """The worst rank per (model, layout), the estimator's largest difference, then the worst
     ratio of all, last."""
@@ -361,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
         missing = max(figures["grads_missing"] for figures in row["ranks"])
         if missing:
             print(f"note: {row['model']}, {_layout(row)}: {missing} parameter(s) had no gradient")
-        print_larger_gradients(row)
     print_ratios(rows)
     return 0
 

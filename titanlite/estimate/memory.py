@@ -214,13 +214,18 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
             context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
             losses = partial(loss_context, parallel_dims, job_config)
             step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
-        notes.extend(_larger_gradients(model))
+        # The gradients as the step leaves them, in their parameters' layout. The tracker's own
+        # figure is their peak, which under TP alone holds the vocabulary-split embedding's
+        # gradient whole (DTensor's embedding backward has no vocabulary-split rule) until
+        # clipping slices it; that transient is in the peak, not in the resident state.
+        gradient_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
         # The arithmetic reads which parameters TP split from the model's own placements.
         shard_rank, tp_rank = _mesh_coordinates(mesh)
         exact = exact_model_state_bytes(model, parallel_dims.dp_shard, job_config.optimizer.name, shard_rank, tp_rank)
         num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
 
     peak, measured, activations = fold_step(step)
+    measured = dataclasses.replace(measured, gradients=gradient_bytes)
     _add_untracked(peak, ema_bytes, training.enable_cpu_offload, notes)
     return MemoryEstimate(
         world_size=world_size,
@@ -246,24 +251,6 @@ def _mesh_coordinates(mesh) -> tuple[int, int]:
         return 0, 0
     coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
     return coordinate.get("dp_shard", 0), coordinate.get(TP_DIM, 0)
-
-
-def _larger_gradients(model: nn.Module) -> list[str]:
-    """A note for each parameter whose gradient this rank holds larger than the parameter
-    itself: the tracked gradients then exceed the arithmetic, which counts every gradient in
-    its parameter's layout. (Under TP without FSDP the vocabulary-split embedding's gradient
-    comes back whole: DTensor's embedding backward has no vocabulary-split strategy.)"""
-    notes = []
-    for name, param in model.named_parameters():
-        if param.grad is None or _local(param.grad).numel() <= _local(param).numel():
-            continue
-        grad, local = _local(param.grad), _local(param)
-        extra = (grad.numel() - local.numel()) * grad.element_size()
-        notes.append(
-            f"the gradient of {name} is held as {list(grad.shape)}, its parameter as {list(local.shape)}: "
-            f"{extra / 2**20:,.2f} MiB more than the arithmetic counts"
-        )
-    return notes
 
 
 def _add_untracked(peak: dict[str, int], ema_bytes: int, cpu_offload: bool, notes: list[str]) -> None:
@@ -301,7 +288,9 @@ def _storage_bytes(tensors) -> int:
     seen: dict[int, int] = {}
     for tensor in tensors:
         storage = _local(tensor).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        # Keyed by the storage object itself (its C++ address), which fake tensors, whose
+        # data pointers are all alike, have too: FSDP's gradients are views of shared buffers.
+        seen[storage._cdata] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -182,6 +182,10 @@ CASES = [
                                      "--parallelism.data_parallel_replicate_degree=3"],
          r"^parallelism\.data_parallel_replicate_degree \(3\) must divide the world size \(8\) / "
          r"parallelism\.tensor_parallel_degree \(2\) when the other degree is -1$", env={"WORLD_SIZE": "8"}),
+    Case("sequence_parallel_seq_len_does_not_split", ["--job.validate_only", "--parallelism.tensor_parallel_degree=2",
+                                                       "--training.seq_len=31"],
+         r"^training\.seq_len \(31\) must be a multiple of parallelism\.tensor_parallel_degree \(2\) with sequence "
+         r"parallel; change it or set parallelism\.enable_sequence_parallel = false$", env={"WORLD_SIZE": "2"}),
     Case("async_tp_without_cuda", ["--job.validate_only", "--parallelism.tensor_parallel_degree=2", "--compile.enable",
                                    "--parallelism.enable_async_tensor_parallel"],
          r"^parallelism\.enable_async_tensor_parallel needs CUDA GPUs; set it to false$", env={"WORLD_SIZE": "2"}),

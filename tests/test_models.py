@@ -105,9 +105,10 @@ def test_train_config_parses_builds_and_plans(path):
     world_size = _world_size_for(job_config, flavor)
     plan = plan_run(job_config, world_size)
     assert plan.parallel_dims.world_size == world_size
-    assert plan.parallel_dims.dp_degree == world_size
+    tp = job_config.parallelism.tensor_parallel_degree
+    assert plan.parallel_dims.dp_degree * tp == world_size
     assert plan.model_args == args
-    per_micro_step = job_config.training.local_batch_size * world_size
+    per_micro_step = job_config.training.local_batch_size * plan.parallel_dims.dp_degree
     assert plan.global_batch_size == plan.grad_accum_steps * per_micro_step
 
 

@@ -73,7 +73,7 @@ from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_
 from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_step
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
-from titanlite.parallel import compute_context, loss_context
+from titanlite.parallel import ParallelDims, compute_context, loss_context
 from titanlite.plan import build_model, plan_run
 
 
@@ -247,9 +247,7 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
 
 def _mesh_coordinates(mesh) -> tuple[int, int]:
     """(index in the FSDP shard group, index in the TP group) of this rank; 0 without them."""
-    if mesh is None:
-        return 0, 0
-    coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+    coordinate = ParallelDims.coordinate(mesh)
     return coordinate.get("dp_shard", 0), coordinate.get(TP_DIM, 0)
 
 

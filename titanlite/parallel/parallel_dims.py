@@ -126,10 +126,14 @@ class ParallelDims:
         """The tensor-parallel part of ``mesh``, or None without tensor parallelism."""
         return mesh["tp"] if mesh is not None and self.tp > 1 else None
 
+    @staticmethod
+    def coordinate(mesh: DeviceMesh | None) -> dict[str, int]:
+        """This rank's index along each of the mesh's dimensions, by name; a dimension the
+        mesh lacks (or no mesh) is left out, meaning index 0."""
+        return {} if mesh is None else dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among the data-parallel ranks (which part of each batch it reads),
         from its place in the mesh: tp ranks of one group share it."""
-        if mesh is None:
-            return 0
-        coordinate = dict(zip(mesh.mesh_dim_names, mesh.get_coordinate(), strict=True))
+        coordinate = self.coordinate(mesh)
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)

@@ -9,18 +9,24 @@ changes, and float64 adds a few dozen float32 values of one magnitude without ro
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import shutil
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, prepare_documents
-from titanlite.config import parse_args
+from titanlite.config import ConfigError, parse_args
 from titanlite.config.job_config import Validation
 from titanlite.data import ByteTokenizer, PreparedWindows
 from titanlite.loss import cross_entropy_sum
 from titanlite.models.llama import LlamaArgs, Transformer
+from titanlite.parallel import ParallelDims
 from titanlite.train import Trainer
+from titanlite.trainer_setup import build_run_validator
 from titanlite.validation import Validator, build_validator
 
 SEQ_LEN = 16
@@ -205,6 +211,36 @@ def test_nothing_is_tokenized_while_training_with_prepared_validation(kind, held
     else:
         assert encode_calls[0] >= len(DOCUMENTS)
     assert result["tokens"] == len(hand_windows()) * SEQ_LEN
+
+
+def test_the_trainer_validator_warns_and_checks_like_training(held_out, tmp_path, caplog):
+    """At dp 4 a raw held-out source gets training's warning, a prepared folder none; a
+    prepared file whose bytes changed is a config error naming validation.dataset_path."""
+    trainer = Trainer(parse_args(trainer_args(str(tmp_path / "dump"), held_out_section("prepared", held_out))))
+    four_ranks = dataclasses.replace(trainer.plan, parallel_dims=ParallelDims(1, 4, world_size=4))
+
+    def build(validation: Validation) -> Validator:
+        job_config = dataclasses.replace(trainer.job_config, validation=validation)
+        setup = (trainer.tokenizer, trainer.loss_fn, trainer.loss_context, trainer.compute_context, None)
+        return build_run_validator(job_config, four_ranks, *setup, trainer.device)
+
+    titanlite_logger = logging.getLogger("titanlite")  # the trainer's logging set-up dropped caplog's root handler
+    titanlite_logger.addHandler(caplog.handler)
+    try:
+        build(held_out_section("prepared", held_out))
+        assert not caplog.records
+        build(held_out_section("raw", held_out))
+    finally:
+        titanlite_logger.removeHandler(caplog.handler)
+    (warning,) = [record.getMessage() for record in caplog.records]
+    assert warning.startswith("validation.dataset text is tokenized as it is read: every one of the 4 data-parallel")
+    assert "set validation.dataset = 'prepared'" in warning
+
+    corrupted = shutil.copytree(held_out[1], tmp_path / "corrupted")
+    with open(corrupted / "tokens-00001.bin", "r+b") as shard:
+        shard.write(b"\x07")
+    with pytest.raises(ConfigError, match=rf"^validation\.dataset_path {corrupted}: tokens-00001\.bin does not match"):
+        build(held_out_section("prepared", (None, str(corrupted))))
 
 
 # --------------------------------------------------------------------------- 4 ranks

@@ -9,7 +9,9 @@ changes, and float64 adds a few dozen float32 values of one magnitude without ro
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import shutil
 
@@ -77,9 +79,9 @@ def small_model() -> Transformer:
     return model.eval()
 
 
-@pytest.fixture
-def encode_calls(monkeypatch) -> list[int]:
-    """How many texts the byte tokenizer has encoded since the fixture started ([count])."""
+@contextlib.contextmanager
+def counting_encodes():
+    """Counts the texts the byte tokenizer encodes inside the block ([count], reset at will)."""
     calls = [0]
     encode, encode_batch = ByteTokenizer.encode, ByteTokenizer.encode_batch
 
@@ -91,9 +93,17 @@ def encode_calls(monkeypatch) -> list[int]:
         calls[0] += len(texts)
         return encode_batch(self, texts)
 
-    monkeypatch.setattr(ByteTokenizer, "encode", counted_encode)
-    monkeypatch.setattr(ByteTokenizer, "encode_batch", counted_encode_batch)
-    return calls
+    ByteTokenizer.encode, ByteTokenizer.encode_batch = counted_encode, counted_encode_batch
+    try:
+        yield calls
+    finally:
+        ByteTokenizer.encode, ByteTokenizer.encode_batch = encode, encode_batch
+
+
+@pytest.fixture
+def encode_calls():
+    with counting_encodes() as calls:
+        yield calls
 
 
 def windows_read(validator: Validator) -> list[torch.Tensor]:
@@ -149,21 +159,6 @@ def test_each_rank_reads_its_own_blocks_of_the_raw_windows(held_out, encode_call
                 first = (step * dp_degree + rank) * LOCAL_BATCH  # block step * dp + rank
                 assert torch.equal(from_prepared[:in_set], expected[first : first + in_set]), (dp_degree, rank, step)
                 assert torch.equal(from_raw[:in_set], from_prepared[:in_set]), (dp_degree, rank, step)
-
-
-def test_losses_equal_raw_source_and_one_rank_at_dp_1_to_4(held_out, encode_calls):
-    model = small_model()
-    single = group_totals("raw", held_out, model, 1)
-    assert single[1] == len(hand_windows()) * SEQ_LEN
-    for dp_degree in DP_DEGREES:
-        encode_calls[0] = 0
-        prepared = group_totals("prepared", held_out, model, dp_degree)
-        assert encode_calls[0] == 0
-        assert prepared == group_totals("raw", held_out, model, dp_degree) == single, dp_degree
-        # A fixed step count: the first steps * b * dp windows, the same from either source.
-        assert group_totals("prepared", held_out, model, dp_degree, 3) == group_totals(
-            "raw", held_out, model, dp_degree, 3
-        )
 
 
 def test_a_mixture_is_refused_for_validation(held_out):
@@ -248,29 +243,43 @@ def test_the_trainer_validator_warns_and_checks_like_training(held_out, tmp_path
 
 def validate_on_subgroups(held_out: tuple[str, str]) -> dict:
     """On 4 ranks: for dp 1 to 4, the first dp ranks form a group and validate on it, from the
-    prepared folder and from the raw source; the same weights everywhere (seed 0)."""
+    prepared folder and from the raw source, over the whole set and over 3 steps; the same
+    weights everywhere (seed 0). Also how many texts the prepared validators encoded."""
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = small_model()
     results = {}
-    for dp_degree in DP_DEGREES:
-        group = dist.new_group(list(range(dp_degree)))  # every rank takes part in making it
-        if rank >= dp_degree:
-            continue
-        for kind in ("prepared", "raw"):
-            validator = make_validator(kind, held_out, rank, dp_degree, process_group=group)
-            result = validator.validate(model)
-            results[(kind, dp_degree)] = (result["loss"], result["tokens"])
+    with counting_encodes() as encodes:
+        for dp_degree in DP_DEGREES:
+            group = dist.new_group(list(range(dp_degree)))  # every rank takes part in making it
+            if rank >= dp_degree:
+                continue
+            for kind, steps in itertools.product(("prepared", "raw"), (-1, 3)):
+                before = encodes[0]
+                validator = make_validator(kind, held_out, rank, dp_degree, steps=steps, process_group=group)
+                result = validator.validate(model)
+                results[(kind, dp_degree, steps)] = (result["loss"], result["tokens"])
+                if kind == "prepared":
+                    results["prepared encodes"] = results.get("prepared encodes", 0) + encodes[0] - before
     dist.destroy_process_group()
     return results
 
 
-def test_four_ranks_in_groups_of_1_to_4_give_the_one_process_loss(held_out):
+def test_losses_equal_the_raw_source_and_one_rank_on_4_ranks_in_groups_of_1_to_4(held_out):
+    """Exact equality: see the module docstring."""
     model = small_model()
     loss_sum, tokens = group_totals("raw", held_out, model, 1)
-    expected = (loss_sum / tokens, int(tokens))
+    whole_set = (loss_sum / tokens, int(tokens))
+    assert whole_set[1] == len(hand_windows()) * SEQ_LEN
     ranks = run_on_ranks(4, validate_on_subgroups, held_out)
     for rank, results in enumerate(ranks):
-        assert sorted(results) == sorted((kind, dp) for kind in ("prepared", "raw") for dp in DP_DEGREES if dp > rank)
-        for key, value in results.items():
-            assert value == expected, (rank, key)
+        assert results.pop("prepared encodes") == 0, rank
+        assert sorted(results) == sorted(
+            (kind, dp, steps) for kind in ("prepared", "raw") for dp in DP_DEGREES if dp > rank for steps in (-1, 3)
+        )
+        for dp_degree in DP_DEGREES[rank:]:
+            assert results[("prepared", dp_degree, -1)] == results[("raw", dp_degree, -1)] == whole_set
+            # 3 steps: the first 3 * b * dp windows, the same from either source.
+            first_windows = min(3 * LOCAL_BATCH * dp_degree, len(hand_windows()))
+            assert results[("prepared", dp_degree, 3)] == results[("raw", dp_degree, 3)]
+            assert results[("prepared", dp_degree, 3)][1] == first_windows * SEQ_LEN

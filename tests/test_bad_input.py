@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_args
+from tests.prepared_data import prepare_documents
 from titanlite.train import main
 
 # Keeps any case that wrongly gets past its check to one short step of the tiny model.
@@ -103,8 +104,6 @@ def _prepared_with_word_tokenizer(relative: str):
     """A prepared folder of two documents, tokenized with a word-level tokenizer (not the run's)."""
 
     def setup(tmp: Path) -> None:
-        from tests.prepared_data import prepare_documents
-
         _word_tokenizer("word_tokenizer", n_words=100)(tmp)
         prepare_documents(tmp / relative, ["w1 w2 w3", "w4 w5"], hf_assets_path=str(tmp / "word_tokenizer"))
 

@@ -57,8 +57,8 @@ def held_out_section(kind: str, held_out: tuple[str, str], **overrides) -> Valid
     return Validation(**{**fields, **overrides})
 
 
-def make_validator(kind: str, held_out, dp_rank: int = 0, dp_degree: int = 1, **options) -> Validator:
-    steps = options.pop("steps", -1)
+def make_validator(kind: str, held_out, dp_rank: int = 0, dp_degree: int = 1, steps: int = -1, **options) -> Validator:
+    """The validator of the raw source or the prepared folder, as build_validator makes it."""
     return build_validator(
         held_out_section(kind, held_out, steps=steps),
         tokenizer=ByteTokenizer(),
@@ -114,15 +114,6 @@ def windows_read(validator: Validator) -> list[torch.Tensor]:
         inputs, labels = loader.next_batch()
         rows.append(torch.cat([inputs, labels[:, -1:]], dim=1))
     return rows
-
-
-def group_totals(kind: str, held_out, model, dp_degree: int, steps: int = -1) -> tuple[float, float]:
-    """[summed loss, tokens] of every rank of a dp group, added up as the all-reduce does."""
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for rank in range(dp_degree):
-            total += make_validator(kind, held_out, rank, dp_degree, steps=steps)._local_totals(model)
-    return tuple(total.tolist())
 
 
 # --------------------------------------------------------------------------- one process
@@ -267,9 +258,8 @@ def validate_on_subgroups(held_out: tuple[str, str]) -> dict:
 
 def test_losses_equal_the_raw_source_and_one_rank_on_4_ranks_in_groups_of_1_to_4(held_out):
     """Exact equality: see the module docstring."""
-    model = small_model()
-    loss_sum, tokens = group_totals("raw", held_out, model, 1)
-    whole_set = (loss_sum / tokens, int(tokens))
+    one_process = make_validator("raw", held_out).validate(small_model())
+    whole_set = (one_process["loss"], one_process["tokens"])
     assert whole_set[1] == len(hand_windows()) * SEQ_LEN
     ranks = run_on_ranks(4, validate_on_subgroups, held_out)
     for rank, results in enumerate(ranks):

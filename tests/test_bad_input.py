@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_args
+from tests.prepared_data import prepare_documents
 from titanlite.train import main
 
 # Keeps any case that wrongly gets past its check to one short step of the tiny model.
@@ -95,6 +96,16 @@ def _word_tokenizer(relative: str, n_words: int, eos: bool = True):
         folder = tmp / relative
         folder.mkdir(parents=True)
         tokenizer.save(str(folder / "tokenizer.json"))
+
+    return setup
+
+
+def _prepared_with_word_tokenizer(relative: str):
+    """A prepared folder of two documents, tokenized with a word-level tokenizer (not the run's)."""
+
+    def setup(tmp: Path) -> None:
+        _word_tokenizer("word_tokenizer", n_words=100)(tmp)
+        prepare_documents(tmp / relative, ["w1 w2 w3", "w4 w5"], hf_assets_path=str(tmp / "word_tokenizer"))
 
     return setup
 
@@ -219,6 +230,14 @@ CASES = [
          setup=_write("corpus/part-0.jsonl", '{"text": "a"}\n{"text": \n')),
     Case("validation_path_missing", ["--validation.enable", "--validation.dataset", "text", "--validation.dataset_path", f"{T}/held_out"],
          r"{tmp}/held_out: no such file or folder"),
+    Case("validation_prepared_folder_missing", ["--validation.enable", "--validation.dataset", "prepared",
+                                                "--validation.dataset_path", f"{T}/held_out"],
+         r"^validation\.dataset_path {tmp}/held_out: no such prepared folder$"),
+    Case("validation_prepared_with_another_tokenizer", ["--validation.enable", "--validation.dataset", "prepared",
+                                                        "--validation.dataset_path", f"{T}/held_out"],
+         r"^validation\.dataset_path {tmp}/held_out: prepared with another tokenizer .* than this run's "
+         r"\(the byte tokenizer: .*\); prepare it again with this run's tokenizer$",
+         setup=_prepared_with_word_tokenizer("held_out")),
     Case("hf_assets_path_missing", ["--model.hf_assets_path", f"{T}/tokenizer"], r"hf_assets_path {tmp}/tokenizer: no such file or folder"),
     Case("hf_assets_folder_without_tokenizer", ["--model.hf_assets_path", f"{T}/assets"],
          r"hf_assets_path {tmp}/assets: folder has no tokenizer\.json", setup=_make_folders("assets")),

@@ -13,7 +13,7 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.data import build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.registry import get_model_args, get_model_spec
-from titanlite.validation import build_validation_documents
+from titanlite.validation import open_held_out
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,14 @@ def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
             seed=data.seed,
             cache_folder=data.cache_folder,
         )
-        if job_config.validation.enable:
-            build_validation_documents(job_config.validation)  # only to find a bad path now
+        if job_config.validation.enable:  # only to find a bad path or folder now
+            open_held_out(
+                job_config.validation,
+                tokenizer,
+                training.seq_len,
+                hf_assets_path=hf_assets_path,
+                cache_folder=data.cache_folder,
+            )
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return tokenizer, windows

@@ -81,15 +81,26 @@ def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device,
     return device, rank, mesh, flight_recorder_dump
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def check_prepared_files(job_config: JobConfig, windows) -> None:
+    """With data.verify_checksums, the ranks agree that the prepared files of ``windows`` are
+    intact; the work is split over all ranks, each checking its own share of the files."""
+    if not job_config.data.verify_checksums:
+        return
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    error = first_error_on_any_rank(verify_share(windows, _rank(), world_size))
+    if error is not None:
+        raise ConfigError(error)
+
+
 def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int, device: torch.device) -> DataLoader:
     """The loader over ``windows``, once the ranks agree the prepared files are intact. It
     reads the part of each batch of this rank's data-parallel index, its place in the mesh."""
     data, dims = job_config.data, plan.parallel_dims
-    if data.verify_checksums:  # split over all ranks: each checks its own share of the files
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
-        error = first_error_on_any_rank(verify_share(windows, rank, world_size))
-        if error is not None:
-            raise ConfigError(error)
+    check_prepared_files(job_config, windows)
     warning = stream_warning(windows, job_config.training.dataset, dims.dp_degree)
     if warning is not None and rank == 0:
         logger.warning(warning)
@@ -161,11 +172,13 @@ def build_run_validator(
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
     try:
-        return build_validator(
+        validator = build_validator(
             job_config.validation,
             tokenizer=tokenizer,
             training_seq_len=training.seq_len,
             training_local_batch_size=training.local_batch_size,
+            hf_assets_path=job_config.model.hf_assets_path,
+            cache_folder=job_config.data.cache_folder,
             loss_fn=summed_loss,
             compute_context=compute_context,
             device=device,
@@ -175,6 +188,11 @@ def build_run_validator(
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    check_prepared_files(job_config, validator.held_out)
+    warning = stream_warning(validator.held_out, job_config.validation.dataset, dims.dp_degree, section="validation")
+    if warning is not None and _rank() == 0:
+        logger.warning(warning)
+    return validator
 
 
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:

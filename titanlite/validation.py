@@ -3,11 +3,21 @@
 Every evaluation reads the same windows from the start of the held-out token stream, so the
 numbers of different steps (and of different parallel layouts) are directly comparable.
 
-The held-out stream is the training loader's stream (``titanlite.data.loader``): documents as
-``[bos] + ids + [eos]``, concatenated and cut into windows of ``seq_len + 1`` tokens. That stream
-repeats forever, so the validator decides up front how many whole windows one evaluation covers
-(at most one pass over the held-out documents) and turns that into a step count that every rank
-shares: FSDP all-gathers inside ``forward``, so a rank that stopped early would hang the others.
+The held-out windows come from a window source of the data package, read in order, unshuffled:
+
+* ``validation.dataset = "prepared"``: a folder made by ``python -m titanlite.data.prepare``,
+  read through memory maps. Each data-parallel rank reads only its own windows, and nothing is
+  tokenized while training runs.
+* ``python_stdlib``: the built-in corpus's validation split, prepared into data.cache_folder
+  on first use and then read the same way.
+* any other dataset: a raw stream, tokenized on every rank at every evaluation (small data).
+
+Both are the stream of documents as ``[bos] + ids + [eos]``, concatenated and cut into windows
+of ``seq_len + 1`` tokens, so a prepared folder and the raw source it was prepared from give
+the same windows and the same loss. The stream repeats forever, so the validator decides up
+front how many whole windows one evaluation covers (at most one pass over the held-out
+documents) and turns that into a step count that every rank shares: FSDP all-gathers inside
+``forward``, so a rank that stopped early would hang the others.
 
     validator = build_validator(job_config.validation, tokenizer=..., training_seq_len=...,
                                 training_local_batch_size=..., loss_fn=..., device=...)
@@ -24,19 +34,31 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from titanlite.data import PackedLoader, build_documents
+from titanlite.config.job_config import Data
+from titanlite.data import DataLoader, PreparedWindows, StreamWindows, build_documents, open_windows, parse_mixture
 
 logger = logging.getLogger(__name__)
 
 DocumentSource = Callable[[], Iterator[str]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+HeldOutWindows = PreparedWindows | StreamWindows
 
 # The held-out split name given to python_stdlib and Hugging Face datasets (text has no splits).
 VALIDATION_SPLIT = "validation"
 
 
+def _with_validation_key(error: ValueError) -> ValueError:
+    """The data package names "dataset" / "dataset_path" without a section: say it is validation's."""
+    message = str(error)
+    if message.startswith("dataset"):
+        return ValueError("validation." + message)
+    if message.startswith(("validation", "data.")):  # already names its key
+        return ValueError(message)
+    return ValueError("validation dataset: " + message)
+
+
 def build_validation_documents(validation_config) -> DocumentSource:
-    """The held-out documents named by a ``Validation`` config section.
+    """The held-out documents of a raw ``Validation`` config section.
 
     python_stdlib reads its built-in "validation" split (disjoint from the training split),
     huggingface reads the "validation" split of ``dataset_path`` and text reads the files at
@@ -45,10 +67,50 @@ def build_validation_documents(validation_config) -> DocumentSource:
     try:
         return build_documents(validation_config.dataset, validation_config.dataset_path, split=VALIDATION_SPLIT)
     except ValueError as error:
-        # The data package names "dataset" / "dataset_path"; say which section they belong to.
-        message = str(error)
-        prefix = "validation." if message.startswith("dataset") else "validation dataset: "
-        raise ValueError(prefix + message) from None
+        raise _with_validation_key(error) from None
+
+
+def validation_seq_len(validation_config, training_seq_len: int) -> int:
+    """``validation.seq_len``, -1 meaning the training one. The model's RoPE tables are built for
+    ``training_seq_len`` tokens, so a longer one is refused here rather than inside the first forward."""
+    seq_len = training_seq_len if validation_config.seq_len == -1 else validation_config.seq_len
+    if seq_len > training_seq_len:
+        raise ValueError(
+            f"validation.seq_len ({seq_len}) must not exceed training.seq_len ({training_seq_len}), "
+            "the length the model's position tables are built for"
+        )
+    return seq_len
+
+
+def open_held_out(
+    validation_config, tokenizer, training_seq_len: int, *, hf_assets_path: str | None, cache_folder: str
+) -> HeldOutWindows:
+    """The held-out window source of a ``Validation`` section, in stream order (never shuffled).
+
+    A prepared folder is checked as training checks its own (manifest, file sizes, the
+    tokenizer's fingerprint); python_stdlib's validation split is prepared into
+    ``cache_folder`` on first use. Errors are one-line ValueErrors naming the key.
+    """
+    seq_len = validation_seq_len(validation_config, training_seq_len)
+    dataset, path = validation_config.dataset, validation_config.dataset_path
+    try:
+        if dataset == "prepared" and path and len(parse_mixture(path, "validation.dataset_path")) > 1:
+            # One pass over a mixture is not defined: its folders repeat at different rates.
+            raise ValueError(f"validation.dataset_path {path!r}: expected one prepared folder, not a mixture")
+        return open_windows(
+            dataset,
+            path,
+            tokenizer,
+            seq_len,
+            hf_assets_path=hf_assets_path,
+            shuffle=False,
+            seed=0,
+            cache_folder=cache_folder,
+            split=VALIDATION_SPLIT,
+            section="validation",
+        )
+    except ValueError as error:
+        raise _with_validation_key(error) from None
 
 
 def count_windows(documents: DocumentSource, tokenizer, seq_len: int, limit: int | None = None) -> int:
@@ -69,19 +131,30 @@ def count_windows(documents: DocumentSource, tokenizer, seq_len: int, limit: int
     return windows if limit is None else min(windows, limit)
 
 
+def windows_in_one_pass(held_out: HeldOutWindows, limit: int | None = None) -> int:
+    """Whole windows in one pass over the held-out stream, at most ``limit``: read from a
+    prepared folder's manifest, counted by tokenizing a raw source."""
+    if isinstance(held_out, PreparedWindows):
+        (windows,) = held_out.windows_per_epoch  # one folder: its tail past the last whole window is never read
+        return windows if limit is None else min(windows, limit)
+    return count_windows(held_out.documents, held_out.tokenizer, held_out.seq_len, limit)
+
+
 class Validator:
     """Computes the global held-out loss of a model, sharded (FSDP) or not.
 
     Args:
-        documents: zero-argument callable yielding the held-out documents from the start.
-        tokenizer: the training tokenizer (needs an EOS id, like the training loader).
-        seq_len, local_batch_size: window length and windows per rank per forward.
+        held_out: the held-out window source (``open_held_out``), read from its start at every
+            evaluation; its ``seq_len`` is the validation window length.
+        local_batch_size: windows per rank per forward.
         steps: forward passes per evaluation; -1 means one whole pass over the held-out set.
             A larger number than one pass holds is capped at one pass (with a warning).
         loss_fn: ``loss_fn(logits, labels)`` -> the loss summed (not averaged) over tokens.
         compute_context: entered around each forward (autocast, or None for none).
         device: where inputs go; the model must already be there.
-        dp_rank, dp_degree: this rank's place in the data-parallel group.
+        dp_rank, dp_degree: this rank's place in the data-parallel group. Step s of rank r
+            reads windows ``[(s * dp_degree + r) * b, ... + b)`` (b: local_batch_size), the
+            training loader's split, so the blocks of b windows are the same at every degree.
         process_group: group to all-reduce the totals over (None: the default group).
         ranks_per_dp_rank: ranks in the group that read the same windows (the tensor-parallel
             degree), whose totals the all-reduce therefore counts that many times.
@@ -89,10 +162,8 @@ class Validator:
 
     def __init__(
         self,
-        documents: DocumentSource,
-        tokenizer,
+        held_out: HeldOutWindows,
         *,
-        seq_len: int,
         local_batch_size: int,
         steps: int,
         loss_fn: LossFn,
@@ -105,9 +176,8 @@ class Validator:
     ):
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(f"validation.steps: expected -1 or a positive int, got {steps!r}")
-        self.documents = documents
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
+        self.held_out = held_out
+        self.seq_len = held_out.seq_len
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_degree = dp_degree
@@ -116,7 +186,7 @@ class Validator:
         self.device = torch.device(device)
         self.process_group = process_group
         self.ranks_per_dp_rank = ranks_per_dp_rank
-        # Building a loader now checks seq_len, batch size, rank and tokenizer with the loader's own errors.
+        # Building a loader now checks batch size and rank with the loader's own errors.
         self._new_loader()
         self.windows, self.steps = self._plan(steps)
         self._steps_agreed = False
@@ -127,7 +197,7 @@ class Validator:
         """(windows evaluated, forward passes per rank) for ``requested_steps``."""
         windows_per_step = self.local_batch_size * self.dp_degree
         limit = None if requested_steps == -1 else requested_steps * windows_per_step
-        windows = count_windows(self.documents, self.tokenizer, self.seq_len, limit)
+        windows = windows_in_one_pass(self.held_out, limit)
         if windows == 0:
             raise ValueError(
                 f"validation: the held-out documents hold less than one window of seq_len + 1 = "
@@ -144,10 +214,10 @@ class Validator:
             )
         return windows, steps
 
-    def _new_loader(self) -> PackedLoader:
-        return PackedLoader(
-            self.documents, self.tokenizer, self.seq_len, self.local_batch_size, self.dp_rank, self.dp_degree
-        )
+    def _new_loader(self) -> DataLoader:
+        """A loader at the first held-out window, reading on the calling thread: each rank reads
+        only its own windows of a prepared folder (a raw stream is tokenized up to them)."""
+        return DataLoader(self.held_out, self.local_batch_size, self.dp_rank, self.dp_degree)
 
     def _rows_in_set(self, step: int) -> int:
         """How many of this rank's rows at ``step`` are held-out windows (the rest wrapped into a
@@ -220,28 +290,22 @@ def _perplexity(loss: float) -> float:
 
 
 def build_validator(
-    validation_config, *, tokenizer, training_seq_len: int, training_local_batch_size: int, **options
+    validation_config,
+    *,
+    tokenizer,
+    training_seq_len: int,
+    training_local_batch_size: int,
+    hf_assets_path: str | None = None,
+    cache_folder: str = Data.cache_folder,
+    **options,
 ) -> Validator:
     """A Validator for a ``Validation`` config section; -1 sizes fall back to the training
-    ones, and `options` (loss_fn, compute_context, device, dp_rank, ...) go to Validator.
-
-    The model's RoPE tables are built for ``training_seq_len`` tokens, so a longer
-    ``validation.seq_len`` is refused here rather than failing inside the first forward.
-    """
-    seq_len = training_seq_len if validation_config.seq_len == -1 else validation_config.seq_len
-    if seq_len > training_seq_len:
-        raise ValueError(
-            f"validation.seq_len ({seq_len}) must not exceed training.seq_len ({training_seq_len}), "
-            "the length the model's position tables are built for"
-        )
+    ones, ``open_held_out`` opens the data, and `options` (loss_fn, compute_context, device,
+    dp_rank, ...) go to Validator."""
+    held_out = open_held_out(
+        validation_config, tokenizer, training_seq_len, hf_assets_path=hf_assets_path, cache_folder=cache_folder
+    )
     local_batch_size = (
         training_local_batch_size if validation_config.local_batch_size == -1 else validation_config.local_batch_size
     )
-    return Validator(
-        build_validation_documents(validation_config),
-        tokenizer,
-        seq_len=seq_len,
-        local_batch_size=local_batch_size,
-        steps=validation_config.steps,
-        **options,
-    )
+    return Validator(held_out, local_batch_size=local_batch_size, steps=validation_config.steps, **options)

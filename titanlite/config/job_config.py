@@ -73,7 +73,7 @@ DatasetWithoutPath = Literal["python_stdlib"]  # built in: a path would be silen
 DatasetNeedingPath = Literal["text", "huggingface"]  # nothing to read without a path
 DatasetWithDefaultPath = Literal["c4", "c4_validation", "c4_test"]  # a path replaces their usual place
 RawDataset = Literal[DatasetWithoutPath, DatasetNeedingPath, DatasetWithDefaultPath]
-# Folders made by python -m titanlite.data.prepare; only training reads them.
+# Folders made by python -m titanlite.data.prepare.
 PreparedDataset = Literal["prepared"]
 TrainingDataset = Literal[PreparedDataset, RawDataset]
 
@@ -379,13 +379,17 @@ class Validation:
     enable: bool = False
     """Compute the loss on held-out data every `freq` steps."""
 
-    dataset: RawDataset = "python_stdlib"
-    """Held-out dataset, read like training.dataset (python_stdlib holds out part of the standard library; c4 and
-    c4_validation read allenai/c4's validation split)."""
+    dataset: TrainingDataset = "python_stdlib"
+    """Held-out dataset, named as training.dataset names it: prepared (one folder made by python -m
+    titanlite.data.prepare; each data-parallel rank reads only its own windows and nothing is tokenized during
+    training), python_stdlib (the standard library's held-out files, prepared into data.cache_folder on first use),
+    or a raw source tokenized by every rank at every evaluation, for small data (c4 and c4_validation read allenai/c4's
+    validation split, huggingface the 'validation' split)."""
 
     dataset_path: str | None = None
-    """File or folder for a text validation dataset, the name given to datasets.load_dataset, or where c4 / c4_test
-    live."""
+    """For prepared: the prepared folder (not a mixture); for text: a file or folder; for huggingface: the name or
+    folder given to datasets.load_dataset; for c4 / c4_test: another place than their default. python_stdlib takes
+    none."""
 
     local_batch_size: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
     """Sequences per rank per validation step; -1 means training.local_batch_size."""

@@ -55,6 +55,7 @@ def open_prepared(
     shuffle: bool,
     seed: int,
     key: str = "training.dataset_path",
+    section: str = "training",
 ) -> PreparedWindows:
     mixture = parse_mixture(spec, key)
     folders = []
@@ -62,7 +63,8 @@ def open_prepared(
         folder = PreparedFolder(folder_path, key)
         folder.check_tokenizer(tokenizer, tokenizer_label)
         folders.append(folder)
-    return PreparedWindows(folders, [weight for _, weight in mixture], seq_len, shuffle, seed)
+    weights = [weight for _, weight in mixture]
+    return PreparedWindows(folders, weights, seq_len, shuffle, seed, seq_len_key=f"{section}.seq_len")
 
 
 def open_windows(
@@ -76,31 +78,34 @@ def open_windows(
     seed: int,
     cache_folder: str,
     split: str = "train",
+    section: str = "training",
 ):
-    """The window source for a run; every problem is a one-line ValueError naming the key or file."""
+    """The window source for a run; every problem is a one-line ValueError naming the key or file.
+    ``section`` is the config section the dataset keys belong to (training or validation)."""
     tokenizer_label = f"model.hf_assets_path {hf_assets_path}" if hf_assets_path else "the byte tokenizer"
     if dataset == "prepared":
+        key = f"{section}.dataset_path"
         if not dataset_path:
-            raise ValueError("training.dataset_path: the prepared folder (or FOLDER:WEIGHT,... mixture) is required")
-        return open_prepared(dataset_path, tokenizer, tokenizer_label, seq_len, shuffle, seed)
+            raise ValueError(f"{key}: the prepared folder (or FOLDER:WEIGHT,... mixture) is required")
+        return open_prepared(dataset_path, tokenizer, tokenizer_label, seq_len, shuffle, seed, key, section)
     if dataset == "python_stdlib":
         from .prepare import cached_stdlib  # here, not at the top: see the package docstring
 
         folder = cached_stdlib(split, tokenizer, hf_assets_path, cache_folder)
-        return open_prepared(folder, tokenizer, tokenizer_label, seq_len, shuffle, seed, key="data.cache_folder")
+        return open_prepared(folder, tokenizer, tokenizer_label, seq_len, shuffle, seed, "data.cache_folder", section)
     documents = build_documents(dataset, dataset_path, split)
     path = os.path.abspath(dataset_path) if dataset_path and os.path.exists(dataset_path) else dataset_path
     return StreamWindows(documents, tokenizer, seq_len, {"dataset": dataset, "dataset_path": path, "split": split})
 
 
-def stream_warning(windows, dataset: str, dp_degree: int) -> str | None:
-    """The warning a raw stream deserves at this dp degree, or None."""
+def stream_warning(windows, dataset: str, dp_degree: int, section: str = "training") -> str | None:
+    """The warning a raw stream of ``section``.dataset deserves at this dp degree, or None."""
     if not isinstance(windows, StreamWindows) or dp_degree < STREAM_WARNING_DP_DEGREE:
         return None
     return (
-        f"training.dataset {dataset} is tokenized as it is read: every one of the {dp_degree} data-parallel "
+        f"{section}.dataset {dataset} is tokenized as it is read: every one of the {dp_degree} data-parallel "
         f"ranks tokenizes the whole stream, {dp_degree}x its own share. Prepare it once with "
-        "python -m titanlite.data.prepare and train with training.dataset = 'prepared' (see docs/data.md)"
+        f"python -m titanlite.data.prepare and set {section}.dataset = 'prepared' (see docs/data.md)"
     )
 
 

@@ -42,7 +42,15 @@ class PreparedWindows:
     of its epoch ``j // W_i``, through that epoch's permutation when ``shuffle`` is on.
     """
 
-    def __init__(self, folders: list[PreparedFolder], weights: list[Fraction], seq_len: int, shuffle: bool, seed: int):
+    def __init__(
+        self,
+        folders: list[PreparedFolder],
+        weights: list[Fraction],
+        seq_len: int,
+        shuffle: bool,
+        seed: int,
+        seq_len_key: str = "training.seq_len",
+    ):
         self.folders = folders
         self.seq_len = seq_len
         self.tokens_per_window = seq_len + 1
@@ -54,7 +62,7 @@ class PreparedWindows:
             if windows < 1:
                 raise ValueError(
                     f"{folder.where}: holds {folder.tokens} tokens, fewer than one window of "
-                    f"training.seq_len + 1 = {self.tokens_per_window}"
+                    f"{seq_len_key} + 1 = {self.tokens_per_window}"
                 )
             self.windows_per_epoch.append(windows)
         self._permutations: dict[int, tuple[int, EpochPermutation]] = {}  # source -> (epoch, its permutation)

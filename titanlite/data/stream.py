@@ -94,6 +94,7 @@ class StreamWindows:
         self.seq_len = seq_len
         self.tokens_per_window = seq_len + 1
         self.tokenizer = tokenizer
+        self.documents = documents
         self.description = {
             "kind": "stream",
             "tokenizer": getattr(tokenizer, "fingerprint", None),

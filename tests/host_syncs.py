@@ -1,18 +1,23 @@
 """Count, at the dispatcher, the operations that make the host wait for the device.
 
 A host sync is any operation whose result the host needs before it can go on: a tensor's
-value read into Python (``.item()``, ``.tolist()``, ``bool()``, a tensor passed where a
-number is expected: all of them reach ``aten._local_scalar_dense``), an output whose size
-depends on the values (``nonzero``, ``masked_select``, ``unique``, indexing with a boolean
-mask), a comparison answered as a Python bool (``equal``, ``is_nonzero``, ``allclose``),
-and a copy from an accelerator into host memory.
+value read into Python (``.item()``, ``bool()``, ``float()``, a tensor passed where a
+number is expected: all of them reach ``aten._local_scalar_dense``; ``.tolist()`` and
+``.numpy()``, which on a GPU copy to the host first), an output whose size depends on the
+values (``nonzero``, ``masked_select``, ``unique``, reading or writing through a boolean
+mask unless that is a ``masked_fill_``), a comparison answered as a Python bool (``equal``,
+``is_nonzero``, ``allclose``), and any copy from an accelerator into host memory.
 
 ``HostSyncs`` is a ``TorchDispatchMode``: it sees every operator call that reaches the
-dispatcher from Python or from C++ code above it (autograd's backward, composite operators
-after decomposition, the conversion of a tensor argument into a number), on any device, so
-it catches on the CPU the syncs that would stall a GPU. It does not see the operators that
-a kernel or a tensor subclass (DTensor) calls inside its own implementation; on CUDA,
-``torch.cuda.set_sync_debug_mode`` covers those (benchmarks/gpu_check.py).
+dispatcher from Python or from C++ above it (autograd's backward, composite operators after
+decomposition, the conversion of a tensor argument into a number), on any device, so on the
+CPU it catches the syncs that would stall a GPU. On the CPU ``tolist`` and ``numpy`` read
+memory without any operator, so the mode wraps those two methods while it is on (in its own
+thread: the data loader's reader thread is not the training loop).
+
+It does not see what a kernel, or DTensor's own dispatch, calls inside its implementation.
+On CUDA ``torch.cuda.set_sync_debug_mode`` covers those (benchmarks/gpu_check.py); on the
+CPU the trainer's were audited once with torch.profiler (docs/reliability.md).
 """
 
 import threading
@@ -38,7 +43,6 @@ SYNCING = {
     aten._unique2,
     aten.unique_dim,
     aten.unique_consecutive,
-    aten.repeat_interleave,
 }
 # Tensor methods that read a CPU tensor's memory without any operator (on another device
 # they copy it to the host first, which the dispatcher sees): HostSyncs wraps them.

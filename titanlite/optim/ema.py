@@ -32,21 +32,17 @@ class EMA(Stateful):
             average.copy_(self.weights[name])
 
     @torch.no_grad()
-    def update(self, skip: torch.Tensor | None = None) -> None:
+    def update(self, skip: torch.Tensor) -> None:
         """One step of the average, as a single foreach update over the local shards; none
         where ``skip`` (a flag on the device, read there) is set. The host never waits for
         the device here."""
-        weight = 1.0 - self.decay
-        if skip is None:
-            torch._foreach_lerp_(self._average_list, self._weight_list, weight)
-            return
         # 0 on a skipped step: the average stays. The weight stays on the device too, as a
         # tensor, which _foreach_lerp_ takes only as a list of them, one per tensor (a single
         # tensor goes to its Python-number overload through .item(), a wait for the device).
         # Same formula, same float32 weight: the averages are bit-identical to the number's.
         # On CUDA such a list leaves the multi-tensor kernel (its weights would have to be
         # shaped like the tensors) for one lerp kernel per tensor: queued, never waited for.
-        weight = (~skip).to(torch.float32) * weight
+        weight = (~skip).to(torch.float32) * (1.0 - self.decay)
         torch._foreach_lerp_(self._average_list, self._weight_list, [weight] * len(self._average_list))
 
     def state_dict(self) -> dict:

@@ -1,12 +1,14 @@
-"""The warmup-stable-decay schedule and the optimizer options."""
+"""The warmup-stable-decay schedule, the optimizer options and the weight average's update."""
 
 import math
 
 import pytest
 import torch
 
+from tests.host_syncs import HostSyncs
 from titanlite.config import LRScheduler, Optimizer
 from titanlite.optim import build_lr_scheduler, build_optimizer, wsd_factor
+from titanlite.optim.ema import EMA
 
 
 def factors(total: int, **config) -> list[float]:
@@ -83,3 +85,33 @@ def test_optimizer_options_reach_torch(name, implementation):
     param.grad = torch.ones(4)
     optimizer.step()
     assert not torch.equal(param.detach(), torch.ones(4))
+
+
+def move_weights(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))
+
+
+@pytest.mark.parametrize("decay", [0.3, 0.5, 0.9, 0.9999])  # both of lerp's formulas (weight below and above 0.5)
+def test_ema_update_is_the_lerp_by_a_number_without_a_host_sync(decay):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 3))
+    ema = EMA(model, decay)
+    move_weights(model)
+    expected = [average.clone() for average in ema.state_dict().values()]
+    torch._foreach_lerp_(expected, list(ema.weights.values()), 1.0 - decay)  # the Python-number overload
+    with HostSyncs() as syncs:
+        ema.update(skip=torch.tensor(False))
+    assert syncs.syncs == {}, syncs.report()
+    assert syncs.other_ops["aten._foreach_lerp_"] == 1
+    for average, want in zip(ema.state_dict().values(), expected, strict=True):
+        assert torch.equal(average, want)  # bit for bit
+    # A skipped step leaves the average alone, still without reading the flag.
+    before = [average.clone() for average in ema.state_dict().values()]
+    move_weights(model)
+    with HostSyncs() as syncs:
+        ema.update(skip=torch.tensor(True))
+    assert syncs.syncs == {}, syncs.report()
+    for average, want in zip(ema.state_dict().values(), before, strict=True):
+        assert torch.equal(average, want)

@@ -410,7 +410,7 @@ def disk_row(sizes: Sizes, measured: int) -> dict:
     estimate = checkpoint_bytes(sizes)["full"]
     return {
         "check": "largest checkpoint on disk vs the disk estimate",
-        "result": f"{measured / 1e9:.3f} vs {estimate / 1e9:.3f} GB = {measured / estimate:.2f}",
+        "result": f"{measured / 1e9:.3g} vs {estimate / 1e9:.3g} GB = {measured / estimate:.2f}",
         "target": f"within {DISK_TOLERANCE:.0%} + {DISK_SLACK_BYTES / 1e6:.0f} MB",
         "ok": abs(measured - estimate) <= DISK_TOLERANCE * estimate + DISK_SLACK_BYTES,
     }
@@ -467,7 +467,7 @@ def plan_disk(sizes: Sizes) -> None:
     """Print the checkpoint bytes this check writes; refuse to start when they do not fit."""
     planned = checkpoint_bytes(sizes)
     print(
-        f"checkpoints: {planned['written'] / 1e9:.2f} GB written in all, at most {planned['at_once'] / 1e9:.2f} GB "
+        f"checkpoints: {planned['written'] / 1e9:.3g} GB written in all, at most {planned['at_once'] / 1e9:.3g} GB "
         f"on disk at once (limit {DISK_LIMIT_BYTES / 1e9:.0f} GB)"
     )
     if planned["at_once"] > DISK_LIMIT_BYTES:

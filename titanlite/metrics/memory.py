@@ -46,7 +46,7 @@ def phase_peak_gib(device: torch.device) -> float:
     """The peak memory since the last reset, in GiB, for reporting phases (model build,
     first step, checkpoint save): CUDA max_memory_allocated, or the CPU process's peak RSS."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GIB  # cuda-only
+        return torch.cuda.max_memory_allocated(device) / GIB
     return _cpu_peak_bytes() / GIB
 
 
@@ -63,12 +63,12 @@ class MemoryMonitor:
         # container that mounts /proc read-only), after which the peak is the run's.
         self.cpu_peak_resettable = not self.is_cuda
         if self.is_cuda:
-            self.capacity = torch.cuda.get_device_properties(self.device).total_memory  # cuda-only
+            self.capacity = torch.cuda.get_device_properties(self.device).total_memory
         self.reset_peak()
 
     def reset_peak(self) -> None:
         if self.is_cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)  # cuda-only
+            torch.cuda.reset_peak_memory_stats(self.device)
         elif self.cpu_peak_resettable:
             # "5" resets VmHWM to the current RSS (Linux 4.0+, see proc(5)).
             try:
@@ -85,7 +85,7 @@ class MemoryMonitor:
         return phase_peak_gib(self.device)
 
     def _cuda_stats(self) -> dict[str, float]:
-        info = torch.cuda.memory_stats(self.device)  # cuda-only
+        info = torch.cuda.memory_stats(self.device)
         active = info.get("active_bytes.all.peak", 0)
         reserved = info.get("reserved_bytes.all.peak", 0)
         return {

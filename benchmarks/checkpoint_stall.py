@@ -2,6 +2,7 @@
 
     python benchmarks/checkpoint_stall.py                 # 2 gloo ranks on this machine
     python benchmarks/checkpoint_stall.py --repeats 6 --folder /some/disk
+    python benchmarks/checkpoint_stall.py --cpu-dry-run   # every line, tiny model, 2 saves per mode
 
 The script starts its own ranks with torch.multiprocessing (no torchrun needed). Each rank
 builds a titanlite Trainer for a Llama 3 of about 134 M parameters (dim 768, 12 blocks,
@@ -35,8 +36,12 @@ one is part of the measured time as it is in a run; the whole folder is removed 
 end. The background writer processes of async_with_pinned_mem (started by
 torch.distributed.checkpoint) print a few INFO lines of their own.
 
-Measured on CPU ranks only (gloo); on a machine with CUDA the trainer would put rank r on
-GPU r, which has not been tried with this script.
+On a machine with CUDA the trainer puts rank r on GPU r (NCCL for training, gloo for the
+checkpoint's group), so --world-size must not exceed the GPUs; every timestamp is taken
+after the device has finished the work queued before it. --cpu-dry-run runs every line of
+the same code on CPU ranks with the tiny model and 2 saves per mode, except the lines
+marked "# cuda-only" (gpu_check.CUDA_ONLY); tests/test_gpu_check.py runs it under coverage.
+Measured so far on CPU ranks only (gloo).
 """
 
 import argparse
@@ -62,15 +67,16 @@ from titanlite.train import Trainer
 
 FLAVOR = "bench134m"
 MODEL_ARGS = LlamaArgs(dim=768, n_layers=12, n_heads=12, vocab_size=32000, multiple_of=256, rope_theta=500000.0)
+DRY_RUN_FLAVOR = "tiny"
 MODES = ("disabled", "async", "async_with_pinned_mem")
 WARMUP_STEPS = 2
 TARGET = 0.05
 
 
-def trainer_args(dump_folder: str) -> list[str]:
+def trainer_args(dump_folder: str, flavor: str) -> list[str]:
     return [
         "--model.flavor",
-        FLAVOR,
+        flavor,
         "--job.dump_folder",
         dump_folder,
         "--training.seq_len",
@@ -109,9 +115,18 @@ def _folder_bytes(path: Path) -> int:
     return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file())
 
 
-def measure(folder: str, repeats: int) -> dict:
+def settle(device: torch.device) -> float:
+    """The time once the device has finished the work queued so far (CUDA runs behind the
+    host: a timestamp without this would time the queueing)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # cuda-only
+    return time.perf_counter()
+
+
+def measure(folder: str, repeats: int, flavor: str) -> dict:
     """Runs on every rank; returns the timings (max over ranks) and a few facts."""
-    trainer = Trainer(parse_args(trainer_args(folder)))
+    trainer = Trainer(parse_args(trainer_args(folder, flavor)))
+    device = trainer.device
     for _ in range(WARMUP_STEPS):
         trainer.train_step()
     states = trainer.checkpointer.states
@@ -120,9 +135,9 @@ def measure(folder: str, repeats: int) -> dict:
     collect_seconds = []
     for _ in range(3):
         dist.barrier()
-        start = time.perf_counter()
+        start = settle(device)
         collected = {name: state.state_dict() for name, state in states.items()}
-        collect_seconds.append(time.perf_counter() - start)
+        collect_seconds.append(settle(device) - start)
     local_bytes = sum(
         (t.to_local() if isinstance(t, DTensor) else t).nbytes for part in collected.values() for t in _tensors(part)
     )
@@ -130,9 +145,9 @@ def measure(folder: str, repeats: int) -> dict:
     plain_steps = []
     for _ in range(3):
         dist.barrier()
-        start = time.perf_counter()
+        start = settle(device)
         trainer.train_step()
-        plain_steps.append(time.perf_counter() - start)
+        plain_steps.append(settle(device) - start)
     plain_step = statistics.median(plain_steps)
     report = {
         "plain_step_seconds": _max_over_ranks([plain_step])[0],
@@ -158,14 +173,14 @@ def measure(folder: str, repeats: int) -> dict:
         for _ in range(repeats):
             gc.collect()
             dist.barrier()
-            start = time.perf_counter()
+            start = settle(device)
             manager.save(trainer.step)
-            returned = time.perf_counter()
+            returned = settle(device)
             staging_waits.clear()
             trainer.train_step()
-            stepped = time.perf_counter()
+            stepped = settle(device)
             manager.wait()
-            written = time.perf_counter()
+            written = settle(device)
             staging_wait = sum(staging_waits)
             slowdown = stepped - returned - plain_step
             rows.append(
@@ -182,22 +197,22 @@ def measure(folder: str, repeats: int) -> dict:
     return report
 
 
-def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, result_file: str) -> None:
+def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, result_file: str, dry_run: bool) -> None:
     torchrun_environment(rank, world_size, port, LOG_RANK="")  # INFO lines would interleave with the table
+    if dry_run:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     LLAMA3_FLAVORS.setdefault(FLAVOR, MODEL_ARGS)
-    report = measure(folder, repeats)
+    report = measure(folder, repeats, DRY_RUN_FLAVOR if dry_run else FLAVOR)
     if rank == 0:
         torch.save(report, result_file)
     end_rank()
 
 
-def _summary(rows: list[list[float]]) -> tuple[list[float], list[float] | None]:
-    first = rows[0]
-    later = rows[1:]
-    if not later:
-        return first, None
+def _summary(rows: list[list[float]]) -> tuple[list[float], list[float]]:
+    """The first save's row, and the median of the later ones."""
+    first, later = rows[0], rows[1:]
     return first, [statistics.median(row[i] for row in later) for i in range(len(first))]
 
 
@@ -212,19 +227,15 @@ def print_report(report: dict, world_size: int, repeats: int, load_before: tuple
         f"thread(s); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
         f"{datetime.date.today().isoformat()}"
     )
-    if repeats > 1:
-        print(f"seconds, max over ranks; 'later' is the median of saves 2..{repeats}\n")
-    else:
-        print("seconds, max over ranks; one save per mode, so the ratios compare first saves\n")
+    print(f"seconds, max over ranks; 'later' is the median of saves 2..{repeats}\n")
     print("| async_mode | save | save() returns | staging wait | stall (thread blocked) | step slowdown | on disk |")
     print("|---|---|---|---|---|---|---|")
     steady = {}
     for mode in MODES:
         first, later = _summary(report["timings"][mode])
         for label, row in (("first", first), ("later", later)):
-            if row is not None:
-                print(f"| {mode} | {label} | " + " | ".join(f"{value:.3f}" for value in row) + " |")
-        steady[mode] = later if later is not None else first
+            print(f"| {mode} | {label} | " + " | ".join(f"{value:.3f}" for value in row) + " |")
+        steady[mode] = later
     print(f"| (every mode) | state_dict() calls only | | | {report['state_dict_seconds']:.3f} | | |")
     print(f"| (no save) | one plain training step | | | | {report['plain_step_seconds']:.3f} | |")
     print()
@@ -235,16 +246,21 @@ def print_report(report: dict, world_size: int, repeats: int, load_before: tuple
         print(f"step slowdown {mode}/sync save = {steady[mode][3] / sync_stall:.2f} (CPU contention, not a stall)")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=4, help="saves per mode (the first is reported apart)")
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks to start")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to start (one GPU each on CUDA)")
     parser.add_argument("--folder", default=None, help="where to write checkpoints (default: a temporary folder)")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="every line on CPU: tiny model, 2 saves per mode")
+    args = parser.parse_args(argv)
+    if args.cpu_dry_run:
+        args.repeats = 2
+    if args.repeats < 2:
+        parser.error("--repeats must be at least 2 (the first save is reported apart from the later ones)")
     if args.world_size < 2:
         parser.error("--world-size must be at least 2 (one rank has no process group)")
+    if torch.cuda.is_available() and not args.cpu_dry_run and args.world_size > torch.cuda.device_count():
+        parser.error(f"--world-size {args.world_size} needs as many GPUs; this machine has fewer")  # cuda-only
 
     load_before = os.getloadavg()
     parent = args.folder or tempfile.gettempdir()
@@ -252,7 +268,7 @@ def main() -> int:
         result_file = str(Path(folder) / "report.pt")
         mp.start_processes(
             _worker,
-            args=(args.world_size, free_port(), folder, args.repeats, result_file),
+            args=(args.world_size, free_port(), folder, args.repeats, result_file, args.cpu_dry_run),
             nprocs=args.world_size,
             start_method="spawn",
             join=True,

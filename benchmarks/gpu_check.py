@@ -1,43 +1,59 @@
 """The GPU path, checked in one command on one CUDA GPU (about 5 minutes on an H100).
 
     python benchmarks/gpu_check.py                  # on a machine with a CUDA GPU
-    python benchmarks/gpu_check.py --cpu-dry-run    # the plumbing only, debug model on CPU
+    python benchmarks/gpu_check.py --cpu-dry-run    # the same code on the CPU, debug sizes
 
 Without a CUDA device (and without --cpu-dry-run) it prints "no GPU: skipped" and exits 0.
 Otherwise it prints one table row per check and exits 1 if any check failed:
 
-* SDPA kernel, bf16 and fp32, grouped-query attention (32 query heads, 8 key/value heads,
-  seq 8192): the model's attention runs with the math backend disabled, so a layout that
-  would need the math kernel (which builds the whole score matrix) fails; the profiler
-  names the CUDA kernel that ran.
-* Training of a Llama-3-shaped 1 B model ("check1b": dim 2048, 16 blocks, 32 heads, 8
+* SDPA kernel, bf16 (autocast, as the trainer computes) and fp32, grouped-query attention
+  (32 query heads, 8 key/value heads, seq 8192): one block built as the trainer builds its
+  model runs with the math backend disabled; the profiler names the SDPA operator that ran
+  (and on CUDA the kernel), and math, or no fused kernel taking the layout, fails. Two
+  control rows show the check can fail: with only the math backend allowed it must read
+  math, with no backend allowed it must report the error.
+* Two trainings of a Llama-3-shaped 1 B model ("check1b": dim 2048, 16 blocks, 32 heads, 8
   key/value heads, vocabulary 128256), bf16 compute with float32 weights, selective
-  activation checkpointing, seq 8192, batch 1, once compiled and once eager:
-  - MFU, the trainer's own figure (model FLOPs only, attention counted causally, against
-    the GPU's dense bf16 peak; see docs/metrics.md), median of the logged windows after
-    warm-up. Target >= 45% compiled.
+  activation checkpointing, seq 8192, batch 1:
+  - run 1, compiled, with the EMA, no checkpoint: MFU (the trainer's own figure, the median
+    of WINDOWS logged windows after one warm-up window; attention counted causally, and
+    beside it counted whole as torchtitan does; see docs/metrics.md), target >= 45%; host
+    syncs in quiet steps; peak memory.
+  - run 2, eager, saving with `async_with_pinned_mem`: MFU (reference), host syncs, and the
+    race the staging guards against. At the end of the measured windows the state is cloned
+    on the compute stream right where the save is issued (no synchronisation the training
+    lacks), training goes on, and the checkpoint read back from disk is compared with the
+    clone bit for bit, every tensor of the model, optimizer and schedule. The next interval
+    save does the same with the guard off (CheckpointManager.wait_for_staging and
+    order_staging_after_compute made no-ops) and reports whether a tear appears; only a
+    tear with the guard on fails. No save falls in a measured window, each compared
+    checkpoint is deleted before the next save, and the last save is model-only bf16.
   - Host syncs in quiet steps: `torch.cuda.set_sync_debug_mode("warn")` is on during the
-    steps that are not log steps, save points or SYNC_EVERY steps, and every synchronizing
-    CUDA call there is counted. Target 0.
-  - Async checkpoint: the compiled run saves step 7 (not a log step) with
-    `async_with_pinned_mem`; the state is copied to the host right before that save (the
-    synchronous reference), training goes on, and the checkpoint on disk is compared with
-    the copy bit for bit, every tensor of the model, optimizer, EMA and schedule.
-  - Peak memory: the largest `max_active` of the steady steps against
-    `titanlite.estimate.estimate_memory` for the same config (fake tensors, in this
-    process). Target within 10%.
+    steps after the warm-up that are not log steps, save points or SYNC_EVERY steps, and
+    every synchronizing CUDA call there is counted. Target 0.
+  - Peak memory: run 1's largest `max_active` against `titanlite.estimate.estimate_memory`
+    for the same config (fake tensors, in this process). Target within 10%.
+* Disk: the checkpoint bytes are estimated before anything runs (printed; the check refuses
+  to start above DISK_LIMIT_BYTES on disk at once) and the largest checkpoint measured on
+  disk must match the estimate within 10%.
 
---cpu-dry-run runs the same code on the CPU with the debug model (seq 128, no compile),
-with the CUDA-only checks reported as "n/a"; its numbers mean nothing.
+--cpu-dry-run runs every line of the same code on the CPU with debug sizes (the tiny
+model, seq 128, no compile: tests/test_parity.py covers compile), except the lines that
+end with the CUDA_ONLY marker below; tests/test_gpu_check.py runs it under coverage and
+fails on any other line left unexecuted. Its numbers mean nothing and its MFU, memory and
+sync targets are not enforced; the SDPA, checkpoint and disk rows are.
 """
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,9 +63,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
+from titanlite.metrics import tags  # noqa: E402
+from titanlite.metrics.flops import count_params, flops_per_token  # noqa: E402
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 
-FLAVOR = "check1b"
+# A line of this script (and of gpu_mfu.py and checkpoint_stall.py) that ends with this
+# comment runs only on CUDA; every other line runs in the CPU dry run.
+CUDA_ONLY = "# cuda-only"
+
 MODEL_ARGS = LlamaArgs(
     dim=2048,
     n_layers=16,
@@ -60,96 +81,160 @@ MODEL_ARGS = LlamaArgs(
     ffn_dim_multiplier=1.5,
     rope_theta=500000.0,
 )
-MFU_TARGET, MEMORY_TOLERANCE = 45.0, 0.10
-SAVE_STEP = 7
-MFU, MAX_ACTIVE, TPS = "mfu(%)", "memory/max_active(GiB)", "throughput(tps)"
+ATTENTION_FLAVOR = "checkattention"  # one block, for the SDPA rows
 
 
-def register_flavor() -> None:
-    LLAMA3_FLAVORS.setdefault(FLAVOR, MODEL_ARGS)
+@dataclass(frozen=True)
+class Sizes:
+    """What differs between the CUDA run and the CPU dry run: sizes, never code."""
+
+    flavor: str
+    seq_len: int
+    attention: LlamaArgs  # the SDPA rows' one block
+    compile: bool
+    log_freq: int  # steps per measured window
+    peak_tflops: float  # 0: the trainer's table for the GPU
 
 
-def trainer_argv(dump: str, compiled: bool, dry_run: bool) -> list[str]:
-    steps, log_freq = (20, 5) if compiled else (12, 4)
+GPU_SIZES = Sizes(
+    "check1b", 8192, LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=256), True, 4, 0.0
+)
+DRY_RUN_SIZES = Sizes(
+    "tiny", 128, LlamaArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=256), False, 2, 1.0
+)
+WINDOWS = 5  # measured windows per run, after one warm-up window: an odd count has a middle one
+MFU_TARGET, MEMORY_TOLERANCE, DISK_TOLERANCE = 45.0, 0.10, 0.10
+DISK_LIMIT_BYTES = 20 * 10**9
+# Beyond the tensors a checkpoint holds DCP's metadata and the small states (schedule, data
+# position, RNG): a few KB per tensor, which only a tiny model notices.
+DISK_SLACK_BYTES = 10**6
+MFU_RUN, SAVE_RUN = "run 1 (EMA, compiled on CUDA)", "run 2 (eager, async saves)"
+
+
+def register_flavors(sizes: Sizes) -> None:
+    LLAMA3_FLAVORS.setdefault(GPU_SIZES.flavor, MODEL_ARGS)
+    LLAMA3_FLAVORS[ATTENTION_FLAVOR] = sizes.attention
+
+
+def measured_steps(sizes: Sizes) -> int:
+    """The warm-up window and the measured ones."""
+    return (1 + WINDOWS) * sizes.log_freq
+
+
+def save_steps(sizes: Sizes) -> tuple[int, int]:
+    """Run 2's interval saves: right after the measured windows (guard on), one interval
+    later (guard off). The run ends one step after the second."""
+    first = measured_steps(sizes)
+    return first, 2 * first
+
+
+def trainer_argv(sizes: Sizes, dump: str, run: str) -> list[str]:
+    first_save, second_save = save_steps(sizes)
     argv = [
-        "--model.flavor",
-        "debugmodel" if dry_run else FLAVOR,
-        "--job.dump_folder",
-        dump,
-        "--training.seq_len",
-        "128" if dry_run else "8192",
-        "--training.local_batch_size",
-        "1",
-        "--training.steps",
-        str(steps),
-        "--training.mixed_precision_param",
-        "bfloat16",
-        "--activation_checkpoint.mode",
-        "selective",
-        "--lr_scheduler.warmup_steps",
-        "2",
-        "--metrics.log_freq",
-        str(log_freq),
+        *("--model.flavor", sizes.flavor, "--job.dump_folder", dump, "--training.seq_len", str(sizes.seq_len)),
+        *("--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16"),
+        *("--activation_checkpoint.mode", "selective", "--lr_scheduler.warmup_steps", "2"),
+        *("--metrics.log_freq", str(sizes.log_freq)),
+        *(("--metrics.peak_tflops", str(sizes.peak_tflops)) if sizes.peak_tflops else ()),
     ]
-    if compiled and not dry_run:
-        argv += ["--compile.enable", "--compile.components", "model,loss"]
-    if compiled:
-        argv += [
-            "--checkpoint.enable",
-            "--checkpoint.interval",
-            str(SAVE_STEP),
-            "--checkpoint.async_mode",
-            "async_with_pinned_mem",
-            "--ema.enable",
-        ]
-    if dry_run:
-        argv += ["--metrics.peak_tflops", "1"]
-    return argv
+    if run == MFU_RUN:
+        compiled = ("--compile.enable", "--compile.components", "model,loss") if sizes.compile else ()
+        return argv + ["--training.steps", str(measured_steps(sizes)), "--ema.enable", *compiled]
+    return argv + [
+        *("--training.steps", str(second_save + 1), "--checkpoint.enable", "--checkpoint.interval", str(first_save)),
+        *("--checkpoint.async_mode", "async_with_pinned_mem", "--checkpoint.keep_latest_k", "1"),
+        *("--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"),
+    ]
+
+
+def checkpoint_bytes(sizes: Sizes) -> dict[str, int]:
+    """Run 2's checkpoints: two full saves (float32 weights and AdamW's two moments; the
+    schedule, data position and RNG states are a few KB) and a model-only bf16 last save.
+    Each compared save is deleted before the next one starts."""
+    params = count_params(LLAMA3_FLAVORS[sizes.flavor])
+    full, last = 3 * 4 * params, 2 * params
+    return {"full": full, "written": 2 * full + last, "at_once": max(full, last)}
 
 
 # --------------------------------------------------------------------------- in the worker
 
 
-def sdpa_rows(device: torch.device) -> list[dict]:
-    """Run one GQA attention layer at seq 8192 in bf16 and fp32 with the math backend off."""
-    if device.type != "cuda":
-        return [
-            {"check": f"SDPA kernel, {name}", "result": "n/a (CPU)", "target": "flash or efficient", "ok": True}
-            for name in ("bf16", "fp32")
-        ]
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # cuda-only
+
+
+def attention_block(sizes: Sizes, device: torch.device):
+    """The SDPA rows' one block, built as the trainer builds its model (plan_run, build_model:
+    on meta, then materialised and initialised on the device), with its compute context."""
+    from titanlite.config import parse_args
+    from titanlite.parallel import compute_context
+    from titanlite.plan import build_model, plan_run
+
+    job_config = parse_args(["--model.flavor", ATTENTION_FLAVOR, "--training.seq_len", str(sizes.seq_len)])
+    plan = plan_run(job_config, world_size=1)
+    model = build_model(job_config, plan, plan.parallel_dims.build_mesh(device.type), device)
+    contexts = {name: compute_context(plan.parallel_dims, name, device.type) for name in ("bfloat16", "float32")}
+    return model, contexts
+
+
+def sdpa_operator(model, tokens: torch.Tensor, backends: list, context, device: torch.device) -> tuple[str, str]:
+    """(the SDPA operator that ran, the CUDA kernel it launched or ""), or ("", the error)
+    when no allowed backend takes the layout."""
+    from torch.nn.attention import sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from titanlite.models.llama import Transformer
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)  # cuda-only
+    try:
+        with sdpa_kernel(backends), torch.no_grad(), context, profile(activities=activities) as prof:
+            model(tokens)
+            synchronize(device)
+    except RuntimeError as error:
+        return "", str(error).splitlines()[0][:80]
+    names = {(event.device_type.name, event.name) for event in prof.events()}
+    # scaled_dot_product_attention dispatches to one of its backends' operators, named
+    # aten::_scaled_dot_product_<backend>...; on CUDA each launches kernels of its own.
+    operators = sorted(name for kind, name in names if name.startswith("aten::_scaled_dot_product_"))
+    kernels = sorted(name for kind, name in names if kind == "CUDA" and ("attention" in name or "fmha" in name))
+    return ", ".join(operators) or "no SDPA operator", ", ".join(kernels)[:60]
 
-    args = LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=256, max_seq_len=8192)
+
+def sdpa_rows(sizes: Sizes, device: torch.device) -> list[dict]:
+    """The attention block at the run's sequence length with the math backend disabled, in
+    bf16 and fp32, then the two controls."""
+    from torch.nn.attention import SDPBackend
+
+    model, contexts = attention_block(sizes, device)
+    tokens = torch.randint(0, sizes.attention.vocab_size, (1, sizes.seq_len), device=device)
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
     rows = []
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        model = Transformer(args).to(device=device)
-        model.init_weights(seed=0, buffer_device=device)
-        model.to(dtype)
-        model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
-        tokens = torch.randint(0, 256, (1, 8192), device=device)
-        row = {"check": f"SDPA kernel, {name}", "target": "flash or efficient, never math"}
-        try:
-            with (
-                sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]),
-                torch.no_grad(),
-                profile(activities=[ProfilerActivity.CUDA]) as prof,
-            ):
-                model(tokens)
-                torch.cuda.synchronize()
-            kernels = {event.name for event in prof.events() if event.device_type.name == "CUDA"}
-            attention = sorted(
-                k
-                for k in kernels
-                if any(mark in k.lower() for mark in ("flash", "fmha", "efficient", "cudnn", "attention"))
-            )
-            row.update(result=(attention[0][:60] if attention else "no attention kernel named"), ok=bool(attention))
-        except RuntimeError as error:  # no fused kernel takes this layout
-            row.update(result=f"needs math: {str(error).splitlines()[0][:80]}", ok=False)
-        rows.append(row)
-        del model
+    for name, dtype in (("bf16", "bfloat16"), ("fp32", "float32")):
+        operator, kernel = sdpa_operator(model, tokens, fused, contexts[dtype], device)
+        fused_ran = operator.startswith("aten::_scaled_dot_product_") and "math" not in operator
+        result = (operator + (f" ({kernel})" if kernel else "")) if operator else f"needs math: {kernel}"
+        rows.append(
+            {"check": f"SDPA kernel, {name}", "result": result, "target": "a fused kernel, never math", "ok": fused_ran}
+        )
+    math_only, _ = sdpa_operator(model, tokens, [SDPBackend.MATH], contexts["float32"], device)
+    rows.append(
+        {
+            "check": "control: SDPA with only the math backend allowed",
+            "result": math_only,
+            "target": "the check reads math",
+            "ok": "math" in math_only,
+        }
+    )
+    nothing, error = sdpa_operator(model, tokens, [], contexts["float32"], device)
+    rows.append(
+        {
+            "check": "control: SDPA with no backend allowed",
+            "result": error,
+            "target": "the check reports the error",
+            "ok": not nothing and bool(error),
+        }
+    )
     return rows
 
 
@@ -164,171 +249,249 @@ def _flatten(state, prefix: str = "") -> dict:
     return {prefix.rstrip("."): state}
 
 
-def _host_copy(value):
-    if isinstance(value, torch.Tensor):
-        local = value.to_local() if hasattr(value, "to_local") else value
-        return local.detach().to("cpu", copy=True)
-    return value
+def _map_tensors(function, state):
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, function, state)
 
 
-def training_rows(argv: list[str], compiled: bool, device: torch.device) -> tuple[list[dict], dict]:
+class SaveRace:
+    """Run 2's two saves under test: the state cloned on the compute stream where each save
+    is issued, moved to the host once the save has staged, compared with the checkpoint
+    read back from disk, which is then deleted."""
+
+    def __init__(self, trainer, sizes: Sizes):
+        self.trainer, self.checkpointer = trainer, trainer.checkpointer
+        self.guarded, self.unguarded = save_steps(sizes)
+        self.clones: dict[int, dict] = {}
+        self.rows: list[dict] = []
+        self.largest_on_disk = 0
+        save = self.checkpointer.save
+
+        def save_with_clone(step, **kwargs):
+            if step in (self.guarded, self.unguarded):
+                # Queued on the current stream after this step's optimizer and EMA kernels
+                # and before the next step's: the state as saved, with no host sync.
+                collected = self.checkpointer._collect(list(self.checkpointer.states))
+                self.clones[step] = _map_tensors(lambda t: t.detach().clone(), collected)
+            if step == self.unguarded:
+                self.checkpointer.wait_for_staging = lambda: None  # the guard off for this save
+                self.checkpointer.order_staging_after_compute = lambda: None
+            return save(step, **kwargs)
+
+        self.checkpointer.save = save_with_clone
+
+    def after_step(self, step: int) -> None:
+        """After the step that follows a save under test (staging has finished or, with the
+        guard off, raced that step's optimizer): settle the save and compare."""
+        saved = step - 1
+        if saved not in self.clones:
+            return
+        reference = _map_tensors(lambda t: t.cpu(), self.clones.pop(saved))
+        self.checkpointer.__dict__.pop("wait_for_staging", None)  # the guard back on
+        self.checkpointer.__dict__.pop("order_staging_after_compute", None)
+        self.checkpointer.wait()
+        folder = self.checkpointer.folder / f"step-{saved}"
+        self.largest_on_disk = max(self.largest_on_disk, sum(f.stat().st_size for f in folder.iterdir()))
+        self.rows.append(self._compare(folder, reference, guarded=saved == self.guarded))
+        shutil.rmtree(folder)  # the next save must not add to this one on disk
+
+    @staticmethod
+    def _compare(folder: Path, reference: dict, guarded: bool) -> dict:
+        import torch.distributed.checkpoint as dcp
+
+        loaded = _map_tensors(torch.empty_like, reference)
+        dcp.load(loaded, checkpoint_id=str(folder))
+        expected, saved = _flatten(reference), _flatten(loaded)
+        tensors = [key for key, value in expected.items() if isinstance(value, torch.Tensor)]
+        differing = [key for key in tensors if not torch.equal(saved[key], expected[key])]
+        equal = f"{len(tensors) - len(differing)} of {len(tensors)} tensors equal"
+        first = f" (first differing: {differing[0]})" if differing else ""
+        if guarded:
+            return {
+                "check": f"async_with_pinned_mem save of step {folder.name[5:]} vs its stream-ordered clone",
+                "result": equal + first,
+                "target": "bit-identical",
+                "ok": bool(tensors) and not differing,
+            }
+        return {
+            "check": f"same, guard off (no staging wait), step {folder.name[5:]}",
+            "result": ("torn: " if differing else "no tear seen: ") + equal + first,
+            "target": "(reported, not enforced)",
+            "ok": bool(tensors),
+        }
+
+
+@contextlib.contextmanager
+def counting_host_syncs(device: torch.device, syncs: list[str]):
+    """Every synchronizing CUDA call inside, one line each into `syncs` (nothing on a CPU)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if device.type == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")  # cuda-only
+        try:
+            yield
+        finally:
+            if device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("default")  # cuda-only
+            syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+
+
+def mfu_windows(records: list[dict], sizes: Sizes) -> list[float]:
+    """The MFU of each measured window: the log steps after the warm-up window, up to the
+    first save."""
+    steps = range(2 * sizes.log_freq, measured_steps(sizes) + 1, sizes.log_freq)
+    by_step = {record["step"]: record for record in records}
+    return [by_step[step][tags.MFU] for step in steps if tags.MFU in by_step.get(step, {})]
+
+
+def training_rows(sizes: Sizes, run: str, dump: str, device: torch.device) -> tuple[list[dict], float | None]:
     from titanlite.config import parse_args
     from titanlite.nonfinite import SYNC_EVERY
     from titanlite.train import Trainer
 
-    job_config = parse_args(argv)
-    trainer = Trainer(job_config)
-    log_freq, last = job_config.metrics.log_freq, job_config.training.steps
+    trainer = Trainer(parse_args(trainer_argv(sizes, dump, run)))
+    last = trainer.job_config.training.steps
+    race = SaveRace(trainer, sizes) if run == SAVE_RUN else None
     syncs: list[str] = []
-    reference: dict = {}
 
     def quiet(step: int) -> bool:
-        return not (
-            step == 1
-            or step % log_freq == 0
-            or step == last
-            or step % SYNC_EVERY == 0
-            or trainer.checkpointer.should_save(step, last)
-        )
+        logged = step == 1 or step % sizes.log_freq == 0 or step == last or step % SYNC_EVERY == 0
+        # The step after a save is not quiet either: the stager's thread copies (and syncs) then.
+        saving = trainer.checkpointer.should_save(step, last) or trainer.checkpointer.should_save(step - 1, last)
+        return step > sizes.log_freq and not logged and not saving
 
     one_step = trainer._one_step
 
-    def counted_step(freq):
+    def checked_step(freq):
         step = trainer.step + 1
-        if device.type != "cuda" or not quiet(step) or step <= 3:  # the first steps compile and allocate
-            return one_step(freq)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                return one_step(freq)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-                syncs.extend(str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message))
+        with counting_host_syncs(device, syncs) if quiet(step) else contextlib.nullcontext():
+            record = one_step(freq)
+        if race is not None:
+            race.after_step(step)
+        return record
 
-    save = trainer.checkpointer.save
-
-    def save_with_reference(step, **kwargs):
-        if step == SAVE_STEP and not reference:
-            if device.type == "cuda":
-                torch.cuda.synchronize()  # the reference itself must not race the optimizer
-            states = trainer.checkpointer._collect(list(trainer.checkpointer.states))
-            reference.update({key: _host_copy(value) for key, value in _flatten(states).items()})
-        return save(step, **kwargs)
-
-    trainer._one_step = counted_step
-    if compiled:
-        trainer.checkpointer.save = save_with_reference
+    trainer._one_step = checked_step
     trainer.train()
-    records = _read_metrics(Path(job_config.job.dump_folder))
-    steady = [r for r in records if r["step"] > (10 if compiled else 4)]
-    mode = "compiled" if compiled else "eager"
-    mfu = statistics.median(r[MFU] for r in steady) if steady and all(MFU in r for r in steady) else None
+    records = _read_metrics(Path(dump))
+    windows = mfu_windows(records, sizes)
+    on_gpu = device.type == "cuda"
+    compiled = run == MFU_RUN and sizes.compile
     rows = [
         {
-            "check": f"MFU, 1B seq 8192, {mode}",
-            "result": "n/a" if mfu is None else f"{mfu:.1f}%",
+            "check": f"MFU, {sizes.flavor} seq {sizes.seq_len}, {run}",
+            "result": mfu_result(windows, sizes),
             "target": f">= {MFU_TARGET:.0f}%" if compiled else "(reference)",
-            "ok": mfu is not None and (mfu >= MFU_TARGET or not compiled or device.type != "cuda"),
-        }
-    ]
-    rows.append(
+            "ok": len(windows) == WINDOWS and (statistics.median(windows) >= MFU_TARGET or not (compiled and on_gpu)),
+        },
         {
-            "check": f"host syncs in quiet steps, {mode}",
-            "result": "n/a (CPU)"
-            if device.type != "cuda"
-            else f"{len(syncs)}" + (f" ({syncs[0][:50]})" if syncs else ""),
+            "check": f"host syncs in quiet steps, {run}",
+            "result": f"{len(syncs)}" + (f" ({syncs[0][:50]})" if syncs else "") + ("" if on_gpu else " (no CUDA)"),
             "target": "0",
             "ok": not syncs,
-        }
-    )
-    measured = max((r[MAX_ACTIVE] for r in steady if MAX_ACTIVE in r), default=None)
-    if compiled:
-        rows.append(_compare_checkpoint(Path(job_config.job.dump_folder) / job_config.checkpoint.folder, reference))
-    return rows, {"max_active_gib": measured}
+        },
+    ]
+    if race is not None:
+        rows += race.rows + [disk_row(sizes, race.largest_on_disk)]
+    memory_tag = tags.MAX_ACTIVE_GIB if on_gpu else tags.PEAK_RSS_GIB
+    peak = max((r[memory_tag] for r in records if r["step"] > sizes.log_freq and memory_tag in r), default=None)
+    return rows, peak
 
 
-def _compare_checkpoint(folder: Path, reference: dict) -> dict:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def mfu_result(windows: list[float], sizes: Sizes) -> str:
+    """The median window's MFU, with attention counted causally (the trainer's) and whole."""
+    args = LLAMA3_FLAVORS[sizes.flavor]
+    whole = flops_per_token(args, sizes.seq_len, causal_attention=False) / flops_per_token(args, sizes.seq_len)
+    median = statistics.median(windows) if windows else float("nan")  # nan: the GPU lacks a peak
+    return f"{median:.3g}% ({median * whole:.3g}% counting whole attention); median of {len(windows)} windows"
 
-    row = {
-        "check": f"async_with_pinned_mem save of step {SAVE_STEP} vs its synchronous copy",
-        "target": "bit-identical",
+
+def disk_row(sizes: Sizes, measured: int) -> dict:
+    estimate = checkpoint_bytes(sizes)["full"]
+    return {
+        "check": "largest checkpoint on disk vs the disk estimate",
+        "result": f"{measured / 1e9:.3g} vs {estimate / 1e9:.3g} GB = {measured / estimate:.2f}",
+        "target": f"within {DISK_TOLERANCE:.0%} + {DISK_SLACK_BYTES / 1e6:.0f} MB",
+        "ok": abs(measured - estimate) <= DISK_TOLERANCE * estimate + DISK_SLACK_BYTES,
     }
-    with tempfile.TemporaryDirectory() as scratch:
-        dcp_to_torch_save(str(folder / f"step-{SAVE_STEP}"), f"{scratch}/state.pt")
-        saved = _flatten(torch.load(f"{scratch}/state.pt", weights_only=True))
-    tensors = [key for key, value in reference.items() if isinstance(value, torch.Tensor)]
-    differing = [key for key in tensors if key not in saved or not torch.equal(saved[key].cpu(), reference[key])]
-    row.update(
-        result=f"{len(tensors) - len(differing)} of {len(tensors)} tensors equal"
-        + (f" (first differing: {differing[0]})" if differing else ""),
-        ok=bool(tensors) and not differing,
-    )
-    return row
 
 
 def _read_metrics(dump: Path) -> list[dict]:
     files = sorted(dump.glob("metrics/*/metrics.jsonl"))
     lines = files[-1].read_text().splitlines() if files else []
-    return [record for record in map(json.loads, lines) if TPS in record]
+    return [record for record in map(json.loads, lines) if tags.TPS in record]
 
 
 def _worker(_, port: int, dry_run: bool, out: str) -> None:
+    from titanlite.parallel import pick_device
+
     torchrun_environment(0, 1, port, LOG_RANK="")
     if dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    register_flavor()
+    sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES
+    register_flavors(sizes)
     quiet_every_rank_lines()
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    rows, extra = sdpa_rows(device), {}
-    for compiled in (True, False):
+    device = pick_device()
+    rows, peaks = sdpa_rows(sizes, device), {}
+    for run in (MFU_RUN, SAVE_RUN):
         with tempfile.TemporaryDirectory(prefix="titanlite-gpu-check-") as dump:
-            more, figures = training_rows(trainer_argv(dump, compiled, dry_run), compiled, device)
+            more, peaks[run] = training_rows(sizes, run, dump, device)
             rows += more
-            extra.setdefault("max_active_gib", figures["max_active_gib"])
-    Path(out).write_text(json.dumps({"rows": rows, **extra}))
+    Path(out).write_text(json.dumps({"rows": rows, "peak_gib": peaks[MFU_RUN], "device": device.type}))
 
 
 # --------------------------------------------------------------------------- in the parent
 
 
-def memory_row(dry_run: bool, measured_gib: float | None) -> dict:
-    """The estimator's peak for the compiled run's config against the measured one."""
+def memory_row(sizes: Sizes, measured_gib: float | None, device_type: str) -> dict:
+    """The estimator's peak for run 1's config against the measured one (on a CPU the
+    process's peak RSS, which holds much more than tensors: not enforced)."""
     from titanlite.config import parse_args
     from titanlite.estimate import estimate_memory
 
-    register_flavor()
     with tempfile.TemporaryDirectory() as dump:
-        estimate = estimate_memory(parse_args(trainer_argv(dump, True, dry_run)), 1, device_type="cuda")
+        estimate = estimate_memory(parse_args(trainer_argv(sizes, dump, MFU_RUN)), 1, device_type="cuda")
     predicted = estimate.peak_bytes / 2**30
-    row = {"check": "peak memory, measured vs scripts/estimate.py", "target": f"within {MEMORY_TOLERANCE:.0%}"}
-    if measured_gib is None:
-        return {**row, "result": f"estimate {predicted:.2f} GiB; nothing measured", "ok": dry_run}
-    ratio = measured_gib / predicted
+    ratio = (measured_gib or 0.0) / predicted
+    enforced = device_type == "cuda"
+    what = "" if enforced else " (CPU RSS)"
     return {
-        **row,
-        "result": f"{measured_gib:.2f} vs {predicted:.2f} GiB = {ratio:.2f}",
-        "ok": dry_run or abs(ratio - 1) <= MEMORY_TOLERANCE,
+        "check": "peak memory, measured vs scripts/estimate.py",
+        "result": f"{measured_gib or 0.0:.2f} vs {predicted:.2f} GiB = {ratio:.2f}{what}",
+        "target": f"within {MEMORY_TOLERANCE:.0%}",
+        "ok": abs(ratio - 1) <= MEMORY_TOLERANCE or not enforced,
     }
+
+
+def plan_disk(sizes: Sizes) -> None:
+    """Print the checkpoint bytes this check writes; refuse to start when they do not fit."""
+    planned = checkpoint_bytes(sizes)
+    print(
+        f"checkpoints: {planned['written'] / 1e9:.3g} GB written in all, at most {planned['at_once'] / 1e9:.3g} GB "
+        f"on disk at once (limit {DISK_LIMIT_BYTES / 1e9:.0f} GB)"
+    )
+    if planned["at_once"] > DISK_LIMIT_BYTES:
+        raise SystemExit(f"gpu_check: the checkpoints of {sizes.flavor} would need {planned['at_once'] / 1e9:.2f} GB")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu-dry-run", action="store_true", help="the plumbing only, on the CPU")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="the same code on the CPU, debug sizes")
     options = parser.parse_args(argv)
     if not torch.cuda.is_available() and not options.cpu_dry_run:
         print("no GPU: skipped")
         return 0
-    device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
-    register_flavor()
+    sizes = DRY_RUN_SIZES if options.cpu_dry_run else GPU_SIZES
+    register_flavors(sizes)
+    plan_disk(sizes)
     with tempfile.TemporaryDirectory() as scratch:
         out = f"{scratch}/rows.json"
         mp.start_processes(
             _worker, args=(free_port(), options.cpu_dry_run, out), nprocs=1, start_method="spawn", join=True
         )
         result = json.loads(Path(out).read_text())
-    rows = result["rows"] + [memory_row(options.cpu_dry_run, result.get("max_active_gib"))]
+    rows = result["rows"] + [memory_row(sizes, result["peak_gib"], result["device"])]
+    device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
     print(f"titanlite GPU check on {device_name}, torch {torch.__version__}")
     print("| check | result | target | ok |\n|---|---|---|---|")
     for row in rows:

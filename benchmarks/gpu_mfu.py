@@ -3,7 +3,7 @@ bf16, torch.compile and selective activation checkpointing.
 
     python benchmarks/gpu_mfu.py                         # on a machine with a CUDA GPU
     python benchmarks/gpu_mfu.py --batch 2 --steps 30 --ac-option 2
-    python benchmarks/gpu_mfu.py --cpu-dry-run           # the plumbing only, debug model on CPU
+    python benchmarks/gpu_mfu.py --cpu-dry-run           # the same code on CPU, the tiny model
 
 Without a CUDA device the script prints "no GPU: skipped" and exits 0.
 
@@ -31,12 +31,17 @@ its default efficiency) when the GPU is one of its hardware rows; the last line 
 
     MFU = X.X% of P TFLOPs (measured / estimated = R.RR)
 
-`--cpu-dry-run` runs the same code path on CPU with the debug model (seq 128, batch 2,
-6 steps, bf16 autocast, compile, selective AC) against a nominal 1 TFLOPs peak, to check
-the script where no GPU exists; its numbers mean nothing.
+`--cpu-dry-run` runs every line of the same code on CPU with the tiny model (seq 128,
+batch 2, 6 steps, bf16 autocast, selective AC, no compile: tests/test_parity.py covers
+compile on CPU) against a nominal 1 TFLOPs peak, except the lines marked "# cuda-only"
+(gpu_check.CUDA_ONLY); tests/test_gpu_check.py runs it under coverage. Its numbers mean
+nothing.
+
+MFU is printed twice: with attention counted causally (the trainer's figure) and counted
+whole, as torchtitan and most published MFU figures do (docs/metrics.md).
 
 Options: --steps (default 20), --warmup (default 3), --seq-len (default 2048), --batch
-(default 4), --ac-option (default op), --peak-tflops, --cpu-dry-run. Expected time on an
+(default 4), --ac-option (default op), --peak-tflops, --no-compile, --cpu-dry-run. Expected time on an
 H100: about 2 minutes (compilation ~1 minute, 20 steps of 8k tokens). The dump folder is
 a temporary folder, removed at the end.
 """
@@ -57,9 +62,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import free_port, quiet_every_rank_lines  # noqa: E402
 
+from titanlite.metrics.flops import peak_flops_per_device  # noqa: E402
 from titanlite.models.llama import LLAMA3_FLAVORS, LlamaArgs  # noqa: E402
 
 FLAVOR = "bench1b"
+DRY_RUN_FLAVOR = "tiny"
 MODEL_ARGS = LlamaArgs(
     dim=2048,
     n_layers=16,
@@ -86,7 +93,7 @@ def register_flavor() -> None:
 def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
     argv = [
         "--model.flavor",
-        "debugmodel" if options.cpu_dry_run else FLAVOR,
+        DRY_RUN_FLAVOR if options.cpu_dry_run else FLAVOR,
         "--job.dump_folder",
         dump,
         "--training.seq_len",
@@ -101,17 +108,13 @@ def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
         "selective",
         "--activation_checkpoint.selective_ac_option",
         options.ac_option,
-        "--compile.enable",
-        "--compile.components",
-        "model,loss",
         "--lr_scheduler.warmup_steps",
         "5",
         "--metrics.log_freq",
         "1",
     ]
-    if options.peak_tflops:
-        argv += ["--metrics.peak_tflops", str(options.peak_tflops)]
-    return argv
+    argv += ["--compile.enable", "--compile.components", "model,loss"] if options.compile else []
+    return argv + ["--metrics.peak_tflops", str(options.peak_tflops)] if options.peak_tflops else argv
 
 
 def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
@@ -163,7 +166,6 @@ def _hardware_row(device_name: str):
     import re
 
     from titanlite.estimate import HARDWARE, get_hardware
-    from titanlite.metrics.flops import peak_flops_per_device
 
     words = set(re.split(r"[^a-z0-9]+", device_name.lower()))
     for key in HARDWARE:
@@ -190,11 +192,15 @@ def _fmt(value, pattern: str) -> str:
     return "n/a" if value is None else format(value, pattern)
 
 
-def print_report(options, device_name: str, params: int, summary: dict, predicted, why: str | None) -> None:
+def print_report(options, device_name: str, model_args, summary: dict, predicted, why: str | None) -> None:
+    from titanlite.metrics.flops import count_params, flops_per_token
+
+    params = count_params(model_args)
     print(f"titanlite GPU MFU, {datetime.date.today()}, torch {torch.__version__}, {device_name}")
     print(
-        f"llama3 {'debugmodel (CPU dry run)' if options.cpu_dry_run else FLAVOR}, {params / 1e6:,.1f} M params; "
-        f"seq {options.seq_len} x local batch {options.batch}; bf16 autocast, compile (model, loss), "
+        f"llama3 {f'{DRY_RUN_FLAVOR} (CPU dry run)' if options.cpu_dry_run else FLAVOR}, {params / 1e6:,.1f} M params; "
+        f"seq {options.seq_len} x local batch {options.batch}; bf16 autocast, "
+        f"{'compile (model, loss)' if options.compile else 'no compile'}, "
         f"selective AC ({options.ac_option}); median of steps {summary['steps'][0]}..{summary['steps'][1]}\n"
     )
     print("| source | tokens/s | TFLOPs | MFU % | step s | max active GiB |")
@@ -211,15 +217,15 @@ def print_report(options, device_name: str, params: int, summary: dict, predicte
             f"{predicted.mfu_percent:.1f} | {predicted.step_s:.3f} | |"
         )
     print()
-    if options.cpu_dry_run:
-        print("note: CPU dry run: the estimate is an H100's and the measurement a CPU's; neither means anything here")
-    if why:
-        print(f"note: {why}")
-    if summary[MFU] is None:
-        print("MFU = n/a: the GPU is not in titanlite.metrics.flops' peak table; pass --peak-tflops")
-        return
+    dry_run = "CPU dry run: the estimate is an H100's and the measurement a CPU's; neither means anything here"
+    for note in filter(None, (dry_run if options.cpu_dry_run else None, why)):
+        print(f"note: {note}")
     peak = summary[TFLOPS] * 100.0 / summary[MFU]  # the peak the trainer divided by
     ratio = f"measured / estimated = {summary[MFU] / predicted.mfu_percent:.2f}" if predicted else "no estimate"
+    # The same tokens/s with attention's scores counted whole (torchtitan's and PaLM's convention).
+    whole = flops_per_token(model_args, options.seq_len, causal_attention=False)
+    whole_mfu = summary[MFU] * whole / flops_per_token(model_args, options.seq_len)
+    print(f"MFU counting whole attention (torchtitan's convention) = {whole_mfu:.1f}%")
     print(f"MFU = {summary[MFU]:.1f}% of {peak:.0f} TFLOPs ({ratio})")
 
 
@@ -231,11 +237,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="local batch size")
     parser.add_argument("--ac-option", default="op", help="selective AC option: op, or every N-th block")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak when the table lacks the GPU")
-    parser.add_argument("--cpu-dry-run", action="store_true", help="run the plumbing on CPU with the debug model")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave the model eager")
+    parser.add_argument("--cpu-dry-run", action="store_true", help="run the same code on CPU with the tiny model")
     options = parser.parse_args(argv)
     if options.cpu_dry_run:
         options.seq_len, options.batch, options.steps, options.warmup = 128, 2, 6, 2
-        options.peak_tflops = options.peak_tflops or 1.0
+        options.peak_tflops, options.compile = options.peak_tflops or 1.0, False
     if options.steps <= options.warmup:
         parser.error("--steps must be larger than --warmup (some steps must be measured)")
     return options
@@ -247,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print("no GPU: skipped")
         return 0
     device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
+    if not options.peak_tflops and peak_flops_per_device(device_name) is None:
+        raise SystemExit(f"gpu_mfu: no peak for {device_name} in metrics.flops; pass --peak-tflops")  # cuda-only
     register_flavor()
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-mfu-") as dump:
         argv = trainer_argv(options, dump)
@@ -254,11 +263,9 @@ def main(argv: list[str] | None = None) -> int:
             _worker, args=(argv, free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True
         )
         summary = summarise(read_metrics(Path(dump)), options.warmup)
-    from titanlite.metrics.flops import count_params
-
-    params = count_params(LLAMA3_FLAVORS["debugmodel" if options.cpu_dry_run else FLAVOR])
+    model_args = LLAMA3_FLAVORS[DRY_RUN_FLAVOR if options.cpu_dry_run else FLAVOR]
     predicted, why = estimate(argv, "NVIDIA H100 80GB HBM3" if options.cpu_dry_run else device_name)
-    print_report(options, device_name, params, summary, predicted, why)
+    print_report(options, device_name, model_args, summary, predicted, why)
     return 0
 
 

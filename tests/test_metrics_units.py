@@ -253,6 +253,16 @@ def test_flops_per_token_debug_model_hand_count():
     assert flops_per_token(args, 2048) == 6 * non_embedding + attention_term == 47_402_496
 
 
+@pytest.mark.parametrize("flavor, seq_len", [("debugmodel", 2048), ("8B", 8192), ("70B", 131072)])
+def test_full_attention_convention_adds_exactly_the_other_half_of_the_scores(flavor, seq_len):
+    # torchtitan's and PaLM's MFU count the whole score matrix (12 x L x H x Dh x T), the
+    # default counts its causal half (6 x ...): the two differ by exactly 6 x L x H x Dh x T.
+    args = LLAMA3_FLAVORS[flavor]
+    causal, whole = flops_per_token(args, seq_len), flops_per_token(args, seq_len, causal_attention=False)
+    assert whole - causal == 6 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    assert causal == 6 * count_params(args, include_embedding=False) + 6 * args.n_layers * args.dim * seq_len
+
+
 def meta_param_count(args: LlamaArgs) -> int:
     with torch.device("meta"):
         model = Transformer(args)

@@ -80,7 +80,7 @@ class Profiler:
             )
             self._torch_profiler.__enter__()
         if self.memory_snapshot_folder is not None:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+            torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)  # cuda-only
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -90,7 +90,7 @@ class Profiler:
                 self._torch_profiler = None
         finally:
             if self.memory_snapshot_folder is not None:
-                torch.cuda.memory._record_memory_history(enabled=None)  # stop recording
+                torch.cuda.memory._record_memory_history(enabled=None)  # stop recording; cuda-only
 
     # --- per step ----------------------------------------------------------------------------
 
@@ -136,14 +136,14 @@ class Profiler:
         path = _iteration_file(
             self.memory_snapshot_folder, self.current_step, f"rank{self.rank}_memory_snapshot.pickle"
         )
-        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._dump_snapshot(path)  # cuda-only
         logger.info("memory snapshot of step %d saved to %s", self.current_step, path)
 
 
 def _activities() -> list[ProfilerActivity]:
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
+        activities.append(ProfilerActivity.CUDA)  # cuda-only
     return activities
 
 

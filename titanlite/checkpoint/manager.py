@@ -153,11 +153,7 @@ class CheckpointManager:
         # one; a single process without a group writes from a thread instead.
         in_process = self.config.async_mode == "async_with_pinned_mem" and self.process_group is not None
         checkpointer = AsyncCheckpointerType.PROCESS if in_process else AsyncCheckpointerType.THREAD
-        if self._stager is not None and torch.cuda.is_available():
-            # The stager copies from a thread on a CUDA stream of its own, which does not wait
-            # for the compute stream: without this the copy could read weights and moments
-            # the optimizer step is still writing. A save point may wait for the device.
-            torch.cuda.current_stream().synchronize()
+        self.order_staging_after_compute()
         try:
             response = dcp.async_save(
                 state,
@@ -278,6 +274,14 @@ class CheckpointManager:
         logger.error(
             "CHECKPOINT NOT SAVED: %s. Training goes on (checkpoint.continue_on_save_error); %s", message, on_disk
         )
+
+    def order_staging_after_compute(self) -> None:
+        """With pinned-memory staging on CUDA, the stager copies from a thread on a CUDA stream
+        of its own, which does not wait for the compute stream: without this the copy could
+        read weights and moments the optimizer step is still writing. A save point may wait
+        for the device. (With wait_for_staging, the guard against a torn async save.)"""
+        if self._stager is not None and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # cuda-only
 
     def wait_for_staging(self) -> None:
         """Block until the save in flight has copied the state; call before changing weights."""

@@ -67,10 +67,10 @@ class RNGState(Stateful):
     def state_dict(self) -> dict:
         state = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
-            state["cuda"] = torch.cuda.get_rng_state()
+            state["cuda"] = torch.cuda.get_rng_state()  # cuda-only
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         torch.set_rng_state(state_dict["cpu"])
         if "cuda" in state_dict and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state_dict["cuda"])
+            torch.cuda.set_rng_state(state_dict["cuda"])  # cuda-only

@@ -182,7 +182,7 @@ class DataLoader:
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         if self.pin_memory:
             # Page-locked, so the copy to the GPU can run asynchronously (non_blocking=True).
-            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()  # cuda-only
         return position, inputs, labels, cursor
 
     def __iter__(self) -> DataLoader:
@@ -310,7 +310,7 @@ class _ReadAhead:
 
     def _run(self, read_ref, position: int, stride: int, cuda_device: int | None) -> None:
         if cuda_device is not None:
-            torch.cuda.set_device(cuda_device)
+            torch.cuda.set_device(cuda_device)  # cuda-only
         while not self._stopping.is_set():
             read = read_ref()
             if read is None:

@@ -83,8 +83,8 @@ def device_memory_bytes(device_type: str, ranks_per_node: int) -> tuple[int, str
     """(bytes one rank can use, what they are): the local GPU's capacity, or on CPU the
     host's physical memory split between the node's ranks."""
     if device_type == "cuda":
-        properties = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))
-        return properties.total_memory, f"the GPU ({properties.name})"
+        properties = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0")))  # cuda-only
+        return properties.total_memory, f"the GPU ({properties.name})"  # cuda-only
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host // max(ranks_per_node, 1), f"the host's memory / {ranks_per_node} rank(s) on this node"
 

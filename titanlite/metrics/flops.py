@@ -56,24 +56,34 @@ def count_params(args: LlamaArgs, include_embedding: bool = True) -> int:
     return counts.total if include_embedding else counts.total - counts.embedding
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int) -> int:
+def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True) -> int:
+    """Training FLOPs per token of attention's two matmuls (QK^T and scores x V), which
+    involve no parameters: 12 x n_layers x n_heads x head_dim x seq_len for the whole
+    [seq, seq] score matrix (2 matmuls x 2 FLOPs per multiply-add x 3 for forward and
+    backward), half of that when only the causal half is counted (``causal``, the default):
+    a token attends to the tokens before it, on average half the sequence.
+
+    torchtitan and PaLM count the whole matrix (``causal=False``), ignoring the mask."""
+    whole = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return whole // 2 if causal else whole
+
+
+def flops_per_token(args: LlamaArgs, seq_len: int, causal_attention: bool = True) -> int:
     """Training FLOPs (forward + backward) per token:
 
-        6 x (parameters without the token embedding) + 6 x n_layers x n_heads x head_dim x seq_len
+        6 x (parameters without the token embedding) + attention_flops_per_token
 
     The first term is the usual 2 FLOPs per multiply-add in the forward pass plus 4 in
     the backward, for every weight a token meets; the embedding is a table lookup, not
     a matmul, so it is left out (the output projection stays in).
 
-    The second term is attention's two matmuls (QK^T and scores x V), which involve no
-    parameters. 6 x L x H x Dh x T counts only the causal half of the score matrix: a
-    token attends to the tokens before it, on average half the sequence.
-    torchtitan and PaLM write 12 x L x H x Dh x T (the full matrix, ignoring the causal
-    mask), so at long sequence lengths titanlite's FLOPs per token, TFLOPs and MFU read
-    somewhat lower than torchtitan's for the same run.
+    The second term counts attention causally by default (6 x L x H x Dh x T), the work
+    the model needs. ``causal_attention=False`` gives torchtitan's and PaLM's convention
+    (12 x L x H x Dh x T), under which the same run's FLOPs per token, TFLOPs and MFU read
+    higher at long sequence lengths; benchmarks print both so that titanlite's figures
+    compare with published ones on the same terms (docs/metrics.md).
     """
-    attention = 6 * args.n_layers * args.n_heads * args.head_dim * seq_len
-    return 6 * count_params(args, include_embedding=False) + attention
+    return 6 * count_params(args, include_embedding=False) + attention_flops_per_token(args, seq_len, causal_attention)
 
 
 # --- device peaks ----------------------------------------------------------------------------
@@ -128,7 +138,7 @@ def resolve_peak_flops(peak_tflops: float, device: torch.device) -> float | None
     if peak_tflops > 0:
         return peak_tflops * 1e12
     if device.type == "cuda":
-        return peak_flops_per_device(torch.cuda.get_device_name(device))
+        return peak_flops_per_device(torch.cuda.get_device_name(device))  # cuda-only
     return None
 
 

@@ -22,11 +22,11 @@ def world_size_from_env() -> int:
 
 def pick_device() -> torch.device:
     """CUDA (this process's local GPU) when there is one, otherwise the CPU."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # cuda-only
+    return device
 
 
 def init_distributed(device: torch.device, comm: Comm, dump_folder: str) -> str | None:

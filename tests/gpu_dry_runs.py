@@ -1,0 +1,86 @@
+"""What tests/test_gpu_check.py runs under coverage, in one process: the CPU dry runs of the
+GPU scripts (benchmarks/gpu_check.py, gpu_mfu.py, checkpoint_stall.py), their "no GPU"
+exits, and each refusal they make, with its message checked. Run with no CUDA device
+visible (CUDA_VISIBLE_DEVICES=""). Any failed expectation raises, so the exit status says
+whether everything held; coverage then says what ran."""
+
+import contextlib
+import io
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import checkpoint_stall  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_mfu  # noqa: E402
+
+
+def printed(main, argv: list[str]) -> list[str]:
+    """The non-empty lines a script's main prints; it must return 0."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main(argv)
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    sys.stdout.write(out.getvalue())
+    assert status in (0, None), f"{main.__module__} {argv} returned {status}:\n" + "\n".join(lines)
+    return lines
+
+
+def refused(call, words: str) -> None:
+    """`call` must stop with SystemExit, saying `words` (argparse prints its own message)."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            call()
+    except SystemExit as stop:
+        said = f"{stop.code} {err.getvalue()}"
+        assert words in said, said
+        return
+    raise AssertionError(f"expected a refusal saying {words!r}")
+
+
+def raised(call, error: type, words: str) -> None:
+    try:
+        call()
+    except error as caught:
+        assert words in str(caught), caught
+        return
+    raise AssertionError(f"expected {error.__name__} saying {words!r}")
+
+
+def main() -> None:
+    # --- gpu_check ---------------------------------------------------------------------------
+    assert printed(gpu_check.main, []) == ["no GPU: skipped"]
+    lines = printed(gpu_check.main, ["--cpu-dry-run"])
+    assert lines[-1].endswith("checks passed"), lines
+    table = "\n".join(lines)
+    for dtype in ("bf16", "fp32"):  # the SDPA rows ran here, on the CPU's fused kernel
+        assert f"| SDPA kernel, {dtype} | aten::_scaled_dot_product_flash_attention_for_cpu |" in table, lines
+    assert any("vs its stream-ordered clone |" in line and line.endswith("| yes |") for line in lines), lines
+    refused(lambda: gpu_check.plan_disk(replace(gpu_check.GPU_SIZES, flavor="8B")), "would need")
+
+    # --- gpu_mfu -----------------------------------------------------------------------------
+    assert printed(gpu_mfu.main, []) == ["no GPU: skipped"]
+    lines = printed(gpu_mfu.main, ["--cpu-dry-run"])
+    assert lines[-1].startswith("MFU = ") and lines[-2].startswith("MFU counting whole attention"), lines
+    refused(lambda: gpu_mfu.parse_options(["--steps", "2", "--warmup", "3"]), "--steps must be larger than --warmup")
+    with tempfile.TemporaryDirectory() as empty:
+        raised(lambda: gpu_mfu.read_metrics(Path(empty)), RuntimeError, "wrote no metrics.jsonl")
+    raised(lambda: gpu_mfu.summarise([], 3), RuntimeError, "no step after the 3 warm-up steps")
+    assert gpu_mfu.estimate([], "a CPU")[1] == "the estimator has no hardware row for a CPU"
+    assert gpu_mfu.estimate(["--training.steps", "x"], "NVIDIA H100 80GB HBM3")[1].startswith("estimator failed")
+
+    # --- checkpoint_stall --------------------------------------------------------------------
+    lines = printed(checkpoint_stall.main, ["--cpu-dry-run"])
+    assert lines[-1].startswith("step slowdown async_with_pinned_mem/sync save = "), lines
+    refused(lambda: checkpoint_stall.main(["--repeats", "1"]), "--repeats must be at least 2")
+    refused(lambda: checkpoint_stall.main(["--world-size", "1"]), "--world-size must be at least 2")
+
+
+# The ranks each script spawns import this module again: only the first process runs it.
+if __name__ == "__main__":
+    main()

@@ -212,7 +212,7 @@ def test_uninterrupted_tp_run_matches_the_single_process_run(four_rank, single):
 
 
 def layout_text(name: str) -> str:
-    """The layout as log_resharded_resume names it."""
+    """The layout as log_resumed_layout names it."""
     replicate, shard, tp = LAYOUTS[name][1]
     return f"{replicate * shard * tp} rank(s) (replicate {replicate} x shard {shard} x tp {tp})"
 

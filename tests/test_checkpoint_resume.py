@@ -320,27 +320,32 @@ def single_worker(dump: str, fsdp2_step_folder: str) -> dict:
 
 
 # Steps 1-4 run at the same rates under both schedules (warmup 2, then the peak); at step 5
-# the old one is decaying (decay over the last 4 of 8 steps) and the new one is not (last 6 of 12).
+# the old one is decaying (decay over the last 4 of 8 steps) and the new one is not (last 5 of 10).
 OLD_SCHEDULE = ["--training.steps=8", "--lr_scheduler.decay_ratio=0.5"]
-NEW_SCHEDULE = ["--training.steps=12", "--lr_scheduler.decay_ratio=0.5", "--metrics.log_freq=4"]
+NEW_STEPS = 10
+NEW_SCHEDULE = [f"--training.steps={NEW_STEPS}", "--lr_scheduler.decay_ratio=0.5", "--metrics.log_freq=4"]
 HALF_BATCH = ["--training.global_batch_size=-1", f"--training.local_batch_size={GLOBAL_BATCH // 2}"]
 
 
 def changed_schedule(session: Session, dump: str) -> dict:
-    """A run of the new schedule from the start, and a run of the old one saved at step 4 and
-    resumed with the new one."""
-    new = uninterrupted(session, layout(1), NEW_SCHEDULE, f"--job.dump_folder={dump}/new_schedule")
-    trainer = session.trainer(layout(1), OLD_SCHEDULE, f"--job.dump_folder={dump}/old_schedule")
-    old_lr = [trainer.optimizer.param_groups[0]["lr"]]
-    for _ in range(SAVE_AT):
+    """The first 5 steps of a run with the new schedule from the start, and a run of the old
+    schedule saved at step 4 and resumed with the new one."""
+    trainer = session.trainer(layout(1), NEW_SCHEDULE, f"--job.dump_folder={dump}/new_schedule")
+    new = record_after_each_step(trainer)
+    for _ in range(SAVE_AT + 1):
         trainer.train_step()
-        old_lr.append(trainer.optimizer.param_groups[0]["lr"])
-    trainer.checkpointer.save(trainer.step)
+    trainer.checkpointer.close()
+    trainer = session.trainer(layout(1), OLD_SCHEDULE, f"--job.dump_folder={dump}/old_schedule")
+    old = record_after_each_step(trainer)
+    for _ in range(SAVE_AT + 1):  # the fifth only for its rate: the save holds step 4
+        trainer.train_step()
+        if trainer.step == SAVE_AT:
+            trainer.checkpointer.save(trainer.step)
     trainer.checkpointer.close()
     trainer = session.trainer(layout(1), NEW_SCHEDULE, f"--job.dump_folder={dump}/old_schedule")
     loaded, after = loaded_state(trainer), record_after_each_step(trainer)
     resumed = train_to_end(trainer) | {"loaded": loaded, "after": after}
-    return {"new_schedule": new, "old_schedule_lr": old_lr, "schedule_changed": resumed}
+    return {"new_schedule": new, "old_schedule": old, "schedule_changed": resumed}
 
 
 def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> dict:
@@ -624,23 +629,26 @@ def test_own_checkpoint_wins_over_initial_load_path(two_rank):
 # 6. A resume that changes the schedule or the global batch ------------------------------------
 
 
-def test_a_resume_with_a_changed_schedule_trains_like_the_new_schedule_from_the_start(single):
+def test_a_resume_with_a_changed_schedule_runs_its_first_step_on_the_new_schedule(single):
     out = single[1][0]
-    new, resumed, old_lr = out["new_schedule"], out["schedule_changed"], out["old_schedule_lr"]
-    peak_rate = LR * wsd_factor(SAVE_AT, 12, LRScheduler(warmup_steps=WARMUP, decay_ratio=0.5))
+    new, old, resumed = out["new_schedule"], out["old_schedule"], out["schedule_changed"]
+    new_schedule = LRScheduler(warmup_steps=WARMUP, decay_ratio=0.5)
     # The two schedules agree up to the save and part at step 5, where the old one decays.
-    assert [after["lr"] for after in new["after"][:SAVE_AT]] == old_lr[:SAVE_AT]
-    assert old_lr[SAVE_AT] < new["after"][SAVE_AT]["lr"] == peak_rate == LR
-    assert_bit_identical(resumed["loaded"]["weights"], new["after"][SAVE_AT - 1]["weights"])
+    assert [after["lr"] for after in new[:SAVE_AT]] == [after["lr"] for after in old[:SAVE_AT]]
+    assert old[SAVE_AT]["lr"] < new[SAVE_AT]["lr"] == LR * wsd_factor(SAVE_AT, NEW_STEPS, new_schedule) == LR
+    assert_bit_identical(resumed["loaded"]["weights"], new[SAVE_AT - 1]["weights"])
     # The first resumed step runs at the new schedule's rate, logged as such, and makes the
-    # same update as the run that had the new schedule from the start; so do the steps after.
-    assert resumed["after"][0]["lr"] == resumed["lr"][0] == new["after"][SAVE_AT]["lr"]
-    assert_bit_identical(resumed["after"][0]["weights"], new["after"][SAVE_AT]["weights"])
-    assert [after["lr"] for after in resumed["after"]] == [after["lr"] for after in new["after"][SAVE_AT:]]
-    assert_bit_identical(resumed["weights"], new["weights"])
-    # log_freq 4: a fresh run logs its first step, a resumed one its first resumed step.
-    assert new["steps"] == [1, 4, 8, 12]
-    assert resumed["steps"] == [SAVE_AT + 1, 8, 12]
+    # same update as the run that had the new schedule from the start; the steps after
+    # follow the new schedule.
+    assert resumed["after"][0]["lr"] == resumed["lr"][0] == new[SAVE_AT]["lr"]
+    assert_bit_identical(resumed["after"][0]["weights"], new[SAVE_AT]["weights"])
+    expected = [LR * wsd_factor(step, NEW_STEPS, new_schedule) for step in range(SAVE_AT, NEW_STEPS)]
+    assert [after["lr"] for after in resumed["after"]] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_resumed_run_logs_its_first_step(single):
+    # log_freq 4: the first resumed step is logged, then steps 8 and the last.
+    assert single[1][0]["schedule_changed"]["steps"] == [SAVE_AT + 1, 8, NEW_STEPS]
 
 
 def test_a_resume_that_changes_the_global_batch_warns_once(single):

@@ -38,6 +38,7 @@ from titanlite.parallel import (
     exit_process,
     is_collective_failure,
     loss_context,
+    set_gradient_all_reduce,
     use_collective_timeout,
 )
 from titanlite.plan import build_model
@@ -150,12 +151,6 @@ class Trainer(Stateful):
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def _set_gradient_all_reduce(self, enabled: bool) -> None:
-        """With replicas (DDP/HSDP), only the last micro-batch all-reduces across them;
-        earlier ones only reduce-scatter within the shard group."""
-        if self.plan.parallel_dims.dp_replicate > 1:
-            self.model.set_requires_all_reduce(enabled)
-
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch.
 
@@ -171,7 +166,7 @@ class Trainer(Stateful):
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
-            self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
+            set_gradient_all_reduce(self.model, self.plan.parallel_dims, micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
                 # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())

@@ -64,7 +64,7 @@ logger = logging.getLogger("titanlite")
 
 class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
-    "train_state": the step, the tokens seen and the layout that wrote it."""
+    "train_state": the step, the tokens seen, and the layout and global batch that wrote it."""
 
     # train_state entries that checkpoints written before them lack (the checkpoint manager
     # then leaves them out of the load): "tp", absent where no layout had tensor parallelism,

@@ -31,7 +31,7 @@ def tiny_ema_run(tmp_path_factory) -> TinyRun:
 def quiet_process_state():
     """Undo what an in-process run changes for the whole process: logging handlers bound to
     this test's captured streams, and the SIGTERM/SIGINT handlers of a checkpointing run."""
-    loggers = [logging.getLogger(), logging.getLogger("titanlite"), logging.getLogger("titanlite.every_rank")]
+    loggers = [logging.getLogger(), logging.getLogger("titanlite")]
     saved = [(list(logger.handlers), logger.level, logger.propagate) for logger in loggers]
     handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     yield

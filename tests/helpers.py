@@ -8,6 +8,7 @@ the expensive ones into shared fixtures.
 """
 
 import dataclasses
+import logging
 import socket
 from pathlib import Path
 from typing import NamedTuple
@@ -55,6 +56,30 @@ class StepCounter(Stateful):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step = state_dict["step"]
+
+
+class LogLines(logging.Handler):
+    """The messages of the records a logger passes on (those its level lets through), with
+    their level names."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+        self.levels: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+        self.levels.append(record.levelname)
+
+    def warnings(self) -> list[str]:
+        return [line for line, level in zip(self.lines, self.levels, strict=True) if level == "WARNING"]
+
+
+def capture_log_lines(name: str = "titanlite") -> LogLines:
+    """Collect what the logger ``name`` logs from now on in this process."""
+    handler = LogLines()
+    logging.getLogger(name).addHandler(handler)
+    return handler
 
 
 def tiny_args(overrides: dict[str, object] | None = None) -> list[str]:

@@ -32,10 +32,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import free_ports, full_tensor, full_weights, tiny_args
+from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.checkpoint import complete_steps
-from titanlite.config import parse_args
+from titanlite.config import LRScheduler, parse_args
+from titanlite.optim import wsd_factor
 from titanlite.train import Trainer
 
 STEPS = 8
@@ -145,13 +146,16 @@ def record_batches(trainer: Trainer) -> dict:
 
 
 def record_after_each_step(trainer: Trainer) -> list:
-    """The position, full weights and full EMA after every train_step, in step order."""
+    """The position, full weights and full EMA after every train_step, and the learning rate
+    it ran at, in step order."""
     after = []
     train_step = trainer.train_step
 
     def recording_train_step():
+        lr = trainer.optimizer.param_groups[0]["lr"]
         result = train_step()
-        after.append(position(trainer) | {"weights": full_weights(trainer.model), "ema": full_weights(trainer.ema)})
+        weights = {"weights": full_weights(trainer.model), "ema": full_weights(trainer.ema)}
+        after.append(position(trainer) | weights | {"lr": lr})
         return result
 
     trainer.train_step = recording_train_step
@@ -292,19 +296,56 @@ def four_rank_worker(dump: str, ports: list[int], fsdp2_step_folder: str) -> dic
 
 
 def single_worker(dump: str, fsdp2_step_folder: str) -> dict:
-    session = Session([0] * 8)  # no process group on one rank: the ports go unused
+    session = Session([0] * 16)  # no process group on one rank: the ports go unused
+    log = capture_log_lines()
     out = {
         "straight": uninterrupted(session, layout(1), f"--job.dump_folder={dump}/straight"),
         "resumed": resume(
             session, layout(1), f"--job.dump_folder={copy_checkpoint(fsdp2_step_folder, f'{dump}/from_fsdp2')}"
         ),
     }
+    out["resumed"]["warnings"] = log.warnings()
+    out |= changed_schedule(session, dump)
+    # With global_batch_size -1, one rank's batch is half the two ranks' batch of the checkpoint.
+    log = capture_log_lines()
+    folder = copy_checkpoint(fsdp2_step_folder, f"{dump}/half_batch")
+    session.trainer(layout(1), HALF_BATCH, f"--job.dump_folder={folder}").checkpointer.close()
+    out["half_batch_warnings"] = log.warnings()
     # One process has no process group: every async mode must still save and resume.
     for mode in ASYNC_MODES:
         args = (layout(1), f"--checkpoint.async_mode={mode}", f"--job.dump_folder={dump}/{mode}")
         interrupt_after_save(session.trainer(*args))
         out[mode] = resume(session, *args)
     return out
+
+
+# Steps 1-4 run at the same rates under both schedules (warmup 2, then the peak); at step 5
+# the old one is decaying (decay over the last 4 of 8 steps) and the new one is not (last 5 of 10).
+OLD_SCHEDULE = ["--training.steps=8", "--lr_scheduler.decay_ratio=0.5"]
+NEW_STEPS = 10
+NEW_SCHEDULE = [f"--training.steps={NEW_STEPS}", "--lr_scheduler.decay_ratio=0.5", "--metrics.log_freq=4"]
+HALF_BATCH = ["--training.global_batch_size=-1", f"--training.local_batch_size={GLOBAL_BATCH // 2}"]
+
+
+def changed_schedule(session: Session, dump: str) -> dict:
+    """The first 5 steps of a run with the new schedule from the start, and a run of the old
+    schedule saved at step 4 and resumed with the new one."""
+    trainer = session.trainer(layout(1), NEW_SCHEDULE, f"--job.dump_folder={dump}/new_schedule")
+    new = record_after_each_step(trainer)
+    for _ in range(SAVE_AT + 1):
+        trainer.train_step()
+    trainer.checkpointer.close()
+    trainer = session.trainer(layout(1), OLD_SCHEDULE, f"--job.dump_folder={dump}/old_schedule")
+    old = record_after_each_step(trainer)
+    for _ in range(SAVE_AT + 1):  # the fifth only for its rate: the save holds step 4
+        trainer.train_step()
+        if trainer.step == SAVE_AT:
+            trainer.checkpointer.save(trainer.step)
+    trainer.checkpointer.close()
+    trainer = session.trainer(layout(1), NEW_SCHEDULE, f"--job.dump_folder={dump}/old_schedule")
+    loaded, after = loaded_state(trainer), record_after_each_step(trainer)
+    resumed = train_to_end(trainer) | {"loaded": loaded, "after": after}
+    return {"new_schedule": new, "old_schedule": old, "schedule_changed": resumed}
 
 
 def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> dict:
@@ -583,3 +624,37 @@ def test_own_checkpoint_wins_over_initial_load_path(two_rank):
         assert_bit_identical(run["reloaded"]["weights"], run["own"]["weights"])
         # Reloading initial_load_path instead would give these weights back.
         assert max_difference(run["own"]["weights"], run["loaded"]["weights"]) > 1e-4
+
+
+# 6. A resume that changes the schedule or the global batch ------------------------------------
+
+
+def test_a_resume_with_a_changed_schedule_runs_its_first_step_on_the_new_schedule(single):
+    out = single[1][0]
+    new, old, resumed = out["new_schedule"], out["old_schedule"], out["schedule_changed"]
+    new_schedule = LRScheduler(warmup_steps=WARMUP, decay_ratio=0.5)
+    # The two schedules agree up to the save and part at step 5, where the old one decays.
+    assert [after["lr"] for after in new[:SAVE_AT]] == [after["lr"] for after in old[:SAVE_AT]]
+    assert old[SAVE_AT]["lr"] < new[SAVE_AT]["lr"] == LR * wsd_factor(SAVE_AT, NEW_STEPS, new_schedule) == LR
+    assert_bit_identical(resumed["loaded"]["weights"], new[SAVE_AT - 1]["weights"])
+    # The first resumed step runs at the new schedule's rate, logged as such, and makes the
+    # same update as the run that had the new schedule from the start; the steps after
+    # follow the new schedule.
+    assert resumed["after"][0]["lr"] == resumed["lr"][0] == new[SAVE_AT]["lr"]
+    assert_bit_identical(resumed["after"][0]["weights"], new[SAVE_AT]["weights"])
+    expected = [LR * wsd_factor(step, NEW_STEPS, new_schedule) for step in range(SAVE_AT, NEW_STEPS)]
+    assert [after["lr"] for after in resumed["after"]] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_resumed_run_logs_its_first_step(single):
+    # log_freq 4: the first resumed step is logged, then steps 8 and the last.
+    assert single[1][0]["schedule_changed"]["steps"] == [SAVE_AT + 1, 8, NEW_STEPS]
+
+
+def test_a_resume_that_changes_the_global_batch_warns_once(single):
+    out = single[1][0]
+    (warning,) = [line for line in out["half_batch_warnings"] if "global batch" in line]
+    assert f"a global batch of {GLOBAL_BATCH // 2} sequences where the checkpoint's run used {GLOBAL_BATCH}" in warning
+    assert f"training.global_batch_size = {GLOBAL_BATCH}" in warning
+    # The same global batch on another number of ranks: no warning.
+    assert not any("global batch" in line for line in out["resumed"]["warnings"])

@@ -2,6 +2,8 @@
 follow from tokens/s, validation and profiling write where the docs say, and the
 start-up diagnostics describe the sharding that was really built."""
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -14,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from tests.helpers import TINY, tiny_args
+from tests.helpers import TINY, capture_log_lines, tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite import metrics
 from titanlite.config import parse_args
@@ -127,41 +129,26 @@ def test_a_dtype_that_did_not_propagate_is_reported(caplog):
     assert "MIXED PRECISION PROBLEM: the model computes in float32, the config asks for bfloat16" in caplog.text
 
 
-class _Lines(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-
-def _capture(*names: str) -> _Lines:
-    handler = _Lines()
-    for name in names:
-        logging.getLogger(name).addHandler(handler)
-    return handler
-
-
 def diagnose_two_ranks(dump: str) -> dict:
-    captured = _capture("titanlite", "titanlite.every_rank")
-    trainer = Trainer(
-        parse_args(
-            BASE
-            + [
-                "--job.dump_folder",
-                dump,
-                "--training.steps=2",
-                "--metrics.log_freq=1",
-                "--metrics.save_for_all_ranks",
-            ]
+    captured, stdout = capture_log_lines(), io.StringIO()
+    with contextlib.redirect_stdout(stdout):  # where the log handler writes
+        trainer = Trainer(
+            parse_args(
+                BASE
+                + [
+                    "--job.dump_folder",
+                    dump,
+                    "--training.steps=2",
+                    "--metrics.log_freq=1",
+                    "--metrics.save_for_all_ranks",
+                ]
+            )
         )
-    )
-    units = fsdp_unit_names(trainer.model)
-    local_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in trainer.model.parameters())
-    trainer.train()
+        units = fsdp_unit_names(trainer.model)
+        local_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in trainer.model.parameters())
+        trainer.train()
     dist.destroy_process_group()
-    return {"units": units, "local_bytes": local_bytes, "lines": captured.lines}
+    return {"units": units, "local_bytes": local_bytes, "lines": captured.lines, "stdout": stdout.getvalue()}
 
 
 def test_two_rank_diagnostics(tmp_path):
@@ -169,10 +156,12 @@ def test_two_rank_diagnostics(tmp_path):
     expected_units = ["<root>"] + [f"layers.{i}" for i in range(TINY.n_layers)]
     model_bytes = sum(p.numel() * 4 for p in Transformer(TINY).parameters())
     assert sum(rank["local_bytes"] for rank in ranks) == model_bytes
-    for rank_id, rank in enumerate(ranks):
+    for rank in ranks:
         assert rank["units"] == expected_units
-        assert f"rank {rank_id}: local trainable parameters {rank['local_bytes'] / 2**20:.2f} MiB" in rank["lines"]
         assert not any("SHARDING PROBLEM" in line for line in rank["lines"])
+    # Rank 0 prints its own shard size; rank 1, which LOG_RANK (default 0) silences, prints nothing.
+    assert f"rank 0: local trainable parameters {ranks[0]['local_bytes'] / 2**20:.2f} MiB" in ranks[0]["stdout"]
+    assert ranks[1]["stdout"] == ""
     assert any(line.startswith(f"FSDP units: {TINY.n_layers + 1} (<root>, layers.0") for line in ranks[0]["lines"])
     assert any("after forward" in line and "after optimizer" in line for line in ranks[0]["lines"])
     # Each rank logged its own metrics, and the max loss is one of the ranks' own means.
@@ -184,7 +173,7 @@ def test_two_rank_diagnostics(tmp_path):
 
 
 def tensor_parallel_start_up(dump: str) -> list[str]:
-    captured = _capture("titanlite")
+    captured = capture_log_lines()
     Trainer(parse_args(BASE + ["--job.dump_folder", dump, "--parallelism.tensor_parallel_degree=2"]))
     dist.destroy_process_group()
     return captured.lines
@@ -210,7 +199,7 @@ def test_tensor_parallel_start_up_shows_the_split(tmp_path):
 def shard_root_only() -> list[str]:
     """The mistake the warning is for: fully_shard on the root alone."""
     dist.init_process_group("gloo")
-    captured = _capture("titanlite")
+    captured = capture_log_lines()
     logging.getLogger("titanlite").setLevel(logging.INFO)
     model = fully_shard(Transformer(TINY))
     assert isinstance(model.tok_embeddings.weight, DTensor)

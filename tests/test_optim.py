@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.host_syncs import HostSyncs
+from titanlite.checkpoint import OptimizerState
 from titanlite.config import LRScheduler, Optimizer
 from titanlite.optim import build_lr_scheduler, build_optimizer, wsd_factor
 from titanlite.optim.ema import EMA
@@ -115,3 +116,58 @@ def test_ema_update_is_the_lerp_by_a_number_without_a_host_sync(decay):
     assert syncs.syncs == {}, syncs.report()
     for average, want in zip(ema.state_dict().values(), before, strict=True):
         assert torch.equal(average, want)
+
+
+# --- resuming under a changed config -------------------------------------------------------
+
+OLD_SCHEDULE, OLD_STEPS = LRScheduler(warmup_steps=2, decay_ratio=0.5), 8
+OLD_OPTIMIZER = Optimizer(lr=1e-2, weight_decay=0.1)
+
+
+def trained_four_steps() -> tuple[torch.nn.Linear, dict, dict]:
+    """(model, optimizer state, scheduler state) after 4 steps of the old schedule."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = build_optimizer(model.parameters(), OLD_OPTIMIZER)
+    scheduler = build_lr_scheduler(optimizer, OLD_SCHEDULE, OLD_STEPS)
+    for _ in range(4):
+        model(torch.ones(3)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    return model, OptimizerState(model, optimizer).state_dict(), scheduler.state_dict()
+
+
+@pytest.mark.parametrize("scheduler_first", [False, True], ids=["optimizer-first", "scheduler-first"])
+@pytest.mark.parametrize(
+    "schedule, steps, optimizer_config",
+    [
+        (LRScheduler(warmup_steps=2, decay_ratio=0.5), 12, OLD_OPTIMIZER),  # more steps: decay starts later
+        (LRScheduler(warmup_steps=6, decay_ratio=0.5), OLD_STEPS, OLD_OPTIMIZER),  # longer warmup
+        (OLD_SCHEDULE, OLD_STEPS, Optimizer(lr=3e-2, weight_decay=0.3)),  # another peak rate and decay
+    ],
+    ids=["steps", "warmup", "optimizer"],
+)
+def test_a_resume_runs_its_first_step_on_the_new_config(schedule, steps, optimizer_config, scheduler_first):
+    """The checkpoint gives the position and Adam's moments; rate and settings are the new run's
+    from its first step, whichever part loads first."""
+    model, optimizer_state, scheduler_state = trained_four_steps()
+    moments = {key: value.clone() for key, value in optimizer_state["state"]["weight"].items()}
+    optimizer = build_optimizer(model.parameters(), optimizer_config)
+    scheduler = build_lr_scheduler(optimizer, schedule, steps)
+    parts = [(OptimizerState(model, optimizer), optimizer_state), (scheduler, scheduler_state)]
+    for state, saved in reversed(parts) if scheduler_first else parts:
+        state.load_state_dict(saved)
+    new_rate = optimizer_config.lr * wsd_factor(4, steps, schedule)
+    old_rate = OLD_OPTIMIZER.lr * wsd_factor(4, OLD_STEPS, OLD_SCHEDULE)
+    assert new_rate != pytest.approx(old_rate)
+    group = optimizer.param_groups[0]
+    assert group["lr"] == scheduler.get_last_lr()[0] == pytest.approx(new_rate, rel=1e-12)
+    assert group["weight_decay"] == optimizer_config.weight_decay
+    assert scheduler.last_epoch == 4
+    for key, value in moments.items():
+        assert torch.equal(optimizer.state[model.weight][key], value)
+    # The step after it goes on with the new schedule.
+    model(torch.ones(3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    assert group["lr"] == pytest.approx(optimizer_config.lr * wsd_factor(5, steps, schedule), rel=1e-12)

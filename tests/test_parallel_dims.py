@@ -4,8 +4,12 @@ strategy named in the logs, and each rank's place in the mesh it builds."""
 import pytest
 import torch.distributed as dist
 
+from tests.helpers import tiny_args
 from tests.multiprocess import run_on_ranks
+from titanlite.config import parse_args
 from titanlite.parallel import ParallelDims
+from titanlite.plan import plan_run, unused_layout_keys
+from titanlite.train import main
 
 
 @pytest.mark.parametrize(
@@ -97,3 +101,53 @@ def test_dp_rank_and_groups_on_a_real_mesh():
                 assert place["tp_group"] is None
             # The data-parallel ranks: one from each TP group, at this rank's TP position.
             assert place["dp_group"] == list(range(rank % tp, 4, tp))
+
+
+# --- keys a layout never reads ---------------------------------------------------------------
+
+LAYOUT_ONLY = {
+    "training.mixed_precision_reduce": "bfloat16",
+    "parallelism.fsdp_reshard_after_forward": "never",
+    "parallelism.enable_sequence_parallel": "false",
+    "parallelism.disable_loss_parallel": "true",
+}
+FSDP_KEYS = ["training.mixed_precision_reduce", "parallelism.fsdp_reshard_after_forward"]
+TP_KEYS = ["parallelism.enable_sequence_parallel", "parallelism.disable_loss_parallel"]
+
+
+@pytest.mark.parametrize(
+    "world_size, layout, ignored",
+    [
+        (1, [], FSDP_KEYS + TP_KEYS),
+        (2, [], TP_KEYS),  # FSDP
+        (2, ["--parallelism.data_parallel_replicate_degree=2"], TP_KEYS),  # DDP is FSDP2 too
+        (2, ["--parallelism.tensor_parallel_degree=2"], FSDP_KEYS),  # TP alone
+        (4, ["--parallelism.tensor_parallel_degree=2"], []),  # FSDP + TP
+    ],
+    ids=["single", "fsdp", "ddp", "tp", "fsdp_tp"],
+)
+def test_a_key_the_layout_ignores_is_one_warning_line(world_size, layout, ignored):
+    settings = [f"--{key}={value}" for key, value in LAYOUT_ONLY.items()]
+    config = parse_args(tiny_args() + layout + settings)
+    lines = unused_layout_keys(config, plan_run(config, world_size).parallel_dims)
+    assert [line.split(" = ")[0].removeprefix("titanlite: warning: ") for line in lines] == ignored
+    for key, line in zip(ignored, lines, strict=True):
+        assert f"{key} = {LAYOUT_ONLY[key]} has no effect in this layout" in line
+    # At their defaults the same keys say nothing, whatever the layout.
+    config = parse_args(tiny_args() + layout)
+    assert unused_layout_keys(config, plan_run(config, world_size).parallel_dims) == []
+
+
+def test_the_trainer_prints_the_warning_at_start_up(capsys, monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "TITANLITE_CONFIG_WARNINGS_SHOWN"):
+        monkeypatch.delenv(name, raising=False)
+    argv = tiny_args() + ["--training.mixed_precision_reduce=bfloat16", "--job.validate_only"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if "mixed_precision_reduce" in line] == [
+        "titanlite: warning: training.mixed_precision_reduce = bfloat16 has no effect in this layout "
+        "(single process, 1 rank(s)); only FSDP (more than one data-parallel rank) reads it"
+    ]
+    monkeypatch.setenv("RANK", "1")  # one line for the job: rank 0's
+    assert main(argv) == 0
+    assert "mixed_precision_reduce" not in capsys.readouterr().err

@@ -212,7 +212,7 @@ def test_uninterrupted_tp_run_matches_the_single_process_run(four_rank, single):
 
 
 def layout_text(name: str) -> str:
-    """The layout as log_resharded_resume names it."""
+    """The layout as log_resumed_layout names it."""
     replicate, shard, tp = LAYOUTS[name][1]
     return f"{replicate * shard * tp} rank(s) (replicate {replicate} x shard {shard} x tp {tp})"
 
@@ -303,19 +303,21 @@ def test_hf_export_and_load_model_of_a_tp_checkpoint(four_rank, single, tmp_path
 # --- a checkpoint from before tensor parallelism ------------------------------------------
 
 
-def test_a_checkpoint_without_the_tp_record_still_resumes(tmp_path, monkeypatch, quiet_process_state):
-    """Checkpoints written before TP existed have no train_state.tp; they must resume (as
-    written by a layout without TP), while a missing entry a resume needs is still an error."""
+def test_a_checkpoint_without_the_later_records_still_resumes(tmp_path, monkeypatch, quiet_process_state):
+    """Checkpoints written before TP existed have no train_state.tp, and older ones no
+    train_state.global_batch_size; they must resume (as written by a layout without TP, with
+    no global batch to compare), while a missing entry a resume needs is still an error."""
     args = tiny_args({"training.steps": 2, "checkpoint.enable": True, "job.dump_folder": str(tmp_path)})
     written_by = Trainer.state_dict
 
     def without(*keys):
         return lambda self: {key: value for key, value in written_by(self).items() if key not in keys}
 
-    monkeypatch.setattr(Trainer, "state_dict", without("tp"))
+    monkeypatch.setattr(Trainer, "state_dict", without("tp", "global_batch_size"))
     Trainer(parse_args(args)).train()
-    assert {"train_state.step", "train_state.world_size"} <= set(stored_keys(tmp_path / "checkpoint" / "step-2"))
-    assert "train_state.tp" not in stored_keys(tmp_path / "checkpoint" / "step-2")
+    stored = set(stored_keys(tmp_path / "checkpoint" / "step-2"))
+    assert {"train_state.step", "train_state.world_size"} <= stored
+    assert not {"train_state.tp", "train_state.global_batch_size"} & stored
     monkeypatch.setattr(Trainer, "state_dict", written_by)
     resumed = Trainer(parse_args(args))
     assert (resumed.step, resumed.tokens_seen) == (2, 2 * 2 * 32)

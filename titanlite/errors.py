@@ -3,7 +3,13 @@
 Imports nothing from titanlite, so that every package may use it."""
 
 import difflib
+import sys
+import time
+import traceback
 from collections.abc import Iterable
+
+# How long a rank that leaves a failure's line to rank 0 waits before it exits.
+QUIET_RANK_EXIT_DELAY_SECONDS = 3
 
 
 def one_line(error: BaseException, limit: int = 500) -> str:
@@ -44,3 +50,18 @@ def collective_failure_line(error: BaseException, rank: int, step: int, flight_r
         f"titanlite: rank {rank}: a collective failed after step {step} (did another "
         f"rank die or hang? see its log): {first_line[:300]}{where}"
     )
+
+
+def report_failure(line: str, status: int, printed: bool = True, show_traceback: bool = False) -> int:
+    """Print a command's failure as ``line`` on stderr (and the traceback being handled, with
+    ``show_traceback``); returns the exit ``status``. A rank whose line another rank prints
+    passes ``printed=False``."""
+    if printed:
+        print(line, file=sys.stderr)
+        if show_traceback:
+            traceback.print_exc()
+    else:
+        # Rank 0 prints this same line. torchrun stops every rank as soon as one exits, so
+        # a quicker exit here could kill rank 0 before it has printed.
+        time.sleep(QUIET_RANK_EXIT_DELAY_SECONDS)
+    return status

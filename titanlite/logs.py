@@ -29,13 +29,7 @@ class _StdoutHandler(logging.StreamHandler):
 
 
 def setup_logging(rank: int) -> None:
-    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere;
-    lines every rank must print about itself (e.g. its shard size) on all ranks."""
+    """Log on the ranks named in LOG_RANK (comma-separated, default 0), warnings elsewhere."""
     shown = {int(r) for r in os.environ.get("LOG_RANK", "0").split(",") if r.strip()}
     logging.basicConfig(handlers=[_StdoutHandler()], force=True)
     logger.setLevel(logging.INFO if rank in shown else logging.WARNING)
-    every_rank = logging.getLogger("titanlite.every_rank")
-    every_rank.setLevel(logging.INFO)
-    every_rank.propagate = False
-    if not any(isinstance(h, _StdoutHandler) for h in every_rank.handlers):
-        every_rank.addHandler(_StdoutHandler())

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, value_text
 from titanlite.data import build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.registry import get_model_args, get_model_spec
@@ -49,6 +49,29 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunPlan(parallel_dims, model_args, global_batch, accumulation)
+
+
+# Keys that only one part of the layout reads: key -> (that part, whether a layout has it).
+_FSDP = ("FSDP (more than one data-parallel rank)", lambda dims: dims.fsdp_applied)
+_TP = ("tensor parallelism (parallelism.tensor_parallel_degree > 1)", lambda dims: dims.tp > 1)
+LAYOUT_KEYS = {
+    "training.mixed_precision_reduce": _FSDP,
+    "parallelism.fsdp_reshard_after_forward": _FSDP,
+    "parallelism.enable_sequence_parallel": _TP,
+    "parallelism.disable_loss_parallel": _TP,
+}
+
+
+def unused_layout_keys(job_config: JobConfig, parallel_dims: ParallelDims) -> list[str]:
+    """A warning line for each key set away from its default that this layout never reads
+    (the run would go on as if it were unset)."""
+    defaults = JobConfig()
+    return [
+        f"titanlite: warning: {key} = {value_text(job_config, key)} has no effect in this layout "
+        f"({parallel_dims.strategy}, {parallel_dims.world_size} rank(s)); only {reader} reads it"
+        for key, (reader, present) in LAYOUT_KEYS.items()
+        if not present(parallel_dims) and value_text(job_config, key) != value_text(defaults, key)
+    ]
 
 
 def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:

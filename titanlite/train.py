@@ -24,7 +24,7 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState,
 from titanlite.checkpoint.description import ModelDescription
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
 from titanlite.data import tokenizer_file
-from titanlite.errors import DataError, NonFiniteError, collective_failure_line
+from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
 from titanlite.loss import cross_entropy_sum, global_loss
 from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
@@ -38,6 +38,7 @@ from titanlite.parallel import (
     exit_process,
     is_collective_failure,
     loss_context,
+    set_gradient_all_reduce,
     use_collective_timeout,
 )
 from titanlite.plan import build_model
@@ -50,8 +51,9 @@ from titanlite.trainer_setup import (
     build_run_validator,
     check_run,
     config_ok_line,
+    layout_record,
     log_built_model,
-    log_resharded_resume,
+    log_resumed_layout,
     log_run_summary,
     seed_weights_from_hf,
     start_processes,
@@ -59,17 +61,15 @@ from titanlite.trainer_setup import (
 
 logger = logging.getLogger("titanlite")
 
-# How long a rank that leaves a failure's line to rank 0 waits before it exits.
-QUIET_RANK_EXIT_DELAY_SECONDS = 3
-
 
 class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
-    "train_state": the step, the tokens seen and the layout that wrote it."""
+    "train_state": the step, the tokens seen, and the layout and global batch that wrote it."""
 
     # train_state entries that checkpoints written before them lack (the checkpoint manager
-    # then leaves them out of the load): "tp", absent where no layout had tensor parallelism.
-    entries_added_later = ("tp",)
+    # then leaves them out of the load): "tp", absent where no layout had tensor parallelism,
+    # and "global_batch_size".
+    entries_added_later = ("tp", "global_batch_size")
 
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config
@@ -151,12 +151,6 @@ class Trainer(Stateful):
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def _set_gradient_all_reduce(self, enabled: bool) -> None:
-        """With replicas (DDP/HSDP), only the last micro-batch all-reduces across them;
-        earlier ones only reduce-scatter within the shard group."""
-        if self.plan.parallel_dims.dp_replicate > 1:
-            self.model.set_requires_all_reduce(enabled)
-
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over the global batch.
 
@@ -172,7 +166,7 @@ class Trainer(Stateful):
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
-            self._set_gradient_all_reduce(micro_step == self.plan.grad_accum_steps - 1)
+            set_gradient_all_reduce(self.model, self.plan.parallel_dims, micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
                 # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())
@@ -215,20 +209,12 @@ class Trainer(Stateful):
         )
 
     def state_dict(self) -> dict:
-        dims = self.plan.parallel_dims
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            # Not loaded back; kept to tell which layout wrote a checkpoint.
-            "world_size": dims.world_size,
-            "dp_replicate": dims.dp_replicate,
-            "dp_shard": dims.dp_shard,
-            "tp": dims.tp,
-        }
+        # The layout is not loaded back: a resume compares it with its own (log_resumed_layout).
+        return {"step": self.step, "tokens_seen": self.tokens_seen, **layout_record(self.plan)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.step, self.tokens_seen = state_dict["step"], state_dict["tokens_seen"]
-        log_resharded_resume(self.step, self.plan.parallel_dims, state_dict)
+        log_resumed_layout(self.step, self.plan, state_dict, self.rank)
 
     def stop_requested(self) -> bool:
         """Whether any rank got a stop signal; all ranks must agree to save together, so
@@ -264,7 +250,7 @@ class Trainer(Stateful):
         # Python's collector pauses at random moments, differently on every rank, which
         # stalls collectives; collect at fixed steps instead.
         gc.disable()
-        first_step = self.step
+        self.first_step = self.step  # where this run (or this part of it, when resumed) starts
         try:
             with profiler_context(
                 self.job_config.profiling, self.job_config.job.dump_folder, self.rank, start_step=self.step
@@ -272,7 +258,7 @@ class Trainer(Stateful):
                 while self.step < training.steps:
                     record = self._one_step(log_freq)
                     profiler.step()
-                    if self.step == first_step + 1:
+                    if self.step == self.first_step + 1:
                         # Start-up (compiles, first all-gathers, loading) may be slow; after the first
                         # step a collective that waits longer than train_timeout_seconds means a dead or
                         # stuck rank, and failing beats hanging until the job's wall-clock limit.
@@ -304,7 +290,8 @@ class Trainer(Stateful):
             self.dtype_probe.report()
             self.dtype_probe = None
         self.phase_memory.end_step(self.step)
-        log_due = self.step == 1 or self.step % log_freq == 0 or self.step == training.steps
+        # The first step of every run segment is logged, a resumed one's too.
+        log_due = self.step == self.first_step + 1 or self.step % log_freq == 0 or self.step == training.steps
         if log_due or self.step % SYNC_EVERY == 0:
             self.read_unread_steps()
         if not log_due:
@@ -337,23 +324,13 @@ class Trainer(Stateful):
             model_only = last and self.job_config.checkpoint.last_save_model_only
             self.checkpointer.save(self.step, model_only=model_only, sync=last)
             if last:
-                self._fail_if_not_saved("the run's last save")
+                self.checkpointer.fail_if_not_saved("the run's last save")
         if stop:
             self.checkpointer.save_at_stop(self.step)  # waits for a save still in flight, or saves this step
-            self._fail_if_not_saved("the save on a stop signal")
+            self.checkpointer.fail_if_not_saved("the save on a stop signal")
             self.stop_signal.report_time(self.job_config.checkpoint.stop_save_seconds)
             return True
         return False
-
-    def _fail_if_not_saved(self, which: str) -> None:
-        """continue_on_save_error lets training go on past a failed save, trusting a later
-        one; the run's final save has none after it, so its failure fails the run. An exit
-        status of 0 would tell a scheduler or a job chain that the final state is on disk."""
-        if self.checkpointer.failed_save is not None:
-            raise CheckpointError(
-                f"{self.checkpointer.failed_save} ({which}: nothing later can make up for it, "
-                "so the run fails even with checkpoint.continue_on_save_error)"
-            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -361,20 +338,9 @@ def main(argv: list[str] | None = None) -> int:
     or checkpoint to start from, 1: something during training). A bare --debug adds the
     traceback after the line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    show_traceback = "--debug" in argv  # a flag of the launcher, not a config key
+    # A flag of the launcher, not a config key.
+    fail = partial(report_failure, show_traceback="--debug" in argv)
     argv = [arg for arg in argv if arg != "--debug"]
-
-    def fail(line: str, status: int, printed: bool = True) -> int:
-        if printed:
-            print(line, file=sys.stderr)
-            if show_traceback:
-                traceback.print_exc()
-        else:
-            # Another rank (rank 0) prints this same line. torchrun stops every rank as soon
-            # as one exits, so a quicker exit here could kill rank 0 before it has printed.
-            time.sleep(QUIET_RANK_EXIT_DELAY_SECONDS)
-        return status
-
     rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank finds the same config mistake
     try:
         job_config = parse_args(argv)

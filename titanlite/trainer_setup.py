@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import seed_from_hf
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, show_config_warnings
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
@@ -24,14 +24,13 @@ from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, fl
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
 from titanlite.metrics.processor import MetricsProcessor
 from titanlite.parallel import (
-    ParallelDims,
     first_error_on_any_rank,
     init_distributed,
     pick_device,
     use_collective_timeout,
     world_size_from_env,
 )
-from titanlite.plan import RunPlan, load_tokenizer_and_data, plan_run
+from titanlite.plan import RunPlan, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -39,9 +38,10 @@ logger = logging.getLogger("titanlite")
 
 def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     """(plan, tokenizer, training windows): every check made before a process group or tensor
-    exists (layout, memory floor, tokenizer, data). A problem is a ConfigError. The trainer
-    starts with it; job.validate_only runs it alone."""
+    exists (layout, memory floor, tokenizer, data). A problem is a ConfigError; a key this
+    layout ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
+    show_config_warnings(unused_layout_keys(job_config, plan.parallel_dims))
     check_memory_floor(job_config, plan)
     tokenizer, windows = load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
     return plan, tokenizer, windows
@@ -229,8 +229,23 @@ def seed_weights_from_hf(job_config: JobConfig, plan: RunPlan, model: nn.Module,
     logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
 
 
-def log_resharded_resume(step: int, dims: ParallelDims, train_state: dict) -> None:
-    """Say so when the checkpoint being resumed was written by another layout."""
+def layout_record(plan: RunPlan) -> dict:
+    """The layout and global batch a checkpoint's train_state records beside the step, for
+    log_resumed_layout to compare when the checkpoint is resumed."""
+    dims = plan.parallel_dims
+    return {
+        "world_size": dims.world_size,
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "tp": dims.tp,
+        "global_batch_size": plan.global_batch_size,
+    }
+
+
+def log_resumed_layout(step: int, plan: RunPlan, train_state: dict, rank: int) -> None:
+    """Say so when the checkpoint being resumed was written by another layout, and warn when
+    the global batch changed with it (a global_batch_size of -1 follows the number of ranks)."""
+    dims = plan.parallel_dims
     # Checkpoints written before tensor parallelism existed have no "tp": they had none.
     saved = (train_state["world_size"], train_state["dp_replicate"], train_state["dp_shard"], train_state.get("tp", 1))
     if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp):
@@ -243,4 +258,15 @@ def log_resharded_resume(step: int, dims: ParallelDims, train_state: dict) -> No
             dims.dp_shard,
             dims.tp,
             *saved,
+        )
+    # Checkpoints written before it was recorded have no "global_batch_size": nothing to compare.
+    saved_batch = train_state.get("global_batch_size", plan.global_batch_size)
+    if saved_batch != plan.global_batch_size and rank == 0:
+        logger.warning(
+            "resuming at step %d with a global batch of %d sequences where the checkpoint's run used %d; "
+            "set training.global_batch_size = %d to keep it",
+            step,
+            plan.global_batch_size,
+            saved_batch,
+            saved_batch,
         )

@@ -210,6 +210,16 @@ class CheckpointManager:
             logger.warning("%s; saving step %d for the stop instead", failure, step)
         self.save(step, sync=True)
 
+    def fail_if_not_saved(self, which: str) -> None:
+        """continue_on_save_error lets training go on past a failed save, trusting a later
+        one; the run's final save (``which``) has none after it, so its failure fails the run.
+        An exit status of 0 would tell a scheduler or a job chain that the final state is on disk."""
+        if self.failed_save is not None:
+            raise CheckpointError(
+                f"{self.failed_save} ({which}: nothing later can make up for it, "
+                "so the run fails even with checkpoint.continue_on_save_error)"
+            )
+
     def on_any_rank(self, flag: bool) -> bool:
         """Whether `flag` holds on any rank. Over the default group: a save in flight may be
         using the checkpoint group from its background thread."""

@@ -50,6 +50,10 @@ class ModelState(Stateful):
 
 
 class OptimizerState(Stateful):
+    """Adam's moments and step counts. A checkpoint's settings of each parameter group
+    (learning rate, betas, eps, weight decay, kernel) are not loaded: the resuming run's
+    config, and its schedule's rate for the step, are what its next step uses."""
+
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         self.model, self.optimizer = model, optimizer
 
@@ -57,7 +61,12 @@ class OptimizerState(Stateful):
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # torch's load replaces each group's settings with the saved ones, silently keeping
+        # e.g. an old weight decay or the rate the old schedule set; ours are put back.
+        own = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        for group, settings in zip(self.optimizer.param_groups, own, strict=True):
+            group.update(settings)
 
 
 class RNGState(Stateful):

@@ -350,7 +350,7 @@ class EMA:
 @dataclass
 class Metrics:
     log_freq: int = ranged(at_least(1), default=10)
-    """Log metrics every this many steps (and at step 1 and the last step)."""
+    """Log metrics every this many steps (and at the first step trained, a resumed run's too, and the last step)."""
 
     disable_color_printing: bool = False
     """Print the console metrics line without ANSI colors."""

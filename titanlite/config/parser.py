@@ -277,10 +277,16 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     and not again after run_train.sh's preflight showed them (TITANLITE_CONFIG_WARNINGS_SHOWN).
     """
     config, warnings = parse_args_with_warnings(argv)
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get("TITANLITE_CONFIG_WARNINGS_SHOWN"):
-        for line in warnings:
-            print(line, file=sys.stderr)
+    show_config_warnings(warnings)
     return config
+
+
+def show_config_warnings(lines: list[str]) -> None:
+    """Print a config's warning lines on stderr, from rank 0 only (RANK unset counts as
+    rank 0), and not again after run_train.sh's preflight showed them."""
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get("TITANLITE_CONFIG_WARNINGS_SHOWN"):
+        for line in lines:
+            print(line, file=sys.stderr)
 
 
 def parse_args_or_exit(argv: list[str] | None = None) -> JobConfig:

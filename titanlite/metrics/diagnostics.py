@@ -8,9 +8,9 @@
 3. one phase dominates memory: report the peak after forward, after backward and after
    the optimizer step for the first few steps.
 
-Every rank also logs its own local trainable parameter MiB, so uneven shards show, and
-rank 0 the global and local shape of each parameter of one block, which shows how tensor
-parallelism and FSDP split it.
+Each rank LOG_RANK shows also logs its own local trainable parameter MiB (LOG_RANK=0,1,...
+shows uneven shards), and the global and local shape of each parameter of one block, which
+shows how tensor parallelism and FSDP split it.
 """
 
 import logging
@@ -24,8 +24,6 @@ from torch.distributed.tensor import DTensor
 from titanlite.metrics.memory import MemoryMonitor
 
 logger = logging.getLogger("titanlite")
-# Per-rank lines go through their own logger, shown on every rank (see titanlite.logs.setup_logging).
-rank_logger = logging.getLogger("titanlite.every_rank")
 SAMPLE_UNITS = 4
 
 
@@ -93,7 +91,7 @@ def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sh
         logger.warning("!!! SHARDING PROBLEM: %s !!!", problem)
     name, first_block = next(iter(model.layers.items()))
     logger.info("parameter shards of block %s on rank %d: %s", name, rank, shard_shapes(first_block))
-    rank_logger.info("rank %d: local trainable parameters %.2f MiB", rank, local_trainable_mib(model))
+    logger.info("rank %d: local trainable parameters %.2f MiB", rank, local_trainable_mib(model))
     return units
 
 

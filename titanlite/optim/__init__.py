@@ -51,5 +51,23 @@ def wsd_factor(step: int, total_steps: int, config: LRScheduler) -> float:
     return config.min_lr_factor + (1.0 - config.min_lr_factor) * shape
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: LRScheduler, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, functools.partial(wsd_factor, total_steps=total_steps, config=config))
+class RunSchedule(LambdaLR):
+    """The run's learning-rate schedule: the peak rate times ``wsd_factor`` at each step.
+
+    A checkpoint gives it only its position. The schedule itself (steps, warmup, decay,
+    peak rate) is the resuming run's config, so the first resumed step already runs at the
+    new schedule's rate; LambdaLR's own load would keep the checkpoint's peak rates, and the
+    optimizer the rate the old schedule set for that step."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        own_peaks = list(self.base_lrs)
+        super().load_state_dict(state_dict)
+        self.base_lrs = own_peaks
+        rates = [peak * factor(self.last_epoch) for peak, factor in zip(self.base_lrs, self.lr_lambdas, strict=True)]
+        for group, rate in zip(self.optimizer.param_groups, rates, strict=True):
+            group["lr"] = rate
+        self._last_lr = rates  # what step() records for get_last_lr()
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, config: LRScheduler, total_steps: int) -> RunSchedule:
+    return RunSchedule(optimizer, functools.partial(wsd_factor, total_steps=total_steps, config=config))

@@ -19,6 +19,7 @@ from titanlite.parallel.parallelize import (
     compute_context,
     loss_context,
     parallelize_decoder,
+    set_gradient_all_reduce,
     tensor_parallel_problem,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "loss_context",
     "parallelize_decoder",
     "pick_device",
+    "set_gradient_all_reduce",
     "tensor_parallel_problem",
     "use_collective_timeout",
     "world_size_from_env",

@@ -264,6 +264,14 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
+def set_gradient_all_reduce(model: nn.Module, parallel_dims: ParallelDims, enabled: bool) -> None:
+    """Whether this micro-batch's backward all-reduces across replicas (DDP/HSDP): only the
+    last of a step's micro-batches needs to; earlier ones only reduce-scatter within the
+    shard group."""
+    if parallel_dims.dp_replicate > 1:
+        model.set_requires_all_reduce(enabled)
+
+
 def parallelize_decoder(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
 ) -> nn.Module:

@@ -308,10 +308,10 @@ def _tensor_parallel_degrees(job_config, world_size: int, gpus_per_node: int) ->
     """The TP degrees the sweep tries: the divisors of the GPUs per node (a TP group stays in
     one node, where its per-block collectives get the fast link) that divide the world size
     and that the model's TP plan accepts (whole heads and key/value heads, equal FFN slices)."""
-    from titanlite.registry import get_model_args, get_model_spec
+    from titanlite.plan import run_model_args
+    from titanlite.registry import get_model_spec
 
-    model = job_config.model
-    args, spec = get_model_args(model.name, model.flavor), get_model_spec(model.name)
+    args, spec = run_model_args(job_config), get_model_spec(job_config.model.name)
     return [
         tp
         for tp in range(1, gpus_per_node + 1)

@@ -1,9 +1,11 @@
 """A run's vocabulary follows its tokenizer: an 8,000-id tokenizer trains the debugmodel in
 8,064 rows (rounded up to 128), the checkpoint records both sizes, the export and
-generation use the tokenizer's 8,000, and a Hugging Face folder seeds the padded model.
+generation use the tokenizer's 8,000, and a Hugging Face folder with that tokenizer seeds
+and imports into the padded rows.
 """
 
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 
 from tests.helpers import full_weights, hf_tensors, save_hf_llama, tiny_args, write_word_tokenizer
 from tests.prepared_data import write_jsonl
-from titanlite.checkpoint import ModelDescription, hf_export, read_model_description
+from titanlite.checkpoint import ModelDescription, hf, hf_export, read_model_description
 from titanlite.config import parse_args
 from titanlite.models.llama import LlamaStateDictAdapter
 from titanlite.train import Trainer
@@ -115,19 +117,28 @@ def test_generate_never_picks_a_padding_id(trained, tmp_path, monkeypatch):
     assert len(picked) == 8 and max(picked) < REAL
 
 
-def test_a_hugging_face_folder_seeds_the_padded_model(assets, tmp_path):
-    """A folder of 8,000 ids seeds the tiny model sized for the same tokenizer: its rows as
-    they are, zeros past them, and transformers' logits on the tokens."""
+def test_a_hugging_face_folder_seeds_and_imports_into_padded_rows(assets, tmp_path):
+    """A folder of 8,000 ids with its tokenizer.json, imported or seeding the tiny model sized
+    for that tokenizer: its rows as they are, zeros past them, transformers' logits on the
+    tokens; the import records both sizes and is the model such a run builds."""
     folder = save_hf_llama(tmp_path / "hf", seed=3, vocab_size=REAL)
-    options = {"training.steps": 1, "checkpoint.initial_load_in_hf": True}
-    argv = tiny_args(options) + data_args(assets) + ["--checkpoint.initial_load_path", str(folder)]
+    shutil.copyfile(assets[0] / "tokenizer.json", folder / "tokenizer.json")
+    imported = read_model_description(hf.import_from_hf(folder, tmp_path / "dcp"))
+    assert (imported.args.vocab_size, imported.real_vocab_size) == (PADDED, REAL)
+
+    options = {"training.steps": 1, "checkpoint.initial_load_in_hf": True, "model.hf_assets_path": str(folder)}
+    argv = tiny_args(options) + data_args(assets)[2:] + ["--checkpoint.initial_load_path", str(folder)]
     trainer = Trainer(parse_args(argv + ["--job.dump_folder", str(tmp_path / "dump")]))
+    assert imported.args.architecture() == trainer.plan.model_args.architecture()
     seeded = full_weights(trainer.model)
     reference = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
     expected = LlamaStateDictAdapter(trainer.plan.model_args).from_hf(reference.state_dict())
+    dcp_weights = {name: torch.empty_like(value) for name, value in seeded.items()}
+    dcp.load(dcp_weights, checkpoint_id=str(tmp_path / "dcp" / "step-0"), no_dist=True)
     for name in ("tok_embeddings.weight", "output.weight"):
-        assert seeded[name].shape[0] == PADDED
-        assert torch.equal(seeded[name][:REAL], expected[name]) and not seeded[name][REAL:].any(), name
+        for weights in (seeded, dcp_weights):
+            assert weights[name].shape[0] == PADDED
+            assert torch.equal(weights[name][:REAL], expected[name]) and not weights[name][REAL:].any(), name
     tokens = torch.tensor([[1, REAL - 1, 300, 7000]])
     with torch.no_grad():
         ours, theirs = trainer.model.eval()(tokens), reference(tokens).logits

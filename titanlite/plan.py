@@ -24,7 +24,13 @@ class RunPlan:
     model_args: object  # the flavor's, its vocabulary sized for the tokenizer (model_vocab_size)
     global_batch_size: int
     grad_accum_steps: int
-    tokenizer: object  # ids [0, tokenizer.vocab_size) are tokens; the embedding's rows past them are padding
+    tokenizer: object
+
+    @property
+    def tokenizer_vocab_size(self) -> int | None:
+        """The ids that are tokens when the vocabulary was sized from the tokenizer (the rows
+        past them are padding); None with the byte tokenizer, whose model keeps the flavor's rows."""
+        return None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.vocab_size
 
 
 def model_vocab_size(job_config: JobConfig, flavor_vocab_size: int, tokenizer) -> int:

@@ -215,7 +215,7 @@ class Trainer(Stateful):
             model.flavor,
             self.plan.model_args,
             tokenizer_path=tokenizer_file(model.hf_assets_path),
-            tokenizer_vocab_size=self.tokenizer.vocab_size,
+            tokenizer_vocab_size=self.plan.tokenizer_vocab_size,
         )
 
     def state_dict(self) -> dict:

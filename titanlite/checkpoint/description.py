@@ -29,7 +29,8 @@ class ModelDescription:
     args: typing.Any  # the registry's args dataclass for `name`
     tokenizer_path: str | None = None  # the run's tokenizer.json; None: the byte tokenizer, or not recorded
     # The ids the tokenizer has: the embedding's and the output's rows past them are padding
-    # (args.vocab_size is rounded up). None: not recorded (older checkpoints), every row is a token.
+    # (args.vocab_size is rounded up). None: every row is a token (a byte-tokenizer run, whose
+    # model keeps its flavor's rows, or a checkpoint older than this entry).
     tokenizer_vocab_size: int | None = None
 
     @property

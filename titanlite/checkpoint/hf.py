@@ -4,9 +4,9 @@ Import reads a Hugging Face folder (one ``model.safetensors`` or a sharded index
 writes a DCP checkpoint ``step-0`` holding the weights under titanlite's names and a
 ``model_args`` description; it runs in one process without a process group and writes
 into a temporary sibling folder that is renamed into place only when everything is
-written. The import pads the vocabulary as a training run with the folder's tokenizer
-would (zero rows past the folder's ids), so that such a run starts from it; the real size
-is recorded. (Export, the other direction, is in hf_export.py.)
+written. The import of a folder with a tokenizer.json pads the vocabulary as a training run
+with that tokenizer does (zero rows past the folder's ids), so that such a run starts from
+it; the real size is recorded. (Export, the other direction, is in hf_export.py.)
 
 All renaming and the q/k RoPE permutation come from the model's state-dict adapter.
 """
@@ -265,8 +265,11 @@ def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args, adapter_cls, pr
 
 
 def padded_description(description: ModelDescription) -> ModelDescription:
-    """A Hugging Face model as a training run with the folder's tokenizer builds it: its
-    vocabulary padded (registry.padded_vocab_size), the folder's size recorded as the real one."""
+    """A Hugging Face model as a training run with the folder's tokenizer.json builds it: its
+    vocabulary padded (registry.padded_vocab_size), the folder's size recorded as the real
+    one. A folder without a tokenizer keeps its rows (a byte-tokenizer run's export)."""
+    if description.tokenizer_path is None:
+        return description
     real = description.args.vocab_size
     args = dataclasses.replace(description.args, vocab_size=padded_vocab_size(real))
     return dataclasses.replace(description, args=args, tokenizer_vocab_size=real)

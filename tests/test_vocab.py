@@ -4,6 +4,7 @@ generation use the tokenizer's 8,000, and a Hugging Face folder with that tokeni
 and imports into the padded rows.
 """
 
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -143,3 +144,19 @@ def test_a_hugging_face_folder_seeds_and_imports_into_padded_rows(assets, tmp_pa
     with torch.no_grad():
         ours, theirs = trainer.model.eval()(tokens), reference(tokens).logits
     assert (ours[..., :REAL] - theirs).abs().max().item() <= 1e-5
+
+
+def test_the_estimates_count_the_padded_rows(assets):
+    """The step-time estimate and the trainer's FLOP count use the rows the model has:
+    6 FLOPs per token per output weight, the 64 padding rows included."""
+    from titanlite.estimate.step_time import estimate_for_job_config
+    from titanlite.metrics.flops import flops_per_token
+    from titanlite.plan import plan_run
+
+    config = parse_args(tiny_args({"model.flavor": "debugmodel"}) + data_args(assets))
+    plan = plan_run(config, 1)
+    assert plan.model_args.vocab_size == PADDED and plan.tokenizer_vocab_size == REAL
+    estimate = estimate_for_job_config(config, 1, "h100")
+    assert estimate.flops_per_token == flops_per_token(plan.model_args, 32)
+    flavor = dataclasses.replace(plan.model_args, vocab_size=2048)
+    assert estimate.flops_per_token - flops_per_token(flavor, 32) == 6 * 256 * (PADDED - 2048)

@@ -56,11 +56,24 @@ def run_model_args(job_config: JobConfig, tokenizer=None):
     return replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
 
 
-def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
-    """Cross-check the config against the registry, the world size and the tokenizer.
-    Every problem is a one-line ConfigError; nothing is created or written."""
+def tokenizer_for_estimate(job_config: JobConfig) -> tuple[object, str | None]:
+    """(tokenizer, note): the run's tokenizer, which sizes the model an estimate describes;
+    when it cannot be read here (a run planned on another machine names a tokenizer that is
+    not on this one), the byte tokenizer stands in, i.e. the flavor's own vocabulary, and
+    the note says so."""
+    try:
+        return load_tokenizer(job_config), None
+    except ConfigError as error:
+        model = job_config.model
+        return ByteTokenizer(), f"{error}; the estimate uses model {model.name} {model.flavor}'s own vocabulary"
+
+
+def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
+    """Cross-check the config against the registry, the world size and the tokenizer
+    (default: the run's, loaded here). Every problem is a one-line ConfigError; nothing is
+    created or written."""
     training, parallelism = job_config.training, job_config.parallelism
-    tokenizer = load_tokenizer(job_config)
+    tokenizer = tokenizer or load_tokenizer(job_config)
     model_args = run_model_args(job_config, tokenizer)
     try:
         parallel_dims = ParallelDims.resolve(

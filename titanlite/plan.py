@@ -4,6 +4,7 @@ exists, and the one way a run's model is built.
 The trainer and the estimators both start here, so an estimate describes exactly the run
 the trainer would make (same layout, same batch plan, same model build)."""
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -61,11 +62,21 @@ def tokenizer_for_estimate(job_config: JobConfig) -> tuple[object, str | None]:
     when it cannot be read here (a run planned on another machine names a tokenizer that is
     not on this one), the byte tokenizer stands in, i.e. the flavor's own vocabulary, and
     the note says so."""
+    tokenizer, problem = _tokenizer_or_problem(job_config.model.hf_assets_path)
+    if problem is None:
+        return tokenizer, None
+    model = job_config.model
+    return ByteTokenizer(), f"{problem}; the estimate uses model {model.name} {model.flavor}'s own vocabulary"
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_or_problem(hf_assets_path: str | None) -> tuple[object, str | None]:
+    """(tokenizer, None), or (None, why it cannot be read). Cached: a sweep estimates many
+    layouts of one run, and a large tokenizer.json takes a second to read."""
     try:
-        return load_tokenizer(job_config), None
+        return load_tokenizer_at(hf_assets_path), None
     except ConfigError as error:
-        model = job_config.model
-        return ByteTokenizer(), f"{error}; the estimate uses model {model.name} {model.flavor}'s own vocabulary"
+        return None, str(error)
 
 
 def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
@@ -129,7 +140,11 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
 
 def load_tokenizer(job_config: JobConfig):
     """The run's tokenizer (model.hf_assets_path's, else the byte tokenizer)."""
-    hf_assets_path = job_config.model.hf_assets_path
+    return load_tokenizer_at(job_config.model.hf_assets_path)
+
+
+def load_tokenizer_at(hf_assets_path: str | None):
+    """The tokenizer model.hf_assets_path = ``hf_assets_path`` names, with an EOS token."""
     try:
         tokenizer = build_tokenizer(hf_assets_path)
     except ValueError as error:

@@ -308,10 +308,11 @@ def _tensor_parallel_degrees(job_config, world_size: int, gpus_per_node: int) ->
     """The TP degrees the sweep tries: the divisors of the GPUs per node (a TP group stays in
     one node, where its per-block collectives get the fast link) that divide the world size
     and that the model's TP plan accepts (whole heads and key/value heads, equal FFN slices)."""
-    from titanlite.registry import get_model_args, get_model_spec
+    from titanlite.plan import run_model_args, tokenizer_for_estimate
+    from titanlite.registry import get_model_spec
 
-    model = job_config.model
-    args, spec = get_model_args(model.name, model.flavor), get_model_spec(model.name)
+    args = run_model_args(job_config, tokenizer_for_estimate(job_config)[0])
+    spec = get_model_spec(job_config.model.name)
     return [
         tp
         for tp in range(1, gpus_per_node + 1)
@@ -370,6 +371,11 @@ def run(argv: list[str]) -> int:
     from titanlite.config import ConfigError, parse_args
 
     job_config = parse_args(config_argv)
+    from titanlite.plan import tokenizer_for_estimate
+
+    _, vocabulary_note = tokenizer_for_estimate(job_config)
+    if vocabulary_note is not None:
+        print(f"titanlite: warning: {vocabulary_note}", file=sys.stderr)
     hardware = _hardware(options)
     model = (
         f"{job_config.model.name} {job_config.model.flavor}, seq_len {job_config.training.seq_len}, "

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 2
-    vocab = description.args.vocab_size
+    vocab = description.real_vocab_size  # the rows past it pad the embedding: never tokens
     prompt_ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(args.prompt)
     if not prompt_ids:
         print(f"{PROG}: error: the prompt is empty and the tokenizer has no BOS token", file=sys.stderr)
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         top_k=args.top_k,
         seed=args.seed,
         eos_id=tokenizer.eos_id,
+        vocab_size=vocab,
     )
     print(args.prompt + tokenizer.decode(new_ids))
     return 0

@@ -4,15 +4,16 @@ exists, and the one way a run's model is built.
 The trainer and the estimators both start here, so an estimate describes exactly the run
 the trainer would make (same layout, same batch plan, same model build)."""
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig, value_text
-from titanlite.data import build_tokenizer, open_windows
+from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
-from titanlite.registry import get_model_args, get_model_spec
+from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
 
 
@@ -21,16 +22,70 @@ class RunPlan:
     """Everything decided from the config before any process group or tensor exists."""
 
     parallel_dims: ParallelDims
-    model_args: object
+    model_args: object  # the flavor's, its vocabulary sized for the tokenizer (model_vocab_size)
     global_batch_size: int
     grad_accum_steps: int
+    tokenizer: object
+
+    @property
+    def tokenizer_vocab_size(self) -> int | None:
+        """The ids that are tokens when the vocabulary was sized from the tokenizer (the rows
+        past them are padding); None with the byte tokenizer, whose model keeps the flavor's rows."""
+        return None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.vocab_size
 
 
-def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
-    """Cross-check the config against the registry, the world size and the tokenizer.
-    Every problem is a one-line ConfigError; nothing is created or written."""
+def model_vocab_size(job_config: JobConfig, flavor_vocab_size: int, tokenizer) -> int:
+    """The embedding's rows for a run: the flavor's own with the byte tokenizer (its 258 ids
+    fit every flavor, and byte-tokenizer checkpoints keep their shape), else the tokenizer's
+    size rounded up (registry.padded_vocab_size)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        if tokenizer.vocab_size > flavor_vocab_size:
+            raise ConfigError(
+                f"the byte tokenizer has {tokenizer.vocab_size} ids but model {job_config.model.name} "
+                f"{job_config.model.flavor} embeds only {flavor_vocab_size}; pick another model.flavor"
+            )
+        return flavor_vocab_size
+    return padded_vocab_size(tokenizer.vocab_size)
+
+
+def run_model_args(job_config: JobConfig, tokenizer=None):
+    """The model args a run builds: its flavor's, with the run's sequence length and a
+    vocabulary sized for ``tokenizer`` (default: the run's, loaded here)."""
+    tokenizer = tokenizer or load_tokenizer(job_config)
+    flavor = get_model_args(job_config.model.name, job_config.model.flavor)
+    vocab_size = model_vocab_size(job_config, flavor.vocab_size, tokenizer)
+    return replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
+
+
+def tokenizer_for_estimate(job_config: JobConfig) -> tuple[object, str | None]:
+    """(tokenizer, note): the run's tokenizer, which sizes the model an estimate describes;
+    when it cannot be read here (a run planned on another machine names a tokenizer that is
+    not on this one), the byte tokenizer stands in, i.e. the flavor's own vocabulary, and
+    the note says so."""
+    tokenizer, problem = _tokenizer_or_problem(job_config.model.hf_assets_path)
+    if problem is None:
+        return tokenizer, None
+    model = job_config.model
+    return ByteTokenizer(), f"{problem}; the estimate uses model {model.name} {model.flavor}'s own vocabulary"
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_or_problem(hf_assets_path: str | None) -> tuple[object, str | None]:
+    """(tokenizer, None), or (None, why it cannot be read). Cached: a sweep estimates many
+    layouts of one run, and a large tokenizer.json takes a second to read."""
+    try:
+        return load_tokenizer_at(hf_assets_path), None
+    except ConfigError as error:
+        return None, str(error)
+
+
+def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
+    """Cross-check the config against the registry, the world size and the tokenizer
+    (default: the run's, loaded here). Every problem is a one-line ConfigError; nothing is
+    created or written."""
     training, parallelism = job_config.training, job_config.parallelism
-    model_args = get_model_args(job_config.model.name, job_config.model.flavor).with_seq_len(training.seq_len)
+    tokenizer = tokenizer or load_tokenizer(job_config)
+    model_args = run_model_args(job_config, tokenizer)
     try:
         parallel_dims = ParallelDims.resolve(
             parallelism.data_parallel_replicate_degree,
@@ -48,7 +103,7 @@ def plan_run(job_config: JobConfig, world_size: int) -> RunPlan:
         global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunPlan(parallel_dims, model_args, global_batch, accumulation)
+    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer)
 
 
 # Keys that only one part of the layout reads: key -> (that part, whether a layout has it).
@@ -106,11 +161,13 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
 
 
-def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
-    """The tokenizer and the training windows (prepared data opened, or a raw stream), checked
-    against the model's vocabulary. The built-in corpus is prepared on first use."""
-    training, data = job_config.training, job_config.data
-    hf_assets_path = job_config.model.hf_assets_path
+def load_tokenizer(job_config: JobConfig):
+    """The run's tokenizer (model.hf_assets_path's, else the byte tokenizer)."""
+    return load_tokenizer_at(job_config.model.hf_assets_path)
+
+
+def load_tokenizer_at(hf_assets_path: str | None):
+    """The tokenizer model.hf_assets_path = ``hf_assets_path`` names, with an EOS token."""
     try:
         tokenizer = build_tokenizer(hf_assets_path)
     except ValueError as error:
@@ -120,11 +177,14 @@ def load_tokenizer_and_data(job_config: JobConfig, vocab_size: int):
             f"model.hf_assets_path: the tokenizer at {hf_assets_path} has no EOS token, "
             "which packing needs between documents"
         )
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but model {job_config.model.name} "
-            f"{job_config.model.flavor} embeds only {vocab_size}; pick a matching model.flavor or model.hf_assets_path"
-        )
+    return tokenizer
+
+
+def load_tokenizer_and_data(job_config: JobConfig, plan: RunPlan):
+    """The plan's tokenizer and the training windows (prepared data opened, or a raw stream).
+    The built-in corpus is prepared on first use."""
+    training, data = job_config.training, job_config.data
+    hf_assets_path, tokenizer = job_config.model.hf_assets_path, plan.tokenizer
     try:
         windows = open_windows(
             training.dataset,

@@ -44,6 +44,18 @@ MODELS = {
 }
 
 
+# A vocabulary sized from a tokenizer is rounded up to a multiple of 128 rows (Megatron-LM's
+# default too): the output projection's GEMM then tiles evenly on tensor cores, and any
+# power-of-two TP degree up to 128 splits the rows evenly. The multiple does not depend on
+# a run's TP degree, so that a checkpoint resumes on any layout (its shape is the model's).
+VOCAB_MULTIPLE = 128
+
+
+def padded_vocab_size(token_ids: int) -> int:
+    """The embedding rows for a vocabulary of `token_ids` ids: rounded up to VOCAB_MULTIPLE."""
+    return -(-token_ids // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
 def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
         raise ConfigError(unknown_name("model.name", name, MODELS))

@@ -205,7 +205,11 @@ class Trainer(Stateful):
         # tokenizer_path: where the run's tokenizer.json is (None: the byte tokenizer), so
         # that an export can ship the tokenizer beside the weights.
         return ModelDescription(
-            model.name, model.flavor, self.plan.model_args, tokenizer_path=tokenizer_file(model.hf_assets_path)
+            model.name,
+            model.flavor,
+            self.plan.model_args,
+            tokenizer_path=tokenizer_file(model.hf_assets_path),
+            tokenizer_vocab_size=self.plan.tokenizer_vocab_size,
         )
 
     def state_dict(self) -> dict:

@@ -43,7 +43,7 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     plan = plan_run(job_config, world_size_from_env())
     show_config_warnings(unused_layout_keys(job_config, plan.parallel_dims))
     check_memory_floor(job_config, plan)
-    tokenizer, windows = load_tokenizer_and_data(job_config, plan.model_args.vocab_size)
+    tokenizer, windows = load_tokenizer_and_data(job_config, plan)
     return plan, tokenizer, windows
 
 

@@ -1,10 +1,11 @@
 """What model a checkpoint holds: the description recorded under "model_args".
 
 Every checkpoint the trainer writes, and every one imported from Hugging Face, records
-the model's registry name, its flavor, every hyper-parameter and (trainer runs) the
-tokenizer.json it trained with. On disk it is a plain nested dict, so that any DCP
-reader can list it; in memory it is a ModelDescription whose args are the registry's
-args dataclass. This module is the one place that reads and writes it.
+the model's registry name, its flavor, every hyper-parameter, (trainer runs) the
+tokenizer.json it trained with, and the tokenizer's size: the rows of a padded vocabulary
+that are tokens. On disk it is a plain nested dict, so that any DCP reader can list it;
+in memory it is a ModelDescription whose args are the registry's args dataclass. This
+module is the one place that reads and writes it.
 """
 
 import dataclasses
@@ -27,6 +28,15 @@ class ModelDescription:
     flavor: str  # "hf" for a model read from a Hugging Face folder
     args: typing.Any  # the registry's args dataclass for `name`
     tokenizer_path: str | None = None  # the run's tokenizer.json; None: the byte tokenizer, or not recorded
+    # The ids the tokenizer has: the embedding's and the output's rows past them are padding
+    # (args.vocab_size is rounded up). None: every row is a token (a byte-tokenizer run, whose
+    # model keeps its flavor's rows, or a checkpoint older than this entry).
+    tokenizer_vocab_size: int | None = None
+
+    @property
+    def real_vocab_size(self) -> int:
+        """The rows that are tokens: what an export keeps and what generation may pick."""
+        return self.args.vocab_size if self.tokenizer_vocab_size is None else self.tokenizer_vocab_size
 
     def to_state(self) -> dict:
         """The description as a checkpoint records it."""
@@ -35,6 +45,7 @@ class ModelDescription:
             "flavor": self.flavor,
             "args": dataclasses.asdict(self.args),
             "tokenizer_path": self.tokenizer_path,
+            "tokenizer_vocab_size": self.tokenizer_vocab_size,
         }
 
     @classmethod
@@ -47,7 +58,7 @@ class ModelDescription:
             args = _dataclass_from_dict(args_cls, state.get("args", {}))
         except TypeError as error:
             raise ValueError(f"{where}: model_args do not describe a Llama model ({error})") from None
-        return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"))
+        return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"), state.get("tokenizer_vocab_size"))
 
     def differences(self, other: "ModelDescription") -> list[str]:
         """The hyper-parameters, by name, in which `other` describes a model that computes

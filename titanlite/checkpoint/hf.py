@@ -4,11 +4,14 @@ Import reads a Hugging Face folder (one ``model.safetensors`` or a sharded index
 writes a DCP checkpoint ``step-0`` holding the weights under titanlite's names and a
 ``model_args`` description; it runs in one process without a process group and writes
 into a temporary sibling folder that is renamed into place only when everything is
-written. (Export, the other direction, is in hf_export.py.)
+written. The import of a folder with a tokenizer.json pads the vocabulary as a training run
+with that tokenizer does (zero rows past the folder's ids), so that such a run starts from
+it; the real size is recorded. (Export, the other direction, is in hf_export.py.)
 
 All renaming and the q/k RoPE permutation come from the model's state-dict adapter.
 """
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -24,7 +27,7 @@ from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
 from titanlite.checkpoint.files import check_output, single_process, write_atomically
 from titanlite.errors import one_line
 from titanlite.parallel.distributed import first_error_on_any_rank, gather_from_every_rank
-from titanlite.registry import get_model_spec, model_from_hf_config
+from titanlite.registry import get_model_spec, model_from_hf_config, padded_vocab_size
 
 EMA_PREFIX = "ema."
 # Buffers some Hugging Face checkpoints carry; they are recomputed, never trained.
@@ -110,6 +113,7 @@ class HFWeights:
                 raise ValueError(f"{file}: tensor '{hf_name}' has no titanlite counterpart") from None
         # titanlite keeps the output projection separate: tied embeddings are read twice.
         self.tied = bool(config.get("tie_word_embeddings")) and adapter.to_hf_name("output.weight") not in self.files
+        self.vocab_size = config.get("vocab_size")  # the folder's token ids: a padded model gets zero rows past them
         missing = [name for name in expected_names if self.hf_name(name) not in self.files]
         if missing:
             raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensor(s), e.g. {self.hf_name(missing[0])}")
@@ -138,30 +142,49 @@ class HFWeights:
                     digest.update(handle.read(_SAMPLE))
         return digest.hexdigest()[:16]
 
+    def rows_in_folder(self, name: str, shape: tuple[int, ...]) -> int:
+        """How many of the model's rows of `name` (full shape `shape`) the folder holds: all,
+        or for a vocabulary-indexed tensor the folder's token ids, when the model pads them."""
+        if name not in self.adapter.vocab_rows or self.vocab_size is None or self.vocab_size == shape[0]:
+            return shape[0]
+        if self.vocab_size > shape[0]:
+            raise ValueError(
+                f"{self.hf_dir}: the folder embeds {self.vocab_size} token ids, more than the model's {shape[0]} "
+                "(sized from the run's tokenizer, model.hf_assets_path)"
+            )
+        return self.vocab_size
+
     def read(self, name: str, shape: tuple[int, ...], box: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """The part `box` (default: all) of titanlite's tensor `name`, whose full shape must
-        be `shape`, in the file's dtype."""
+        be `shape`, in the file's dtype. Rows of a padded vocabulary past the folder's
+        token ids are zeros."""
         hf_name = self.hf_name(name)
         file = self.files[hf_name]
         box = box or [(0, size) for size in shape]
         columns = tuple(slice(start, stop) for start, stop in box[1:])
+        held = self.rows_in_folder(name, shape)
+        hf_shape = (held, *shape[1:])
 
         def read_hf_rows(start: int, stop: int) -> torch.Tensor:
             with safe_open(str(file), framework="pt") as handle:
                 part = handle.get_slice(hf_name)
-                if tuple(part.get_shape()) != tuple(shape):
+                if tuple(part.get_shape()) != hf_shape:
                     raise ValueError(
-                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, "
-                        f"the model needs {tuple(shape)}"
+                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {hf_shape}"
                     )
                 return part[(slice(start, stop), *columns)]
 
+        (start, stop) = box[0]
         try:
-            return self.adapter.rows_from_hf(name, box[0][0], box[0][1], read_hf_rows)
+            rows = self.adapter.rows_from_hf(name, min(start, held), min(stop, held), read_hf_rows)
         except ValueError:
             raise
         except Exception as error:  # a damaged file: safetensors raises its own error types
             raise ValueError(f"{file}: cannot read tensor '{hf_name}' ({one_line(error)})") from None
+        if stop <= held:
+            return rows
+        padding = torch.zeros((stop - max(start, held), *(b - a for a, b in box[1:])), dtype=rows.dtype)
+        return torch.cat([rows, padding])
 
     def copy_into(self, name: str, target: torch.Tensor) -> None:
         """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
@@ -198,9 +221,11 @@ def _on_every_rank(work, process_group):
 
 
 def _check_same_model(hf_args, run_args, adapter_cls, hf_dir: Path) -> None:
-    """The folder must hold the model this run builds; the sequence length may differ."""
+    """The folder must hold the model this run builds; the sequence length may differ, and
+    the run's vocabulary may pad the folder's (HFWeights.rows_in_folder checks that)."""
     theirs, ours = adapter_cls(hf_args).hf_config(), adapter_cls(run_args).hf_config()
-    different = sorted(k for k in ours if k != "max_position_embeddings" and theirs.get(k) != ours.get(k))
+    free = ("max_position_embeddings", "vocab_size")
+    different = sorted(k for k in ours if k not in free and theirs.get(k) != ours.get(k))
     if different:
         details = ", ".join(f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in different)
         raise ValueError(f"{hf_dir}: the folder holds a different model than this run builds ({details})")
@@ -239,11 +264,23 @@ def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args, adapter_cls, pr
 # --- import ----------------------------------------------------------------------------
 
 
+def padded_description(description: ModelDescription) -> ModelDescription:
+    """A Hugging Face model as a training run with the folder's tokenizer.json builds it: its
+    vocabulary padded (registry.padded_vocab_size), the folder's size recorded as the real
+    one. A folder without a tokenizer keeps its rows (a byte-tokenizer run's export)."""
+    if description.tokenizer_path is None:
+        return description
+    real = description.args.vocab_size
+    args = dataclasses.replace(description.args, vocab_size=padded_vocab_size(real))
+    return dataclasses.replace(description, args=args, tokenizer_vocab_size=real)
+
+
 def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     """Write out_dir/step-0, a DCP checkpoint of a Hugging Face Llama folder, keeping the
     folder's dtype. Returns step-0."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     description, weights = open_hf_folder(hf_dir)
+    description = padded_description(description)
     check_output(out_dir)
     state = {name: weights.read(name, shape) for name, shape in description.weight_shapes().items()}
     state[MODEL_ARGS] = description.to_state()

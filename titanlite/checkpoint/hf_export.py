@@ -13,6 +13,7 @@ import json
 import logging
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -142,10 +143,14 @@ def _check_shapes(step_dir: Path, sources: dict, description: ModelDescription, 
             )
 
 
-def _split(sources: dict, dtype: torch.dtype, limit: int | None):
-    """huggingface_hub's shard split, computed on meta tensors of the export dtype (sizes
-    only, no memory). Without a limit everything goes into one model.safetensors."""
-    placeholders = {hf: torch.empty(entry.size, dtype=dtype, device="meta") for hf, (_, _, entry) in sources.items()}
+def _split(sources: dict, dtype: torch.dtype, limit: int | None, exported_rows) -> object:
+    """huggingface_hub's shard split, computed on meta tensors of the export dtype, cut to
+    the exported rows (sizes only, no memory). Without a limit everything goes into one
+    model.safetensors."""
+    placeholders = {
+        hf: exported_rows(name, torch.empty(entry.size, dtype=dtype, device="meta"))
+        for hf, (_, name, entry) in sources.items()
+    }
     if limit is None:
         limit = max(1, sum(t.numel() * t.element_size() for t in placeholders.values()))
     return split_torch_state_dict_into_shards(
@@ -183,17 +188,23 @@ def export_to_hf(
     description = read_model_description(step_dir)
     tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
     special_ids = _special_ids(tokenizer_json)
-    adapter = get_model_spec(description.name).state_dict_adapter(description.args)
+    # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.
+    real_vocab = description.real_vocab_size
+    adapter = get_model_spec(description.name).state_dict_adapter(replace(description.args, vocab_size=real_vocab))
     shapes = description.weight_shapes()
     sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
     _check_shapes(step_dir, sources, description, shapes)
-    split = _split(sources, dtype, limit)
+
+    def exported_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor[:real_vocab] if name in adapter.vocab_rows and tensor.shape[0] > real_vocab else tensor
+
+    split = _split(sources, dtype, limit, exported_rows)
 
     def passes_through(name: str, entry: TensorStorageMetadata) -> bool:
         """Whether the saved tensor is written as it is: same dtype, and the adapter
         returns it unchanged (asked on a meta tensor, which costs nothing)."""
         probe = torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
-        return entry.properties.dtype == dtype and adapter.to_hf_tensor(name, probe) is probe
+        return entry.properties.dtype == dtype and adapter.to_hf_tensor(name, exported_rows(name, probe)) is probe
 
     def write_shard(reader: CheckpointReader, folder: Path, file: str, hf_names: list[str]) -> None:
         loaded = reader.load([(sources[hf][0], sources[hf][2]) for hf in hf_names])
@@ -203,7 +214,7 @@ def export_to_hf(
             # pop: each saved tensor is released as soon as its converted form exists.
             tensor = loaded.pop(key)
             if not passes_through(name, entry):
-                tensor = adapter.to_hf_tensor(name, tensor).to(dtype).contiguous()
+                tensor = adapter.to_hf_tensor(name, exported_rows(name, tensor)).to(dtype).contiguous()
             shard[hf_name] = tensor
         save_file(shard, str(folder / file), metadata={"format": "pt"})
 

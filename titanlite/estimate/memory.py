@@ -74,7 +74,7 @@ from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, t
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import ParallelDims, compute_context, loss_context
-from titanlite.plan import build_model, plan_run
+from titanlite.plan import build_model, plan_run, tokenizer_for_estimate
 
 
 class EstimateError(RuntimeError):
@@ -188,7 +188,9 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     if job_config.compile.enable:
         notes.append("compile is forced off in the estimate; compiled blocks may need a little less scratch memory")
         job_config = _without_compile(job_config)
-    plan = plan_run(job_config, world_size)
+    tokenizer, note = tokenizer_for_estimate(job_config)
+    notes += [note] if note else []
+    plan = plan_run(job_config, world_size, tokenizer)
     parallel_dims, accumulation, training = plan.parallel_dims, plan.grad_accum_steps, job_config.training
     global_tokens = plan.global_batch_size * training.seq_len
     if accumulation > 1:

@@ -412,7 +412,7 @@ def estimate_for_job_config(
     loss and async options), mixed precision, reshard policy and activation checkpointing.
     world_size is the number of GPUs the run would have; a layout that does not multiply to
     it is a ValueError."""
-    from titanlite.registry import get_model_args  # the registry pulls in every model
+    from titanlite.plan import run_model_args, tokenizer_for_estimate  # the registry behind it pulls in every model
 
     training, parallelism, ac = job_config.training, job_config.parallelism, job_config.activation_checkpoint
     dims = _resolve_layout(
@@ -424,7 +424,7 @@ def estimate_for_job_config(
     _positive_int("training.local_batch_size", training.local_batch_size)
     _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
     return estimate_step_time(
-        get_model_args(job_config.model.name, job_config.model.flavor),
+        run_model_args(job_config, tokenizer_for_estimate(job_config)[0]),
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
         hardware=hardware,

@@ -18,6 +18,7 @@ def generate(
     top_k: int | None = None,
     seed: int | None = None,
     eos_id: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
     """The new token ids (not the prompt) that follow prompt_ids.
 
@@ -25,6 +26,8 @@ def generate(
     from softmax(logits / temperature), restricted to the top_k most likely when top_k is
     given, with a CPU generator seeded by `seed` (fresh randomness when seed is None).
     Stops after max_new_tokens tokens or once eos_id is drawn (eos_id is included).
+    vocab_size (default: all the logits) is how many ids are tokens: a padded vocabulary's
+    rows past them are never picked.
     """
     prompt_ids = [int(i) for i in prompt_ids]
     if not prompt_ids:
@@ -47,7 +50,7 @@ def generate(
     new: list[int] = []
     for _ in range(max_new_tokens):
         window = tokens[-max_len:] if max_len else tokens
-        logits = model(torch.tensor([window], device=device))[0, -1].float().cpu()
+        logits = model(torch.tensor([window], device=device))[0, -1, :vocab_size].float().cpu()
         if temperature == 0:
             next_id = int(logits.argmax())
         else:

@@ -51,6 +51,9 @@ def _halves_to_pairs(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 class LlamaStateDictAdapter:
+    # titanlite's tensors whose rows are the token ids: a padded vocabulary pads these.
+    vocab_rows = ("tok_embeddings.weight", "output.weight")
+
     def __init__(self, args: LlamaArgs):
         self.args = args
 

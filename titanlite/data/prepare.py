@@ -34,11 +34,11 @@ import time
 
 from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter, fsync_path, token_dtype
 from .sources import (
-    _C4_TEST_SUFFIXES,
     C4_TEST_DEFAULT_PATH,
+    C4_TEST_SUFFIXES,
     DATASETS,
-    _list_text_files,
     build_documents,
+    list_text_files,
     stdlib_split_files,
 )
 from .tokenizer import build_tokenizer
@@ -108,11 +108,11 @@ def _source_files(dataset: str, dataset_path: str | None, split: str) -> list[tu
         return [(name, os.path.join(root, name)) for name in stdlib_split_files(split)]
     if dataset == "c4_test":
         folder = dataset_path or C4_TEST_DEFAULT_PATH
-        return [(os.path.relpath(name, folder), name) for name in _list_text_files(folder, _C4_TEST_SUFFIXES)]
+        return [(os.path.relpath(name, folder), name) for name in list_text_files(folder, C4_TEST_SUFFIXES)]
     if dataset == "text" and dataset_path:
         if os.path.isfile(dataset_path):
             return [(os.path.basename(dataset_path), dataset_path)]
-        return [(os.path.relpath(name, dataset_path), name) for name in _list_text_files(dataset_path)]
+        return [(os.path.relpath(name, dataset_path), name) for name in list_text_files(dataset_path)]
     return None
 
 

@@ -574,7 +574,22 @@ def test_an_os_error_is_one_line_and_removes_the_partial_folder(
     assert snapshot(tmp_path) == before
 
 
-def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):
+def start_and_stop_prepare(command: list[str], env: dict, partial: Path, signum: int) -> subprocess.Popen:
+    """Starts ``command``, sends ``signum`` to it and its workers well into the work, and waits."""
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    deadline = time.monotonic() + 120
+    while not (partial / "tokens-00002.bin").exists():  # well into the work
+        assert process.poll() is None, "the prepare finished before it could be stopped: make the source bigger"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(process.pid, signum)
+    process.wait(timeout=120)
+    return process
+
+
+def test_a_stopped_prepare_cleans_up_a_killed_one_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):
     documents = make_documents(6, 12_000, max_words=60)
     source = write_jsonl(tmp_path / "src" / "big.jsonl", documents)
     out = tmp_path / "out"
@@ -592,18 +607,15 @@ def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_pat
         "20000",
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
     partial = Path(str(out) + ".partial")
-    deadline = time.monotonic() + 120
-    while not (partial / "tokens-00002.bin").exists():  # well into the work
-        assert process.poll() is None, "the prepare finished before it could be killed: make the source bigger"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)  # the command and its workers
-    process.wait()
-    assert not out.exists()
+    # SIGTERM, as a scheduler sends it: the command says so in one line and removes its work.
+    stopped = start_and_stop_prepare(command, env, partial, signal.SIGTERM)
+    lines = stopped.stderr.read().strip().splitlines()
+    assert stopped.returncode == 130 and lines == [f"titanlite.data.prepare: interrupted; {out} was not created"]
+    assert not out.exists() and not partial.exists()
+
+    start_and_stop_prepare(command, env, partial, signal.SIGKILL).stderr.close()  # no chance to clean up
+    assert not out.exists() and partial.is_dir()
     with pytest.raises(ValueError, match=r"no such prepared folder \(an unfinished prepare left it as \.partial"):
         PreparedFolder(str(out))
 

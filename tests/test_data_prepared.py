@@ -7,6 +7,7 @@ Python list) and compared with what the memory-mapped reader hands out.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -574,18 +575,28 @@ def test_an_os_error_is_one_line_and_removes_the_partial_folder(
     assert snapshot(tmp_path) == before
 
 
-def start_and_stop_prepare(command: list[str], env: dict, partial: Path, signum: int) -> subprocess.Popen:
-    """Starts ``command``, sends ``signum`` to it and its workers well into the work, and waits."""
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+def start_and_stop_prepare(command: list[str], env: dict, partial: Path, signum: int, group: bool) -> subprocess.Popen:
+    """Starts ``command``, sends ``signum`` well into the work to it alone or to its whole
+    process group (its workers too), and waits."""
+    # A child inherits an ignored SIGINT (a test run started in the background has one), never a handler.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     deadline = time.monotonic() + 120
     while not (partial / "tokens-00002.bin").exists():  # well into the work
         assert process.poll() is None, "the prepare finished before it could be stopped: make the source bigger"
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    os.killpg(process.pid, signum)
-    process.wait(timeout=120)
+    (os.killpg if group else os.kill)(process.pid, signum)
+    try:
+        process.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left, also when the wait failed
+            os.killpg(process.pid, signal.SIGKILL)
     return process
 
 
@@ -602,19 +613,21 @@ def test_a_stopped_prepare_cleans_up_a_killed_one_leaves_nothing_that_loads_and_
         "--output",
         str(out),
         "--workers",
-        "1",
+        "2",
         "--shard_tokens",
         "20000",
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     partial = Path(str(out) + ".partial")
-    # SIGTERM, as a scheduler sends it: the command says so in one line and removes its work.
-    stopped = start_and_stop_prepare(command, env, partial, signal.SIGTERM)
-    lines = stopped.stderr.read().strip().splitlines()
-    assert stopped.returncode == 130 and lines == [f"titanlite.data.prepare: interrupted; {out} was not created"]
-    assert not out.exists() and not partial.exists()
+    # Ctrl-C and kill PID: one line, and the work removed.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        stopped = start_and_stop_prepare(command, env, partial, signum, group=False)
+        lines = stopped.stderr.read().strip().splitlines()
+        assert stopped.returncode == 130, (signum, stopped.returncode, lines)
+        assert lines == [f"titanlite.data.prepare: interrupted; {out} was not created"], (signum, lines)
+        assert not out.exists() and not partial.exists()
 
-    start_and_stop_prepare(command, env, partial, signal.SIGKILL).stderr.close()  # no chance to clean up
+    start_and_stop_prepare(command, env, partial, signal.SIGKILL, group=True).stderr.close()  # no chance to clean up
     assert not out.exists() and partial.is_dir()
     with pytest.raises(ValueError, match=r"no such prepared folder \(an unfinished prepare left it as \.partial"):
         PreparedFolder(str(out))

@@ -7,9 +7,9 @@ Any source the trainer reads works (``--dataset`` takes training.dataset's names
 process reads documents in order and hands chunks of them to ``--workers`` processes that
 encode a whole chunk per call; results are written back in submission order, so the output is
 the same bytes whatever the worker count. Everything is written to ``OUTPUT.partial`` and
-renamed to ``OUTPUT`` once the manifest is on disk. Any error, Ctrl-C or SIGTERM removes
-``OUTPUT.partial`` again; only a prepare killed outright leaves it, nothing in it loads, and
-running the command again starts that folder afresh.
+renamed to ``OUTPUT`` once the manifest is on disk. Any error or Ctrl-C (and, in the command,
+SIGTERM) removes ``OUTPUT.partial`` again; only a prepare killed outright leaves it, nothing
+in it loads, and running the command again starts that folder afresh.
 
 The workers are started by a fork server, as ``spawn`` would, so a script that calls
 ``prepare(..., workers=2)`` needs the usual ``if __name__ == "__main__":`` guard.
@@ -63,8 +63,11 @@ _worker_typecode = "I"
 
 def _start_worker(hf_assets_path: str | None, typecode: str) -> None:
     global _worker_tokenizer, _worker_typecode
-    # Ctrl-C reaches the whole process group: the main process stops the pool, and a worker
-    # that raised KeyboardInterrupt too would print a traceback of its own.
+    # Ctrl-C reaches the whole process group; the main process alone answers it, stopping the
+    # pool, whose workers then finish their chunk and leave. A worker that raised
+    # KeyboardInterrupt would print a traceback of its own, and one that died while sending its
+    # result would leave the pool waiting for the rest of that result forever. (SIGTERM keeps
+    # its default: it is how the pool stops the workers it gives up on.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One core per worker: the tokenizers library would otherwise start a thread per core in each.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -377,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     already_there = os.path.isfile(os.path.join(args.output, MANIFEST))
-    # A scheduler's SIGTERM ends the command as Ctrl-C does, its partial folder removed.
+    # SIGTERM (kill PID) ends the command as Ctrl-C does, its partial folder removed.
     previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         manifest = prepare(

@@ -35,7 +35,9 @@ import sysconfig
 import time
 from concurrent.futures.process import BrokenProcessPool
 
-from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter, fsync_path
+from titanlite.files import fsync_path
+
+from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter
 from .sources import (
     C4_TEST_DEFAULT_PATH,
     C4_TEST_SUFFIXES,

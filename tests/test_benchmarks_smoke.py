@@ -96,6 +96,13 @@ def test_data_loader_quick_prints_the_table_and_both_key_lines():
     float(seek_line.split(" = ")[1].split()[0])
 
 
+def test_cpu_scaling_quick_prints_each_repeat_and_the_median():
+    lines = _run("cpu_scaling.py", "--quick", "--processes", "2")
+    assert any(line.startswith("repeat 1: 1 process ") for line in lines), lines
+    assert lines[-1].startswith("2-process scaling of a pure-Python integer loop = "), lines
+    float(lines[-1].split(" = ")[1].split("x")[0])  # a number, whatever its value
+
+
 def test_convert_quick_prints_every_row_and_the_ratios():
     lines = _run("convert.py", "--quick")
     for title in ("ours (", "ours with DCP's reader", "torchtitan: dcp.load + HuggingFaceStorageWriter"):

@@ -7,9 +7,12 @@ Python list) and compared with what the memory-mapped reader hands out.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -490,7 +493,114 @@ def test_prepare_refuses_a_folder_it_did_not_make_and_reruns_in_no_time(tmp_path
     assert len(err) == 1 and "files have changed" in err[0] and str(out) in err[0]
 
 
-def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):
+def snapshot(folder: Path) -> dict:
+    """Every path under ``folder``, with each file's bytes."""
+    return {str(path.relative_to(folder)): None if path.is_dir() else path.read_bytes() for path in folder.rglob("*")}
+
+
+# (id, arguments after --dataset_path {tmp}/src, what the line must match, files to write first);
+# "{tmp}" stands for the case's folder. Found after the work began, the bad line must not leave out.partial.
+PREPARE_MISTAKES = [
+    ("bad_json_line", ["--output", "{tmp}/out", "--workers", "2"],
+     r"{tmp}/src/part-1\.jsonl:2: line is not valid JSON", {"src/part-1.jsonl": '{"text": "a"}\n{"text": \n'}),
+    ("shard_tokens_zero", ["--output", "{tmp}/out", "--shard_tokens", "0"],
+     r"--shard_tokens: expected >= 1, got 0", {}),
+    ("workers_zero", ["--output", "{tmp}/out", "--workers", "0"], r"--workers: expected >= 1, got 0", {}),
+    ("output_below_a_file", ["--output", "{tmp}/taken/out"],
+     r"--output {tmp}/taken/out: {tmp}/taken is a file, so no folder can be made below it", {"taken": "a file"}),
+    ("output_is_a_file", ["--output", "{tmp}/taken"],
+     r"--output {tmp}/taken: exists and is not a prepared folder; choose another path", {"taken": "x"}),
+    ("partial_not_left_by_prepare", ["--output", "{tmp}/out"],
+     r"--output {tmp}/out: {tmp}/out\.partial exists and was not left by a prepare; move it away",
+     {"out.partial": "x"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arguments, expect, files", [case[1:] for case in PREPARE_MISTAKES], ids=[case[0] for case in PREPARE_MISTAKES]
+)
+def test_a_prepare_mistake_is_one_line_and_writes_nothing(tmp_path, capsys, arguments, expect, files):
+    write_jsonl(tmp_path / "src" / "part-0.jsonl", make_documents(8, 5))
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    code = prepare_main(
+        ["--dataset_path", f"{tmp_path}/src", *(arg.replace("{tmp}", str(tmp_path)) for arg in arguments)]
+    )
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    prefix = "titanlite.data.prepare: "
+    assert lines[0].startswith(prefix) and re.fullmatch(
+        expect.replace("{tmp}", re.escape(str(tmp_path))), lines[0][len(prefix) :]
+    ), lines
+    assert snapshot(tmp_path) == before
+
+
+class FullDiskWriter(prepare_module.PreparedWriter):
+    """Writes its first chunk, then fails as a write to a full disk does: ENOSPC, naming no file."""
+
+    def add(self, tokens, document_lengths):
+        super().add(tokens, document_lengths)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def refuse_folders(path, *args, **kwargs):
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+
+@pytest.mark.parametrize(
+    "target, stand_in, expect",
+    [
+        ("PreparedWriter", FullDiskWriter, r"{out}\.partial: No space left on device; {out} was not created"),
+        ("os.makedirs", refuse_folders, r"{out}\.partial\.\d+: Permission denied; {out} was not created"),
+    ],
+    ids=["full_disk", "no_permission"],
+)
+def test_an_os_error_is_one_line_and_removes_the_partial_folder(
+    tmp_path, monkeypatch, capsys, target, stand_in, expect
+):
+    source = write_jsonl(tmp_path / "src" / "part.jsonl", make_documents(9, 40))
+    out = tmp_path / "out"
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    monkeypatch.setattr(f"titanlite.data.prepare.{target}", stand_in)
+    code = prepare_main(["--dataset_path", str(source), "--output", str(out), "--workers", "1"])
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, (code, err)
+    assert re.fullmatch("titanlite.data.prepare: " + expect.replace("{out}", re.escape(str(out))), lines[0]), lines
+    assert snapshot(tmp_path) == before
+
+
+def start_and_stop_prepare(command: list[str], env: dict, partial: Path, signum: int, group: bool) -> subprocess.Popen:
+    """Starts ``command``, sends ``signum`` well into the work to it alone or to its whole
+    process group (its workers too), and waits."""
+    # A child inherits an ignored SIGINT (a test run started in the background has one), never a handler.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    deadline = time.monotonic() + 120
+    while not (partial / "tokens-00002.bin").exists():  # well into the work
+        assert process.poll() is None, "the prepare finished before it could be stopped: make the source bigger"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    (os.killpg if group else os.kill)(process.pid, signum)
+    try:
+        process.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # whatever is left, also when the wait failed
+            os.killpg(process.pid, signal.SIGKILL)
+    return process
+
+
+def test_a_stopped_prepare_cleans_up_a_killed_one_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_path):
     documents = make_documents(6, 12_000, max_words=60)
     source = write_jsonl(tmp_path / "src" / "big.jsonl", documents)
     out = tmp_path / "out"
@@ -503,23 +613,22 @@ def test_a_killed_prepare_leaves_nothing_that_loads_and_a_rerun_succeeds(tmp_pat
         "--output",
         str(out),
         "--workers",
-        "1",
+        "2",
         "--shard_tokens",
         "20000",
     ]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    process = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
-    )
     partial = Path(str(out) + ".partial")
-    deadline = time.monotonic() + 120
-    while not (partial / "tokens-00002.bin").exists():  # well into the work
-        assert process.poll() is None, "the prepare finished before it could be killed: make the source bigger"
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    os.killpg(process.pid, signal.SIGKILL)  # the command and its workers
-    process.wait()
-    assert not out.exists()
+    # Ctrl-C and kill PID: one line, and the work removed.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        stopped = start_and_stop_prepare(command, env, partial, signum, group=False)
+        lines = stopped.stderr.read().strip().splitlines()
+        assert stopped.returncode == 130, (signum, stopped.returncode, lines)
+        assert lines == [f"titanlite.data.prepare: interrupted; {out} was not created"], (signum, lines)
+        assert not out.exists() and not partial.exists()
+
+    start_and_stop_prepare(command, env, partial, signal.SIGKILL, group=True).stderr.close()  # no chance to clean up
+    assert not out.exists() and partial.is_dir()
     with pytest.raises(ValueError, match=r"no such prepared folder \(an unfinished prepare left it as \.partial"):
         PreparedFolder(str(out))
 
@@ -542,6 +651,7 @@ def test_a_worker_that_dies_mid_prepare_ends_the_command_with_one_line(tmp_path,
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "a worker process died" in lines[0] and str(out) in lines[0], lines
     assert not out.exists()
+    assert not out.exists() and not Path(f"{out}.partial").exists()
     monkeypatch.undo()
     assert prepare_main(argv) == 0 and PreparedFolder(str(out)).documents == 50
 

@@ -7,8 +7,9 @@ Any source the trainer reads works (``--dataset`` takes training.dataset's names
 process reads documents in order and hands chunks of them to ``--workers`` processes that
 encode a whole chunk per call; results are written back in submission order, so the output is
 the same bytes whatever the worker count. Everything is written to ``OUTPUT.partial`` and
-renamed to ``OUTPUT`` once the manifest is on disk: an interrupted prepare leaves nothing that
-loads, and running the command again starts that folder afresh.
+renamed to ``OUTPUT`` once the manifest is on disk. Any error or Ctrl-C (and, in the command,
+SIGTERM) removes ``OUTPUT.partial`` again; only a prepare killed outright leaves it, nothing
+in it loads, and running the command again starts that folder afresh.
 
 The workers are started by a fork server, as ``spawn`` would, so a script that calls
 ``prepare(..., workers=2)`` needs the usual ``if __name__ == "__main__":`` guard.
@@ -28,17 +29,21 @@ import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import sysconfig
 import time
+from concurrent.futures.process import BrokenProcessPool
 
-from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter, fsync_path, token_dtype
+from titanlite.files import fsync_path
+
+from .prepared import DEFAULT_SHARD_TOKENS, FORMAT_VERSION, MANIFEST, PreparedWriter
 from .sources import (
-    _C4_TEST_SUFFIXES,
     C4_TEST_DEFAULT_PATH,
+    C4_TEST_SUFFIXES,
     DATASETS,
-    _list_text_files,
     build_documents,
+    list_text_files,
     stdlib_split_files,
 )
 from .tokenizer import build_tokenizer
@@ -60,6 +65,12 @@ _worker_typecode = "I"
 
 def _start_worker(hf_assets_path: str | None, typecode: str) -> None:
     global _worker_tokenizer, _worker_typecode
+    # Ctrl-C reaches the whole process group; the main process alone answers it, stopping the
+    # pool, whose workers then finish their chunk and leave. A worker that raised
+    # KeyboardInterrupt would print a traceback of its own, and one that died while sending its
+    # result would leave the pool waiting for the rest of that result forever. (SIGTERM keeps
+    # its default: it is how the pool stops the workers it gives up on.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # One core per worker: the tokenizers library would otherwise start a thread per core in each.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer = build_tokenizer(hf_assets_path)
@@ -108,11 +119,11 @@ def _source_files(dataset: str, dataset_path: str | None, split: str) -> list[tu
         return [(name, os.path.join(root, name)) for name in stdlib_split_files(split)]
     if dataset == "c4_test":
         folder = dataset_path or C4_TEST_DEFAULT_PATH
-        return [(os.path.relpath(name, folder), name) for name in _list_text_files(folder, _C4_TEST_SUFFIXES)]
+        return [(os.path.relpath(name, folder), name) for name in list_text_files(folder, C4_TEST_SUFFIXES)]
     if dataset == "text" and dataset_path:
         if os.path.isfile(dataset_path):
             return [(os.path.basename(dataset_path), dataset_path)]
-        return [(os.path.relpath(name, dataset_path), name) for name in _list_text_files(dataset_path)]
+        return [(os.path.relpath(name, dataset_path), name) for name in list_text_files(dataset_path)]
     return None
 
 
@@ -170,6 +181,11 @@ def _check_output(output: str, source: dict, tokenizer) -> dict | None:
         )
     if os.path.exists(output) and (not os.path.isdir(output) or os.listdir(output)):
         raise ValueError(f"--output {output}: exists and is not a prepared folder; choose another path")
+    above = os.path.dirname(os.path.abspath(output))
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise ValueError(f"--output {output}: {above} is a file, so no folder can be made below it")
     return None
 
 
@@ -183,9 +199,13 @@ def _fresh_partial_folder(output: str) -> str:
     # so a prepare killed at any moment never leaves one that a rerun must refuse to delete.
     staging = f"{partial}.{os.getpid()}"
     os.makedirs(staging)
-    with open(os.path.join(staging, _PARTIAL_MARK), "w") as mark:
-        mark.write("an unfinished titanlite prepare; running it again deletes this folder\n")
-    os.replace(staging, partial)
+    try:
+        with open(os.path.join(staging, _PARTIAL_MARK), "w") as mark:
+            mark.write("an unfinished titanlite prepare; running it again deletes this folder\n")
+        os.replace(staging, partial)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return partial
 
 
@@ -199,20 +219,64 @@ def _encoded_chunks(documents, tokenizer, typecode: str, hf_assets_path: str | N
         for chunk, characters in _chunks(documents):
             yield (characters, *frame_documents(tokenizer, typecode, chunk))
         return
-    # The server imports this module once; each worker is then a cheap fork of it. A worker
+    # The server imports this module once, torch included; each worker is then a cheap fork of
+    # it. Run as ``python -m``, each worker also runs this file as __mp_main__, so the server
+    # imports the package instead (torch, the tokenizers), leaving a quick run of this file
+    # alone (the package does not import this module, which would make runpy warn). A worker
     # that dies (killed, out of memory) breaks the pool with an error instead of a wait forever.
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__package__ if __name__ == "__main__" else __name__])
     with concurrent.futures.ProcessPoolExecutor(workers, context, _start_worker, (hf_assets_path, typecode)) as pool:
         in_flight: collections.deque = collections.deque()  # (characters, future), in order
-        for chunk, characters in _chunks(documents):
-            in_flight.append((characters, pool.submit(encode_chunk, chunk)))
-            if len(in_flight) >= workers * _TASKS_PER_WORKER:
+        try:
+            for chunk, characters in _chunks(documents):
+                in_flight.append((characters, pool.submit(encode_chunk, chunk)))
+                if len(in_flight) >= workers * _TASKS_PER_WORKER:
+                    characters, future = in_flight.popleft()
+                    yield (characters, *future.result())
+            while in_flight:
                 characters, future = in_flight.popleft()
                 yield (characters, *future.result())
-        while in_flight:
-            characters, future = in_flight.popleft()
-            yield (characters, *future.result())
+        except BaseException:  # an error, an interrupt, or the caller closing this generator
+            pool.shutdown(cancel_futures=True)  # the queued chunks are not worth waiting for
+            raise
+
+
+@contextlib.contextmanager
+def _naming_on_error(folder: str):
+    """Names ``folder`` in an OSError that names no file: a failed write (a full disk) does not."""
+    try:
+        yield
+    except OSError as error:
+        if error.filename is None:
+            error.filename = folder
+        raise
+
+
+def _write_folder(partial, documents, tokenizer, source, hf_assets_path, workers, shard_tokens, progress) -> dict:
+    """Encode ``documents`` into the shards and manifest of ``partial``; returns the manifest."""
+    writer = PreparedWriter(partial, tokenizer.vocab_size, shard_tokens)
+    typecode = {"uint16": "H", "uint32": "I"}[writer.dtype]
+    bar = _progress_bar(source.get("bytes"), progress)
+    started = time.perf_counter()
+    chunks = _encoded_chunks(documents, tokenizer, typecode, hf_assets_path, workers)
+    with contextlib.closing(chunks):  # on an error here, the workers stop now rather than when collected
+        for characters, token_bytes, lengths in chunks:
+            tokens = array.array(typecode)
+            tokens.frombytes(token_bytes)
+            with _naming_on_error(partial):
+                writer.add(tokens, lengths)
+            if bar is not None:
+                bar.update(characters)
+                elapsed = time.perf_counter() - started
+                bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
+    if bar is not None:
+        bar.close()
+    if writer.document_count == 0:
+        where = f"--dataset {source['dataset']} {source['dataset_path'] or ''}".rstrip()
+        raise ValueError(f"{where}: the source has no documents")
+    with _naming_on_error(partial):
+        return writer.finish(tokenizer, source)
 
 
 def prepare(
@@ -228,11 +292,14 @@ def prepare(
     """Tokenize ``dataset`` into the prepared folder ``output``; returns its manifest.
 
     Running it again on a complete folder of the same source and tokenizer returns at once.
-    Errors are one-line ValueErrors naming the argument at fault.
+    Mistakes are one-line ValueErrors naming the argument at fault, found before anything is
+    written where possible; an OSError (a full disk) names the file it concerns. Whatever ends
+    the work early, ``OUTPUT.partial`` is removed.
     """
     workers = (os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"--workers: expected >= 1, got {workers}")
+    for flag, value in (("--workers", workers), ("--shard_tokens", shard_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag}: expected >= 1, got {value}")
     tokenizer = build_tokenizer(hf_assets_path)
     if tokenizer.eos_id is None:
         raise ValueError(f"--hf_assets_path {hf_assets_path}: the tokenizer has no EOS token, which packing needs")
@@ -242,28 +309,16 @@ def prepare(
         return existing
     documents = build_documents(dataset, dataset_path, split)()
     partial = _fresh_partial_folder(output)
-    writer = PreparedWriter(partial, tokenizer.vocab_size, shard_tokens)
-    typecode = {"uint16": "H", "uint32": "I"}[token_dtype(tokenizer.vocab_size)]
-    bar = _progress_bar(source.get("bytes"), progress)
-    started = time.perf_counter()
-    for characters, token_bytes, lengths in _encoded_chunks(documents, tokenizer, typecode, hf_assets_path, workers):
-        tokens = array.array(typecode)
-        tokens.frombytes(token_bytes)
-        writer.add(tokens, lengths)
-        if bar is not None:
-            bar.update(characters)
-            elapsed = time.perf_counter() - started
-            bar.set_postfix_str(f"{writer.token_count / elapsed / 1e6:.2f} M tokens/s", refresh=False)
-    if bar is not None:
-        bar.close()
-    if writer.document_count == 0:
-        shutil.rmtree(partial)
-        raise ValueError(f"--dataset {dataset} {dataset_path or ''}: the source has no documents".replace("  ", " "))
-    manifest = writer.finish(tokenizer, source)
-    os.remove(os.path.join(partial, _PARTIAL_MARK))
-    if os.path.isdir(output):
-        os.rmdir(output)  # empty, as _check_output made sure
-    os.replace(partial, output)
+    try:
+        manifest = _write_folder(partial, documents, tokenizer, source, hf_assets_path, workers, shard_tokens, progress)
+        with _naming_on_error(partial):
+            os.remove(os.path.join(partial, _PARTIAL_MARK))
+            if os.path.isdir(output):
+                os.rmdir(output)  # empty, as _check_output made sure
+            os.replace(partial, output)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # once renamed there is nothing left to remove
+        raise
     fsync_path(os.path.dirname(os.path.abspath(output)))
     return manifest
 
@@ -327,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     already_there = os.path.isfile(os.path.join(args.output, MANIFEST))
+    # SIGTERM (kill PID) ends the command as Ctrl-C does, its partial folder removed.
+    previous_handler = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         manifest = prepare(
             args.dataset,
@@ -343,13 +400,20 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"titanlite.data.prepare: interrupted; {args.output} was not created", file=sys.stderr)
         return 130
-    except concurrent.futures.process.BrokenProcessPool:
+    except BrokenProcessPool:
         print(
             f"titanlite.data.prepare: a worker process died (killed, or out of memory?); {args.output} "
             "was not created; run the command again, with fewer --workers if memory is short",
             file=sys.stderr,
         )
         return 1
+    except OSError as error:  # a full disk, a folder it may not write: the environment, not the arguments
+        where = " -> ".join(str(name) for name in (error.filename, error.filename2) if name is not None)
+        what = f"{where}: {error.strerror}" if where and error.strerror else str(error)
+        print(f"titanlite.data.prepare: {what}; {args.output} was not created", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     if already_there:
         print(
             f"{args.output}: already prepared from this source with this tokenizer "

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite.files import fsync_path  # prepare.py takes it from here too
+from titanlite.files import fsync_path
 
 FORMAT_NAME = "titanlite-prepared"
 FORMAT_VERSION = 1

@@ -30,7 +30,7 @@ _TEXT_FILE_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 C4_HUB_NAME = "allenai/c4"
 C4_CONFIG_NAME = "en"
 C4_TEST_DEFAULT_PATH = "tests/assets/c4_test"
-_C4_TEST_SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
+C4_TEST_SUFFIXES = (".json", ".jsonl", ".jsonl.gz")
 
 
 # --------------------------------------------------------------------------- python_stdlib
@@ -84,7 +84,7 @@ def _read_stdlib_files(stdlib_root: str, relative_paths: list[str]) -> Iterator[
 # --------------------------------------------------------------------------- text files
 
 
-def _list_text_files(path: str, suffixes: tuple[str, ...] = _TEXT_FILE_SUFFIXES) -> list[str]:
+def list_text_files(path: str, suffixes: tuple[str, ...] = _TEXT_FILE_SUFFIXES) -> list[str]:
     """The files at ``path`` (a file, or a folder searched recursively) whose names end in ``suffixes``."""
     wanted = ", ".join(suffixes[:-1]) + " or " + suffixes[-1]
     if os.path.isfile(path):
@@ -135,7 +135,7 @@ def _text_field(line: str, file_path: str, line_number: int) -> str:
 def text_file_documents(path: str, suffixes: tuple[str, ...] = _TEXT_FILE_SUFFIXES) -> Iterator[str]:
     """Documents from .txt files (one per file) and JSON-lines files (.json, .jsonl, .jsonl.gz:
     one per line, 'text'), of those whose names end in ``suffixes``."""
-    file_paths = _list_text_files(path, suffixes)  # listed now so a bad path fails at the call, not later
+    file_paths = list_text_files(path, suffixes)  # listed now so a bad path fails at the call, not later
     return _read_text_files(file_paths)
 
 
@@ -202,7 +202,7 @@ def build_documents(dataset: str, dataset_path: str | None, split: str = "train"
         description = f"dataset {dataset} ({hub_path}, {C4_CONFIG_NAME!r}, split {c4_split!r})"
     elif dataset == "c4_test":
         folder = dataset_path or C4_TEST_DEFAULT_PATH
-        open_documents = functools.partial(text_file_documents, folder, _C4_TEST_SUFFIXES)
+        open_documents = functools.partial(text_file_documents, folder, C4_TEST_SUFFIXES)
         description = f"dataset c4_test at {folder}"
     else:
         raise ValueError(f"dataset {dataset!r}: expected one of {', '.join(DATASETS)}")

@@ -97,10 +97,10 @@ class Sizes:
 
 
 GPU_SIZES = Sizes(
-    "check1b", 8192, LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=256), True, 4, 0.0
+    "check1b", 8192, LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=512), True, 4, 0.0
 )
 DRY_RUN_SIZES = Sizes(
-    "tiny", 128, LlamaArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=256), False, 2, 1.0
+    "tiny", 128, LlamaArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=512), False, 2, 1.0
 )
 WINDOWS = 5  # measured windows per run, after one warm-up window: an odd count has a middle one
 MFU_TARGET, MEMORY_TOLERANCE, DISK_TOLERANCE = 45.0, 0.10, 0.10

@@ -5,7 +5,9 @@ own model_args is refused, and the fast reader writes what dcp.load would.
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -275,3 +277,18 @@ def test_the_output_does_not_depend_on_the_tokenizer_copy(tmp_path, tokenizer_di
         "bos_token_id": 0,
         "eos_token_id": 1,
     }
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_follows_the_umask(tmp_path, tokenizer_dir, umask):
+    # safetensors creates its file 0600 and renames it into place; the export must give the
+    # weights the mode every other file of the folder gets.
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(tokenizer_dir / "tokenizer.json"))
+    previous = os.umask(umask)
+    try:
+        hf_export.export_to_hf(step, tmp_path / "hf", max_shard_size="40KB")
+    finally:
+        os.umask(previous)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "hf").iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes) and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)

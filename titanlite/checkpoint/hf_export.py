@@ -11,6 +11,7 @@ the model's state-dict adapter.
 
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -157,6 +158,25 @@ def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2) + "\n")
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, and
+    setting it even for a moment would race with other threads creating files)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    current = os.umask(0o022)  # a kernel without the field: set and restore
+    os.umask(current)
+    return current
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, file_mode: int) -> None:
+    """save_file, then the mode every other exported file gets. safetensors writes a
+    temporary file (created 0600) and renames it into place, so the umask is not applied."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, file_mode)
+
+
 # --- export ----------------------------------------------------------------------------
 
 
@@ -188,6 +208,7 @@ def export_to_hf(
     sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
     _check_shapes(step_dir, sources, description, shapes)
     split = _split(sources, dtype, limit)
+    file_mode = 0o666 & ~_umask()  # what open() gives the JSON and tokenizer files
 
     def passes_through(name: str, entry: TensorStorageMetadata) -> bool:
         """Whether the saved tensor is written as it is: same dtype, and the adapter
@@ -205,7 +226,7 @@ def export_to_hf(
             if not passes_through(name, entry):
                 tensor = adapter.to_hf_tensor(name, tensor).to(dtype).contiguous()
             shard[hf_name] = tensor
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        _save_safetensors(shard, folder / file, file_mode)
 
     def write(folder: Path) -> None:
         largest = max(

@@ -14,12 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.helpers import TINY, hf_tensors, train_tiny
+from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
 from titanlite.checkpoint import ModelDescription, hf_export
 from titanlite.checkpoint.tensor_reader import CheckpointReader
@@ -64,15 +68,16 @@ def make_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def model_args_entry(args: LlamaArgs, tokenizer_path: str | None = None) -> dict:
+    """The "model_args" entry the trainer saves beside the weights."""
+    return {"name": "llama3", "flavor": "tiny", "args": dataclasses.asdict(args), "tokenizer_path": tokenizer_path}
+
+
 def save_checkpoint(step_dir: Path, weights: dict, args: LlamaArgs, tokenizer_path: str | None = None) -> Path:
     """A model-only step folder as the trainer writes one: weights plus model_args."""
-    description = {
-        "name": "llama3",
-        "flavor": "tiny",
-        "args": dataclasses.asdict(args),
-        "tokenizer_path": tokenizer_path,
-    }
-    dcp.save({**weights, "model_args": description}, checkpoint_id=str(step_dir), no_dist=True)
+    dcp.save(
+        {**weights, "model_args": model_args_entry(args, tokenizer_path)}, checkpoint_id=str(step_dir), no_dist=True
+    )
     return step_dir
 
 
@@ -217,6 +222,20 @@ def test_expected_shapes_are_the_models():
 # --- the reader -----------------------------------------------------------------------------
 
 
+def record_fast_path(monkeypatch) -> list[tuple[str, bool]]:
+    """A list that fills with (saved key, whether the fast reader took it) as exports run."""
+    located = []
+    original_locate = CheckpointReader.locate
+
+    def recording(self, key, entry):
+        pieces = original_locate(self, key, entry)
+        located.append((key, pieces is not None))
+        return pieces
+
+    monkeypatch.setattr(CheckpointReader, "locate", recording)
+    return located
+
+
 def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     weights = tiny_weights()
     # A weight saved as a transposed view: not row-major in the file, so the fast path
@@ -224,15 +243,7 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     weights["layers.1.feed_forward.w2.weight"] = weights["layers.1.feed_forward.w2.weight"].t().contiguous().t()
     assert not weights["layers.1.feed_forward.w2.weight"].is_contiguous()
     step = save_checkpoint(tmp_path / "step-1", weights, TINY)
-    located = []
-    original_locate = CheckpointReader.locate
-
-    def counting(self, key, entry):
-        where = original_locate(self, key, entry)
-        located.append((key, where is not None))
-        return where
-
-    monkeypatch.setattr(CheckpointReader, "locate", counting)
+    located = record_fast_path(monkeypatch)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
     fast_keys = {key for key, fast in located if fast}
@@ -247,6 +258,59 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
             assert file.read_bytes() == (slow / file.name).read_bytes(), file.name
     adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
     exported = hf_tensors(tmp_path / "fast-float32")
+    for name, value in weights.items():
+        assert torch.equal(exported[adapter.to_hf_name(name)], adapter.to_hf_tensor(name, value)), name
+
+
+def tp_placement(name: str):
+    """A tensor-parallel layout: row-wise layers (and, here, the embedding) split by
+    columns, column-wise ones by rows, norms replicated (DCP then saves them once)."""
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")):
+        return Shard(1)
+    return Replicate() if name.endswith("norm.weight") else Shard(0)
+
+
+SHARDED_LAYOUTS = {"fsdp": lambda name: Shard(0), "tp": tp_placement}
+
+
+def save_sharded(folder: str) -> None:
+    """On each of 2 ranks: save the tiny weights as DTensors in each layout, so that every
+    rank writes its own chunks, as a 2-rank FSDP or TP run does."""
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weights = tiny_weights()
+    for layout, placement in SHARDED_LAYOUTS.items():
+        state = {name: distribute_tensor(value, mesh, [placement(name)]) for name, value in weights.items()}
+        dcp.save({**state, "model_args": model_args_entry(TINY)}, checkpoint_id=str(Path(folder) / layout))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoints(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sharded")
+    run_on_ranks(2, save_sharded, str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", list(SHARDED_LAYOUTS))
+def test_fast_reader_reads_sharded_checkpoints(sharded_checkpoints, layout, tmp_path, monkeypatch):
+    step = sharded_checkpoints / layout
+    saved = hf_export.read_checkpoint_metadata(step).state_dict_metadata
+    weights = tiny_weights()
+    chunks = {name: len(saved[name].chunks) for name in weights}
+    assert chunks == {name: 1 if layout == "tp" and name.endswith("norm.weight") else 2 for name in weights}
+    located = record_fast_path(monkeypatch)
+    hf_export.export_to_hf(step, tmp_path / "fast", max_shard_size="40KB")
+    assert sorted(located) == sorted((name, True) for name in weights)  # every tensor through the fast path
+
+    monkeypatch.setattr(CheckpointReader, "locate", lambda self, key, entry: None)
+    hf_export.export_to_hf(step, tmp_path / "dcp", max_shard_size="40KB")
+    fast, slow = tmp_path / "fast", tmp_path / "dcp"
+    assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in slow.iterdir())
+    for file in fast.iterdir():
+        assert file.read_bytes() == (slow / file.name).read_bytes(), file.name
+    adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
+    exported = hf_tensors(fast)
     for name, value in weights.items():
         assert torch.equal(exported[adapter.to_hf_name(name)], adapter.to_hf_tensor(name, value)), name
 

@@ -25,13 +25,16 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from tests.helpers import TINY, hf_tensors, train_tiny
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
-from titanlite.checkpoint import ModelDescription, hf_export
+from titanlite.checkpoint import ModelDescription, hf_export, read_model_description
+from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.tensor_reader import CheckpointReader
-from titanlite.data.tokenizer import HFTokenizer
+from titanlite.data.tokenizer import HFTokenizer, build_tokenizer
+from titanlite.models.generate import generate
 from titanlite.models.llama import LlamaArgs, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
+GENERATE = REPO_ROOT / "scripts" / "generate.py"
 TEXT = "def main():\n    return 'hello world'  # the quick brown fox"
 
 
@@ -120,8 +123,13 @@ def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, t
     result = run_export(trained_with_tokenizer.step_dir, out)
     assert result.returncode == 0, result.stderr
     assert "exported the tokenizer" in result.stdout
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        assert (out / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
+    assert (out / "special_tokens_map.json").read_bytes() == (tokenizer_dir / "special_tokens_map.json").read_bytes()
+    # tokenizer.json as it was but for the post-processor, which now adds training's BOS.
+    exported, source = (json.loads((folder / "tokenizer.json").read_text()) for folder in (out, tokenizer_dir))
+    assert exported["post_processor"]["type"] == "TemplateProcessing" and source["post_processor"] is None
+    assert {**exported, "post_processor": None} == source
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}
     original = HFTokenizer(str(tokenizer_dir / "tokenizer.json"))
     ids = {"bos_token_id": original.bos_id, "eos_token_id": original.eos_id}
     assert ids == {"bos_token_id": 0, "eos_token_id": 1}
@@ -131,6 +139,9 @@ def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, t
 
     loaded = transformers.AutoTokenizer.from_pretrained(out)
     assert loaded(TEXT, add_special_tokens=False)["input_ids"] == original.encode(TEXT)
+    framed = [original.bos_id, *original.encode(TEXT)]  # as training starts a document
+    assert loaded(TEXT)["input_ids"] == framed
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(TEXT).ids == framed
     assert loaded.eos_token_id == original.eos_id and loaded.bos_token_id == original.bos_id
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == original.eos_id
 
@@ -148,7 +159,8 @@ def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, 
 
     result = run_export(step, out, "--tokenizer", tokenizer_dir)  # the folder
     assert result.returncode == 0, result.stderr
-    assert (out / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+    exported, named = (json.loads((folder / "tokenizer.json").read_text()) for folder in (out, tokenizer_dir))
+    assert exported["model"] == named["model"]
     hf_export.export_to_hf(step, tmp_path / "hf2", tokenizer=tokenizer_dir / "tokenizer.json")  # the file
     assert (tmp_path / "hf2" / "tokenizer_config.json").is_file()
 
@@ -156,17 +168,33 @@ def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, 
     assert str(tmp_path / "nothing-here") in line and no_output(tmp_path, tmp_path / "hf3")
 
 
-def test_a_byte_tokenizer_run_exports_no_tokenizer(tmp_path):
+# Every byte value UTF-8 text can hold: ASCII, the lead and continuation bytes of 2-, 3-
+# and 4-byte characters, and a literal "<s>" that the byte tokenizer reads as its bytes.
+BYTE_TEXT = "".join(map(chr, range(1, 256))) + "߿ࠀ\uffff𐀀\U0010ffff \x00 <s></s> 日本"
+
+
+def test_a_byte_tokenizer_run_exports_the_byte_tokenizer(tmp_path):
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
-    result = run_export(step, tmp_path / "hf")
+    out = tmp_path / "hf"
+    result = run_export(step, out)
     assert result.returncode == 0, result.stderr
-    assert "no tokenizer files exported" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+    assert "exported the byte tokenizer" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}
+    ids = {"bos_token_id": 256, "eos_token_id": 257}
+    assert json.loads((out / "generation_config.json").read_text()) == ids
+    byte_ids = list(BYTE_TEXT.encode("utf-8"))
+    assert {*range(0x80, 0xC0), 0xC2, 0xDF, 0xE0, 0xEF, 0xF0, 0xF4} <= set(byte_ids)
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (256, 257)
+    assert loaded(BYTE_TEXT)["input_ids"] == [256, *byte_ids]
+    assert loaded(BYTE_TEXT, add_special_tokens=False)["input_ids"] == byte_ids
+    assert loaded.decode([256, *byte_ids, 257], skip_special_tokens=True) == BYTE_TEXT
 
 
 # --- shards -------------------------------------------------------------------------------
@@ -334,13 +362,49 @@ def test_the_output_does_not_depend_on_the_tokenizer_copy(tmp_path, tokenizer_di
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(alone / "tokenizer.json"))
     hf_export.export_to_hf(step, tmp_path / "hf")
     assert sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(("tokenizer", "special"))) == [
-        "tokenizer.json"
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
-    # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>.
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    }
+    # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>, and the
+    # exported config names them, so that transformers uses the same.
+    ids = {"bos_token_id": 0, "eos_token_id": 1}
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == ids
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (0, 1)
+    assert loaded(TEXT)["input_ids"] == [0, *HFTokenizer(str(alone / "tokenizer.json")).encode(TEXT)]
+
+
+@pytest.mark.parametrize("run", ["byte", "bpe"])
+def test_transformers_continues_a_prompt_as_generate_py(run, request, tmp_path):
+    """The exported folder in transformers (AutoTokenizer, AutoModelForCausalLM, greedy)
+    gives the prompt ids and the continuation scripts/generate.py gives on the checkpoint."""
+    trained = request.getfixturevalue("tiny_ema_run" if run == "byte" else "trained_with_tokenizer")
+    out = hf_export.export_to_hf(trained.step_dir, tmp_path / "hf")
+    prompt, new_tokens = "def main():", 12
+    ours = build_tokenizer(read_model_description(trained.step_dir).tokenizer_path)  # what generate.py uses
+    prompt_ids = [ours.bos_id, *ours.encode(prompt)]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer(prompt)["input_ids"] == prompt_ids
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    generated = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=ours.eos_id,
+    )[0, len(prompt_ids) :].tolist()
+    loaded, _ = load_model(trained.step_dir)
+    assert generated == generate(loaded, prompt_ids, new_tokens, eos_id=ours.eos_id)
+    script = subprocess.run(
+        [sys.executable, str(GENERATE), "--checkpoint", str(trained.step_dir), "--prompt", prompt]
+        + ["--max_new_tokens", str(new_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert script.returncode == 0, script.stderr
+    assert script.stdout == prompt + tokenizer.decode(generated, skip_special_tokens=True) + "\n"
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])

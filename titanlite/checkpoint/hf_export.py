@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
@@ -21,11 +20,11 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanlite.checkpoint import hf_tokenizer
 from titanlite.checkpoint.description import ModelDescription, read_model_description
 from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, write_atomically
 from titanlite.checkpoint.hf import EMA_PREFIX
 from titanlite.checkpoint.tensor_reader import CheckpointReader, buffer_bytes
-from titanlite.data.tokenizer import HFTokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.files import BackgroundSyncer
 from titanlite.registry import get_model_spec
@@ -44,8 +43,6 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-# Files of a Hugging Face tokenizer that are copied when they sit beside tokenizer.json.
-TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def parse_size(size: str | int) -> int:
@@ -93,26 +90,6 @@ def _tokenizer_file(step_dir: Path, recorded: str | None, override: str | Path |
             "pass --tokenizer PATH (a tokenizer.json or its folder)"
         )
     return Path(recorded)
-
-
-def _special_ids(tokenizer_json: Path | None) -> dict[str, int]:
-    """bos_token_id / eos_token_id as the trainer found them (HFTokenizer's rules)."""
-    if tokenizer_json is None:
-        return {}
-    tokenizer = HFTokenizer(str(tokenizer_json))
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    return {key: value for key, value in ids.items() if value is not None}
-
-
-def _copy_tokenizer(tokenizer_json: Path | None, folder: Path) -> None:
-    if tokenizer_json is None:
-        logger.info("no tokenizer files exported: the run used the byte tokenizer (or did not record one)")
-        return
-    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
-    for name in TOKENIZER_COMPANIONS:
-        if (tokenizer_json.parent / name).is_file():
-            shutil.copyfile(tokenizer_json.parent / name, folder / name)
-    logger.info(f"exported the tokenizer from {tokenizer_json}")
 
 
 # --- which tensors, and checks -----------------------------------------------------------
@@ -202,7 +179,7 @@ def export_to_hf(
     metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
     tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
-    special_ids = _special_ids(tokenizer_json)
+    special_ids = hf_tokenizer.special_ids(tokenizer_json)  # reads the tokenizer before anything is written
     adapter = get_model_spec(description.name).state_dict_adapter(description.args)
     shapes = description.weight_shapes()
     sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
@@ -243,7 +220,7 @@ def export_to_hf(
             config = {**adapter.hf_config(), **special_ids, "torch_dtype": str(dtype).removeprefix("torch.")}
             _write_json(folder / "config.json", config)
             _write_json(folder / "generation_config.json", special_ids)
-            _copy_tokenizer(tokenizer_json, folder)
+            hf_tokenizer.write_hf_tokenizer(tokenizer_json, folder)
             for path in folder.iterdir():
                 if path.suffix != ".safetensors":
                     syncer.add(path)

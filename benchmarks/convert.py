@@ -40,7 +40,10 @@ imports, before converting (the baseline), and the conversion's time without the
 
 Single timings vary several-fold on a shared virtual machine (page cache and fresh
 memory are sometimes slow to get), so the rows take turns and every ratio is one of median
-times; every turn is printed. The last lines are this run's ratios:
+times; every turn is printed. Each turn also times the two readers alone (`--read`: every
+weight read in the export's groups, nothing written), each in a fresh process. The last
+lines are this run's ratios:
+`reading alone (no writes), ours / dcp-reader = X.XX (...)`,
 `time ours / dcp-reader = X.XX (target <= 0.67 ...)` (the hand-written reader must be
 1.5x faster than DCP's), `time ours / torchtitan = X.XX (...)`,
 `throughput ratio convert/copy = X.XX (target >= 0.7)` and
@@ -217,6 +220,42 @@ def convert_child(row: str, step_dir: str, out_dir: str, max_shard_size: str) ->
     )
 
 
+READERS = ("ours", "dcp-reader")  # the readers timed alone, without the export's writes
+
+
+def read_child(reader: str, step_dir: str, max_shard_size: str) -> None:
+    """Runs as `python benchmarks/convert.py --read READER ...`; prints one JSON line: the
+    seconds READER takes to read every weight of step-0 in groups of at most
+    --max-shard-size bytes (the export's groups), with nothing written."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from titanlite.checkpoint.files import read_checkpoint_metadata
+    from titanlite.checkpoint.hf_export import parse_size
+    from titanlite.checkpoint.tensor_reader import CheckpointReader, buffer_bytes, load_with_dcp
+
+    step, limit = Path(step_dir), parse_size(max_shard_size)
+    metadata = read_checkpoint_metadata(step)
+    groups, size = [[]], 0
+    for key, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+            if groups[-1] and size + nbytes > limit:
+                groups.append([])
+                size = 0
+            groups[-1].append((key, entry))
+            size += nbytes
+    start = time.perf_counter()
+    if reader == "ours":
+        ours = CheckpointReader(step, metadata, max(buffer_bytes([e for _, e in group]) for group in groups))
+        for group in groups:
+            ours.load(group)
+        ours.close()
+    else:
+        for group in groups:
+            load_with_dcp(step, group)
+    print(json.dumps({"read_seconds": time.perf_counter() - start}))
+
+
 # --- the parent ------------------------------------------------------------------------
 
 
@@ -324,6 +363,9 @@ def main() -> int:
     if len(sys.argv) == 6 and sys.argv[1] == "--child":
         convert_child(*sys.argv[2:])
         return 0
+    if len(sys.argv) == 5 and sys.argv[1] == "--read":
+        read_child(*sys.argv[2:])
+        return 0
     if len(sys.argv) == 4 and sys.argv[1] == "--build":
         build_child(*sys.argv[2:])
         return 0
@@ -360,13 +402,15 @@ def main() -> int:
         copy_folder(step_dir, folder / "warm-copy")  # untimed: reads step-0 once more
         shutil.rmtree(folder / "warm-copy")
         # The rows take turns, so that all meet the machine in the same states.
-        copies, reports = [], {row: [] for row in ROWS}
+        copies, reports, reads = [], {row: [] for row in ROWS}, {reader: [] for reader in READERS}
         for _ in range(args.repeats):
             copies.append(copy_folder(step_dir, folder / "copy"))
             shutil.rmtree(folder / "copy")
             for row, row_reports in reports.items():
                 row_reports.append(_run_self("--child", row, str(step_dir), str(folder / "hf"), args.max_shard_size))
                 shutil.rmtree(folder / "hf")
+            for reader, reader_reports in reads.items():
+                reader_reports.append(_run_self("--read", reader, str(step_dir), args.max_shard_size))
 
     first = reports["ours"][0]
     print(
@@ -403,6 +447,11 @@ def main() -> int:
             f"{worst['largest_shard']:,} ({worst['shards']}) |"
         )
     print()
+    read_ours, read_dcp = (_median(reads[reader], "read_seconds") for reader in READERS)
+    print(
+        f"reading alone (no writes), ours / dcp-reader = {read_ours / read_dcp:.2f} "
+        f"(median seconds of {args.repeats} turns: ours {read_ours:.2f}, dcp-reader {read_dcp:.2f})"
+    )
     ours = _median(reports["ours"])
     ours_growth = max(_growth(r) for r in reports["ours"])
     for row in ("dcp-reader", "torchtitan"):

@@ -3,9 +3,11 @@
     python scripts/convert_dcp_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16]
         [--max-shard-size 5GB] [--ema] [--tokenizer PATH] [--push-to-hub REPO_ID]
 
-The run's tokenizer (recorded in the checkpoint) is copied beside the weights and its
+The run's tokenizer (recorded in the checkpoint; the byte tokenizer when none is) is
+written beside the weights so that AutoTokenizer adds the BOS training added, and its
 BOS/EOS ids go into config.json and generation_config.json; --tokenizer names another
-tokenizer.json (or its folder), e.g. when the recorded one has moved.
+tokenizer.json (or its folder), e.g. when the recorded one has moved. A checkpoint of
+any layout (one process, FSDP, TP) is read in one process.
 
 --push-to-hub uploads OUTPUT_DIR with huggingface_hub; the token comes from the
 environment (HF_TOKEN) or huggingface_hub's login, never from the command line.

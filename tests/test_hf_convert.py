@@ -119,6 +119,8 @@ def test_exported_model_gives_titanlite_logits(tiny_ema_run, tmp_path):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "tokenizer.json",  # the byte tokenizer's
+        "tokenizer_config.json",
     ]
     model, info = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]

@@ -5,27 +5,36 @@ own model_args is refused, and the fast reader writes what dcp.load would.
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from huggingface_hub import split_torch_state_dict_into_shards
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.helpers import TINY, hf_tensors, train_tiny
+from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
-from titanlite.checkpoint import ModelDescription, hf_export
+from titanlite.checkpoint import ModelDescription, hf_export, read_model_description
+from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.tensor_reader import CheckpointReader
-from titanlite.data.tokenizer import HFTokenizer
+from titanlite.data.tokenizer import HFTokenizer, build_tokenizer
+from titanlite.models.generate import generate
 from titanlite.models.llama import LlamaArgs, Transformer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
+GENERATE = REPO_ROOT / "scripts" / "generate.py"
 TEXT = "def main():\n    return 'hello world'  # the quick brown fox"
 
 
@@ -62,15 +71,16 @@ def make_tokenizer(folder: Path) -> Path:
     return folder
 
 
+def model_args_entry(args: LlamaArgs, tokenizer_path: str | None = None) -> dict:
+    """The "model_args" entry the trainer saves beside the weights."""
+    return {"name": "llama3", "flavor": "tiny", "args": dataclasses.asdict(args), "tokenizer_path": tokenizer_path}
+
+
 def save_checkpoint(step_dir: Path, weights: dict, args: LlamaArgs, tokenizer_path: str | None = None) -> Path:
     """A model-only step folder as the trainer writes one: weights plus model_args."""
-    description = {
-        "name": "llama3",
-        "flavor": "tiny",
-        "args": dataclasses.asdict(args),
-        "tokenizer_path": tokenizer_path,
-    }
-    dcp.save({**weights, "model_args": description}, checkpoint_id=str(step_dir), no_dist=True)
+    dcp.save(
+        {**weights, "model_args": model_args_entry(args, tokenizer_path)}, checkpoint_id=str(step_dir), no_dist=True
+    )
     return step_dir
 
 
@@ -113,8 +123,13 @@ def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, t
     result = run_export(trained_with_tokenizer.step_dir, out)
     assert result.returncode == 0, result.stderr
     assert "exported the tokenizer" in result.stdout
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        assert (out / name).read_bytes() == (tokenizer_dir / name).read_bytes(), name
+    assert (out / "special_tokens_map.json").read_bytes() == (tokenizer_dir / "special_tokens_map.json").read_bytes()
+    # tokenizer.json as it was but for the post-processor, which now adds training's BOS.
+    exported, source = (json.loads((folder / "tokenizer.json").read_text()) for folder in (out, tokenizer_dir))
+    assert exported["post_processor"]["type"] == "TemplateProcessing" and source["post_processor"] is None
+    assert {**exported, "post_processor": None} == source
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert config == {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True, "add_eos_token": False}
     original = HFTokenizer(str(tokenizer_dir / "tokenizer.json"))
     ids = {"bos_token_id": original.bos_id, "eos_token_id": original.eos_id}
     assert ids == {"bos_token_id": 0, "eos_token_id": 1}
@@ -124,6 +139,9 @@ def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, t
 
     loaded = transformers.AutoTokenizer.from_pretrained(out)
     assert loaded(TEXT, add_special_tokens=False)["input_ids"] == original.encode(TEXT)
+    framed = [original.bos_id, *original.encode(TEXT)]  # as training starts a document
+    assert loaded(TEXT)["input_ids"] == framed
+    assert Tokenizer.from_file(str(out / "tokenizer.json")).encode(TEXT).ids == framed
     assert loaded.eos_token_id == original.eos_id and loaded.bos_token_id == original.bos_id
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == original.eos_id
 
@@ -141,7 +159,8 @@ def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, 
 
     result = run_export(step, out, "--tokenizer", tokenizer_dir)  # the folder
     assert result.returncode == 0, result.stderr
-    assert (out / "tokenizer.json").read_bytes() == (tokenizer_dir / "tokenizer.json").read_bytes()
+    exported, named = (json.loads((folder / "tokenizer.json").read_text()) for folder in (out, tokenizer_dir))
+    assert exported["model"] == named["model"]
     hf_export.export_to_hf(step, tmp_path / "hf2", tokenizer=tokenizer_dir / "tokenizer.json")  # the file
     assert (tmp_path / "hf2" / "tokenizer_config.json").is_file()
 
@@ -149,17 +168,33 @@ def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, 
     assert str(tmp_path / "nothing-here") in line and no_output(tmp_path, tmp_path / "hf3")
 
 
-def test_a_byte_tokenizer_run_exports_no_tokenizer(tmp_path):
+# Every byte value UTF-8 text can hold: ASCII, the lead and continuation bytes of 2-, 3-
+# and 4-byte characters, and a literal "<s>" that the byte tokenizer reads as its bytes.
+BYTE_TEXT = "".join(map(chr, range(1, 256))) + "߿ࠀ\uffff𐀀\U0010ffff \x00 <s></s> 日本"
+
+
+def test_a_byte_tokenizer_run_exports_the_byte_tokenizer(tmp_path):
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
-    result = run_export(step, tmp_path / "hf")
+    out = tmp_path / "hf"
+    result = run_export(step, out)
     assert result.returncode == 0, result.stderr
-    assert "no tokenizer files exported" in result.stdout
-    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == [
+    assert "exported the byte tokenizer" in result.stdout
+    assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {}
+    ids = {"bos_token_id": 256, "eos_token_id": 257}
+    assert json.loads((out / "generation_config.json").read_text()) == ids
+    byte_ids = list(BYTE_TEXT.encode("utf-8"))
+    assert {*range(0x80, 0xC0), 0xC2, 0xDF, 0xE0, 0xEF, 0xF0, 0xF4} <= set(byte_ids)
+    loaded = transformers.AutoTokenizer.from_pretrained(out)
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (256, 257)
+    assert loaded(BYTE_TEXT)["input_ids"] == [256, *byte_ids]
+    assert loaded(BYTE_TEXT, add_special_tokens=False)["input_ids"] == byte_ids
+    assert loaded.decode([256, *byte_ids, 257], skip_special_tokens=True) == BYTE_TEXT
 
 
 # --- shards -------------------------------------------------------------------------------
@@ -215,6 +250,20 @@ def test_expected_shapes_are_the_models():
 # --- the reader -----------------------------------------------------------------------------
 
 
+def record_fast_path(monkeypatch) -> list[tuple[str, bool]]:
+    """A list that fills with (saved key, whether the fast reader took it) as exports run."""
+    located = []
+    original_locate = CheckpointReader.locate
+
+    def recording(self, key, entry):
+        pieces = original_locate(self, key, entry)
+        located.append((key, pieces is not None))
+        return pieces
+
+    monkeypatch.setattr(CheckpointReader, "locate", recording)
+    return located
+
+
 def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     weights = tiny_weights()
     # A weight saved as a transposed view: not row-major in the file, so the fast path
@@ -222,15 +271,7 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
     weights["layers.1.feed_forward.w2.weight"] = weights["layers.1.feed_forward.w2.weight"].t().contiguous().t()
     assert not weights["layers.1.feed_forward.w2.weight"].is_contiguous()
     step = save_checkpoint(tmp_path / "step-1", weights, TINY)
-    located = []
-    original_locate = CheckpointReader.locate
-
-    def counting(self, key, entry):
-        where = original_locate(self, key, entry)
-        located.append((key, where is not None))
-        return where
-
-    monkeypatch.setattr(CheckpointReader, "locate", counting)
+    located = record_fast_path(monkeypatch)
     for dtype in ("float32", "bfloat16"):
         hf_export.export_to_hf(step, tmp_path / f"fast-{dtype}", dtype=dtype, max_shard_size="40KB")
     fast_keys = {key for key, fast in located if fast}
@@ -245,6 +286,59 @@ def test_fast_reader_writes_what_dcp_load_gives(tmp_path, monkeypatch):
             assert file.read_bytes() == (slow / file.name).read_bytes(), file.name
     adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
     exported = hf_tensors(tmp_path / "fast-float32")
+    for name, value in weights.items():
+        assert torch.equal(exported[adapter.to_hf_name(name)], adapter.to_hf_tensor(name, value)), name
+
+
+def tp_placement(name: str):
+    """A tensor-parallel layout: row-wise layers (and, here, the embedding) split by
+    columns, column-wise ones by rows, norms replicated (DCP then saves them once)."""
+    if name.endswith(("attention.wo.weight", "feed_forward.w2.weight", "tok_embeddings.weight")):
+        return Shard(1)
+    return Replicate() if name.endswith("norm.weight") else Shard(0)
+
+
+SHARDED_LAYOUTS = {"fsdp": lambda name: Shard(0), "tp": tp_placement}
+
+
+def save_sharded(folder: str) -> None:
+    """On each of 2 ranks: save the tiny weights as DTensors in each layout, so that every
+    rank writes its own chunks, as a 2-rank FSDP or TP run does."""
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weights = tiny_weights()
+    for layout, placement in SHARDED_LAYOUTS.items():
+        state = {name: distribute_tensor(value, mesh, [placement(name)]) for name, value in weights.items()}
+        dcp.save({**state, "model_args": model_args_entry(TINY)}, checkpoint_id=str(Path(folder) / layout))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoints(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("sharded")
+    run_on_ranks(2, save_sharded, str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("layout", list(SHARDED_LAYOUTS))
+def test_fast_reader_reads_sharded_checkpoints(sharded_checkpoints, layout, tmp_path, monkeypatch):
+    step = sharded_checkpoints / layout
+    saved = hf_export.read_checkpoint_metadata(step).state_dict_metadata
+    weights = tiny_weights()
+    chunks = {name: len(saved[name].chunks) for name in weights}
+    assert chunks == {name: 1 if layout == "tp" and name.endswith("norm.weight") else 2 for name in weights}
+    located = record_fast_path(monkeypatch)
+    hf_export.export_to_hf(step, tmp_path / "fast", max_shard_size="40KB")
+    assert sorted(located) == sorted((name, True) for name in weights)  # every tensor through the fast path
+
+    monkeypatch.setattr(CheckpointReader, "locate", lambda self, key, entry: None)
+    hf_export.export_to_hf(step, tmp_path / "dcp", max_shard_size="40KB")
+    fast, slow = tmp_path / "fast", tmp_path / "dcp"
+    assert sorted(p.name for p in fast.iterdir()) == sorted(p.name for p in slow.iterdir())
+    for file in fast.iterdir():
+        assert file.read_bytes() == (slow / file.name).read_bytes(), file.name
+    adapter = hf_export.get_model_spec("llama3").state_dict_adapter(TINY)
+    exported = hf_tensors(fast)
     for name, value in weights.items():
         assert torch.equal(exported[adapter.to_hf_name(name)], adapter.to_hf_tensor(name, value)), name
 
@@ -268,10 +362,61 @@ def test_the_output_does_not_depend_on_the_tokenizer_copy(tmp_path, tokenizer_di
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(alone / "tokenizer.json"))
     hf_export.export_to_hf(step, tmp_path / "hf")
     assert sorted(p.name for p in (tmp_path / "hf").iterdir() if p.name.startswith(("tokenizer", "special"))) == [
-        "tokenizer.json"
+        "tokenizer.json",
+        "tokenizer_config.json",
     ]
-    # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>.
-    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == {
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    }
+    # No tokenizer_config.json: HFTokenizer falls back to the well-known <s> / </s>, and the
+    # exported config names them, so that transformers uses the same.
+    ids = {"bos_token_id": 0, "eos_token_id": 1}
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text()) == ids
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (0, 1)
+    assert loaded(TEXT)["input_ids"] == [0, *HFTokenizer(str(alone / "tokenizer.json")).encode(TEXT)]
+
+
+@pytest.mark.parametrize("run", ["byte", "bpe"])
+def test_transformers_continues_a_prompt_as_generate_py(run, request, tmp_path):
+    """The exported folder in transformers (AutoTokenizer, AutoModelForCausalLM, greedy)
+    gives the prompt ids and the continuation scripts/generate.py gives on the checkpoint."""
+    trained = request.getfixturevalue("tiny_ema_run" if run == "byte" else "trained_with_tokenizer")
+    out = hf_export.export_to_hf(trained.step_dir, tmp_path / "hf")
+    prompt, new_tokens = "def main():", 12
+    ours = build_tokenizer(read_model_description(trained.step_dir).tokenizer_path)  # what generate.py uses
+    prompt_ids = [ours.bos_id, *ours.encode(prompt)]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert tokenizer(prompt)["input_ids"] == prompt_ids
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    generated = model.generate(
+        torch.tensor([prompt_ids]),
+        attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=ours.eos_id,
+    )[0, len(prompt_ids) :].tolist()
+    loaded, _ = load_model(trained.step_dir)
+    assert generated == generate(loaded, prompt_ids, new_tokens, eos_id=ours.eos_id)
+    script = subprocess.run(
+        [sys.executable, str(GENERATE), "--checkpoint", str(trained.step_dir), "--prompt", prompt]
+        + ["--max_new_tokens", str(new_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert script.returncode == 0, script.stderr
+    assert script.stdout == prompt + tokenizer.decode(generated, skip_special_tokens=True) + "\n"
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_every_exported_file_follows_the_umask(tmp_path, tokenizer_dir, umask):
+    # safetensors creates its file 0600 and renames it into place; the export must give the
+    # weights the mode every other file of the folder gets.
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(tokenizer_dir / "tokenizer.json"))
+    previous = os.umask(umask)
+    try:
+        hf_export.export_to_hf(step, tmp_path / "hf", max_shard_size="40KB")
+    finally:
+        os.umask(previous)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in (tmp_path / "hf").iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes) and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask)

@@ -11,8 +11,8 @@ the model's state-dict adapter.
 
 import json
 import logging
+import os
 import re
-import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,11 +21,11 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from titanlite.checkpoint import hf_tokenizer
 from titanlite.checkpoint.description import ModelDescription, read_model_description
 from titanlite.checkpoint.files import check_output, read_checkpoint_metadata, write_atomically
 from titanlite.checkpoint.hf import EMA_PREFIX
 from titanlite.checkpoint.tensor_reader import CheckpointReader, buffer_bytes
-from titanlite.data.tokenizer import HFTokenizer
 from titanlite.dtypes import DTYPES
 from titanlite.files import BackgroundSyncer
 from titanlite.registry import get_model_spec
@@ -44,8 +44,6 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-# Files of a Hugging Face tokenizer that are copied when they sit beside tokenizer.json.
-TOKENIZER_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
 def parse_size(size: str | int) -> int:
@@ -95,26 +93,6 @@ def _tokenizer_file(step_dir: Path, recorded: str | None, override: str | Path |
     return Path(recorded)
 
 
-def _special_ids(tokenizer_json: Path | None) -> dict[str, int]:
-    """bos_token_id / eos_token_id as the trainer found them (HFTokenizer's rules)."""
-    if tokenizer_json is None:
-        return {}
-    tokenizer = HFTokenizer(str(tokenizer_json))
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-    return {key: value for key, value in ids.items() if value is not None}
-
-
-def _copy_tokenizer(tokenizer_json: Path | None, folder: Path) -> None:
-    if tokenizer_json is None:
-        logger.info("no tokenizer files exported: the run used the byte tokenizer (or did not record one)")
-        return
-    shutil.copyfile(tokenizer_json, folder / "tokenizer.json")
-    for name in TOKENIZER_COMPANIONS:
-        if (tokenizer_json.parent / name).is_file():
-            shutil.copyfile(tokenizer_json.parent / name, folder / name)
-    logger.info(f"exported the tokenizer from {tokenizer_json}")
-
-
 # --- which tensors, and checks -----------------------------------------------------------
 
 
@@ -162,6 +140,25 @@ def _write_json(path: Path, content: dict) -> None:
     path.write_text(json.dumps(content, indent=2) + "\n")
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, and
+    setting it even for a moment would race with other threads creating files)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    current = os.umask(0o022)  # a kernel without the field: set and restore
+    os.umask(current)
+    return current
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, file_mode: int) -> None:
+    """save_file, then the mode every other exported file gets. safetensors writes a
+    temporary file (created 0600) and renames it into place, so the umask is not applied."""
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, file_mode)
+
+
 # --- export ----------------------------------------------------------------------------
 
 
@@ -187,7 +184,7 @@ def export_to_hf(
     metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
     tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
-    special_ids = _special_ids(tokenizer_json)
+    special_ids = hf_tokenizer.special_ids(tokenizer_json)  # reads the tokenizer before anything is written
     # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.
     real_vocab = description.real_vocab_size
     adapter = get_model_spec(description.name).state_dict_adapter(replace(description.args, vocab_size=real_vocab))
@@ -199,6 +196,7 @@ def export_to_hf(
         return tensor[:real_vocab] if name in adapter.vocab_rows and tensor.shape[0] > real_vocab else tensor
 
     split = _split(sources, dtype, limit, exported_rows)
+    file_mode = 0o666 & ~_umask()  # what open() gives the JSON and tokenizer files
 
     def passes_through(name: str, entry: TensorStorageMetadata) -> bool:
         """Whether the saved tensor is written as it is: same dtype, and the adapter
@@ -216,7 +214,7 @@ def export_to_hf(
             if not passes_through(name, entry):
                 tensor = adapter.to_hf_tensor(name, exported_rows(name, tensor)).to(dtype).contiguous()
             shard[hf_name] = tensor
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        _save_safetensors(shard, folder / file, file_mode)
 
     def write(folder: Path) -> None:
         largest = max(
@@ -233,7 +231,7 @@ def export_to_hf(
             config = {**adapter.hf_config(), **special_ids, "torch_dtype": str(dtype).removeprefix("torch.")}
             _write_json(folder / "config.json", config)
             _write_json(folder / "generation_config.json", special_ids)
-            _copy_tokenizer(tokenizer_json, folder)
+            hf_tokenizer.write_hf_tokenizer(tokenizer_json, folder)
             for path in folder.iterdir():
                 if path.suffix != ".safetensors":
                     syncer.add(path)

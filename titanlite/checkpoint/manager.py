@@ -41,6 +41,7 @@ from titanlite.checkpoint.files import (
     describe_failure,
     first_failure,
     leftover_folders,
+    stored_keys,
     stored_prefixes,
 )
 from titanlite.checkpoint.manifest import write_manifest
@@ -378,6 +379,13 @@ class CheckpointManager:
                 if key in state.get(name, {}) and f"{name}.{key}" not in stored:
                     del state[name][key]
 
+    def _stored_names(self, state: dict, path: Path) -> dict[str, str]:
+        """The model's weights that the checkpoint holds under another torchtitan spelling
+        (a later torchtitan's checkpoint, given as initial_load_path): name -> stored name."""
+        weights = [k for k, v in state.items() if k not in self.states and isinstance(v, torch.Tensor)]
+        stored_names = getattr(self.states[MODEL], "stored_names", None)
+        return {} if stored_names is None else stored_names(weights, set(stored_keys(path)))
+
     def load(self) -> list[str]:
         """Load the checkpoint to resume from, if any, into the (already sharded) states.
         Returns the names of the parts loaded (none for a fresh start)."""
@@ -390,7 +398,12 @@ class CheckpointManager:
         path, parts = plan
         state = self._collect(parts)
         self._skip_absent_records(state, path)
-        self._dcp_load(state, path)
+        renamed = self._stored_names(state, path) if MODEL in parts else {}
+        for name, stored in renamed.items():
+            state[stored] = state.pop(name)
+        self._dcp_load(state, path)  # fills the tensors in place, under whichever name
+        for name, stored in renamed.items():
+            state[name] = state.pop(stored)
         for name in parts:
             part = {k: v for k, v in state.items() if k not in self.states} if name == MODEL else state[name]
             try:

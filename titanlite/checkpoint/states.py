@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
+from titanlite.registry import MODELS
 
 
 class ModelState(Stateful):
@@ -30,6 +31,21 @@ class ModelState(Stateful):
 
     def state_dict(self) -> dict:
         return {**get_model_state_dict(self.model), MODEL_ARGS: self._recorded}
+
+    def stored_names(self, names: list[str], stored: set[str]) -> dict[str, str]:
+        """Weight name -> the name a checkpoint holding the keys `stored` keeps it under, for
+        each weight of `names` that it holds under another torchtitan spelling only."""
+        spec = MODELS.get(self.description.name)
+        if spec is None:  # a model outside the registry (a test's): its own names only
+            return {}
+        adapter = spec.state_dict_adapter(self.description.args)
+        renamed = {}
+        for name in names:
+            if name not in stored:
+                other = [spelling for spelling in adapter.torchtitan_names(name) if spelling in stored]
+                if other:
+                    renamed[name] = other[0]
+        return renamed
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved = state_dict.pop(MODEL_ARGS, None)

@@ -1,12 +1,15 @@
 """Reading the tensors of a DCP checkpoint in one process, one group at a time, for the
 Hugging Face export.
 
-DCP's FileSystemWriter stores each tensor as a torch.save archive at a byte range of a
-.distcp file. CheckpointReader reads such tensors straight into one reused buffer, and
-hands anything else to DCP's own reader (load_with_dcp). benchmarks/convert.py measures
-it against DCP's reader alone: the reader stays only while it is at least 1.5x faster.
+DCP's FileSystemWriter stores each chunk of a tensor (one per rank that held a shard of
+it) as a torch.save archive at a byte range of a .distcp file. CheckpointReader reads
+such chunks straight into their places in one reused buffer, and hands anything else to
+DCP's own reader (load_with_dcp). benchmarks/convert.py measures it against DCP's reader
+alone, on a checkpoint written by 2 FSDP ranks: the reader stays only while it is at
+least 1.5x faster.
 """
 
+import dataclasses
 import io
 import logging
 import os
@@ -75,25 +78,38 @@ def buffer_bytes(entries: list[TensorStorageMetadata]) -> int:
     return sum(_padded(entry.size.numel() * entry.properties.dtype.itemsize) for entry in entries)
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One saved chunk of a tensor: where its row-major bytes are, and where in the whole
+    tensor they go (DCP's chunk offsets and sizes)."""
+
+    fd: int
+    file_offset: int
+    offsets: torch.Size
+    sizes: torch.Size
+
+
 class CheckpointReader:
     """Gives the saved tensors of a checkpoint, a group (one output shard) at a time.
 
-    Fast path: DCP's default FileSystemWriter stores each tensor as a torch.save archive
-    at a byte range of a .distcp file, and such an archive keeps the tensor's bytes
-    uncompressed at a known offset. Where a tensor is in exactly that form, its bytes
-    are read straight into one reused buffer of the shard's size: one copy out of the
-    page cache, no per-tensor torch.load into a new tensor and no second copy into the
-    destination, and no fresh memory (whose first touch is costly) after the first
-    shard. The form is checked with torch's own reader (a meta-device load gives the
-    tensor's dtype, shape, strides and data offset without reading the data) and
-    zipfile (the byte order). Anything else (several chunks, storage transforms such as
-    compression, a non-contiguous or big-endian tensor, another storage layout, an
-    archive that does not parse) is read by dcp.load, which understands every layout
-    DCP writes. The profile that motivated this: reading through dcp.load cost 1.9 s of
-    a 4.8 s export of 1.24 GB. It stays only while it is at least 1.5x faster than DCP's
-    reader alone (issue #16): benchmarks/convert.py's dcp-reader row measures that, with
-    fsyncs in turn instead of BackgroundSyncer's thread; its medians were 2.5x and 3.0x (1.24 GB,
-    two busy cores, 2026-11-25).
+    Fast path: DCP's default FileSystemWriter stores each chunk of a tensor (the whole
+    tensor for a process that held it whole, one shard for each FSDP or TP rank) as a
+    torch.save archive at a byte range of a .distcp file, and such an archive keeps the
+    chunk's bytes uncompressed at a known offset. Where every chunk of a tensor is in
+    exactly that form, the chunks are read straight into one reused buffer of the output
+    shard's size, each placed by its offsets in the whole tensor: a chunk that is one run
+    of the tensor's bytes (an FSDP shard: whole rows) is read in place, any other (a TP
+    shard of columns) through a reused scratch buffer and one strided copy. One copy out
+    of the page cache, no per-tensor torch.load into a new tensor, no second copy into the
+    destination, and no fresh memory (whose first touch is costly) after the first shard.
+    The form is checked with torch's own reader (a meta-device load gives the chunk's
+    dtype, shape, strides and data offset without reading the data) and zipfile (the
+    byte order). Anything else (chunks that do not tile the tensor, storage transforms
+    such as compression, a non-contiguous or big-endian chunk, another storage layout, an
+    archive that does not parse) is read by dcp.load, which understands every layout DCP
+    writes. It stays only while it is at least 1.5x faster than DCP's reader alone:
+    benchmarks/convert.py measures both on a checkpoint written by 2 FSDP ranks (figures
+    in docs/performance.md).
     """
 
     def __init__(self, step_dir: Path, metadata, largest_group: int = 0):
@@ -103,25 +119,24 @@ class CheckpointReader:
         self._metadata = metadata
         self._files: dict[str, int] = {}
         self._buffer = torch.empty(largest_group, dtype=torch.uint8)
+        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def close(self) -> None:
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
-        self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._buffer = self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def _fd(self, relative_path: str) -> int:
         if relative_path not in self._files:
             self._files[relative_path] = os.open(self._step_dir / relative_path, os.O_RDONLY)
         return self._files[relative_path]
 
-    def locate(self, key: str, entry: TensorStorageMetadata) -> tuple[int, int] | None:
-        """(file descriptor, offset) of the saved tensor's row-major bytes, or None if
-        its form is not the plain one described in the class docstring."""
-        if len(entry.chunks) != 1 or any(entry.chunks[0].offsets) or entry.chunks[0].sizes != entry.size:
-            return None
-        info = self._metadata.storage_data.get(MetadataIndex(key, entry.chunks[0].offsets))
-        if info is None or info.transform_descriptors or sys.byteorder != "little":
+    def _locate_chunk(self, key: str, chunk, dtype: torch.dtype) -> Piece | None:
+        """Where one saved chunk's row-major bytes are, or None if its archive is not the
+        plain form described in the class docstring."""
+        info = self._metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None or info.transform_descriptors:
             return None
         fd = self._fd(info.relative_path)
         try:
@@ -136,11 +151,11 @@ class CheckpointReader:
         if type(described) is not torch.Tensor:
             logger.debug("%s: read through dcp.load (the archive holds a %s)", key, type(described).__name__)
             return None
-        nbytes = entry.size.numel() * entry.properties.dtype.itemsize
+        nbytes = chunk.sizes.numel() * dtype.itemsize
         data_offset = getattr(described.untyped_storage(), "_checkpoint_offset", None)
         if (
-            described.dtype != entry.properties.dtype
-            or described.shape != entry.size
+            described.dtype != dtype
+            or described.shape != chunk.sizes
             or not described.is_contiguous()
             or described.storage_offset() != 0
             or described.untyped_storage().nbytes() != nbytes
@@ -148,7 +163,50 @@ class CheckpointReader:
             or data_offset + nbytes > info.length
         ):
             return None
-        return fd, info.offset + data_offset
+        return Piece(fd, info.offset + data_offset, chunk.offsets, chunk.sizes)
+
+    def locate(self, key: str, entry: TensorStorageMetadata) -> list[Piece] | None:
+        """The pieces of the saved tensor, or None if it is to be read by dcp.load. The
+        chunks must cover the tensor: DCP writes them without overlap, so their sizes
+        adding up to the tensor's means that they tile it."""
+        if sys.byteorder != "little" or sum(c.sizes.numel() for c in entry.chunks) != entry.size.numel():
+            return None
+        pieces = []
+        for chunk in entry.chunks:
+            if chunk.sizes.numel() == 0:  # an empty shard (more ranks than rows): nothing saved to read
+                continue
+            piece = self._locate_chunk(key, chunk, entry.properties.dtype)
+            if piece is None:
+                return None
+            pieces.append(piece)
+        return pieces
+
+    def _scratch_bytes(self, nbytes: int) -> memoryview:
+        if self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8)
+        return memoryview(self._scratch.numpy())[:nbytes]
+
+    def _read(self, key: str, piece: Piece, target: memoryview) -> None:
+        offset = piece.file_offset
+        while target:
+            count = os.preadv(piece.fd, [target], offset)
+            if count == 0:
+                raise ValueError(f"{self._step_dir}: {key} ends early (the checkpoint file is truncated)")
+            target, offset = target[count:], offset + count
+
+    def _place(self, key: str, tensor: torch.Tensor, piece: Piece, buffer: memoryview) -> None:
+        """Read one piece into its place in `tensor` (a view of `buffer`, which starts at
+        tensor's first byte)."""
+        region = tensor[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.sizes, strict=True))]
+        nbytes = region.numel() * region.element_size()
+        if region.is_contiguous():  # one run of bytes: read in place
+            start = (region.storage_offset() - tensor.storage_offset()) * tensor.element_size()
+            self._read(key, piece, buffer[start : start + nbytes])
+            return
+        scratch = self._scratch_bytes(nbytes)
+        self._read(key, piece, scratch)
+        region.copy_(self._scratch[:nbytes].view(tensor.dtype).view(piece.sizes))
 
     def _read_into_buffer(self, located: dict) -> dict[str, torch.Tensor]:
         """Read the located tensors into aligned slices of the reused buffer."""
@@ -161,16 +219,13 @@ class CheckpointReader:
             self._buffer = torch.empty(end, dtype=torch.uint8)
         view = memoryview(self._buffer.numpy())
         tensors = {}
-        for key, (entry, (fd, offset)) in located.items():
+        for key, (entry, pieces) in located.items():
             nbytes = entry.size.numel() * entry.properties.dtype.itemsize
-            target = view[starts[key] : starts[key] + nbytes]
-            while target:
-                count = os.preadv(fd, [target], offset)
-                if count == 0:
-                    raise ValueError(f"{self._step_dir}: {key} ends early (the checkpoint file is truncated)")
-                target, offset = target[count:], offset + count
             raw = self._buffer[starts[key] : starts[key] + nbytes]
-            tensors[key] = raw.view(entry.properties.dtype).view(entry.size)
+            tensor = raw.view(entry.properties.dtype).view(entry.size)
+            for piece in pieces:
+                self._place(key, tensor, piece, view[starts[key] : starts[key] + nbytes])
+            tensors[key] = tensor
         return tensors
 
     def load(self, items: list[tuple[str, TensorStorageMetadata]]) -> dict[str, torch.Tensor]:
@@ -178,11 +233,11 @@ class CheckpointReader:
         are valid until the next call (they may share the reused buffer)."""
         located, rest = {}, []
         for key, entry in items:
-            where = self.locate(key, entry)
-            if where is None:
+            pieces = self.locate(key, entry)
+            if pieces is None:
                 rest.append((key, entry))
             else:
-                located[key] = (entry, where)
+                located[key] = (entry, pieces)
         tensors = self._read_into_buffer(located)
         if rest:
             tensors.update(load_with_dcp(self._step_dir, rest))

@@ -29,6 +29,15 @@ _TO_HF = {
     "output.weight": "lm_head.weight",
 }
 _FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
+# The names later torchtitan versions store some weights under, where torchtitan 0.2 stores
+# them under titanlite's: main of 2026-08 keeps the projections in a qkv_linear module and
+# calls the output projection lm_head. These names only, nothing guessed beyond them.
+_LATER_TORCHTITAN = {
+    "layers.{}.attention.wq.weight": "layers.{}.attention.qkv_linear.wq.weight",
+    "layers.{}.attention.wk.weight": "layers.{}.attention.qkv_linear.wk.weight",
+    "layers.{}.attention.wv.weight": "layers.{}.attention.qkv_linear.wv.weight",
+    "output.weight": "lm_head.weight",
+}
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
@@ -70,6 +79,13 @@ class LlamaStateDictAdapter:
 
     def from_hf_name(self, name: str) -> str:
         return _rename(name, _FROM_HF)
+
+    def torchtitan_names(self, name: str) -> tuple[str, ...]:
+        """The other names torchtitan checkpoints may hold titanlite's weight `name` under."""
+        try:
+            return (_rename(name, _LATER_TORCHTITAN),)
+        except KeyError:  # a weight every torchtitan version names as titanlite does
+            return ()
 
     def to_hf_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         heads = self._heads_of(name)

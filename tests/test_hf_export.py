@@ -395,7 +395,8 @@ def test_transformers_continues_a_prompt_as_generate_py(run, request, tmp_path):
         pad_token_id=ours.eos_id,
     )[0, len(prompt_ids) :].tolist()
     loaded, _ = load_model(trained.step_dir)
-    assert generated == generate(loaded, prompt_ids, new_tokens, eos_id=ours.eos_id)
+    real_vocab = read_model_description(trained.step_dir).real_vocab_size  # as generate.py limits it
+    assert generated == generate(loaded, prompt_ids, new_tokens, eos_id=ours.eos_id, vocab_size=real_vocab)
     script = subprocess.run(
         [sys.executable, str(GENERATE), "--checkpoint", str(trained.step_dir), "--prompt", prompt]
         + ["--max_new_tokens", str(new_tokens)],

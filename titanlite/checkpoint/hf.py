@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
+from titanlite.checkpoint import hf_tokenizer
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
 from titanlite.checkpoint.files import check_output, single_process, write_atomically
 from titanlite.errors import one_line
@@ -267,8 +268,9 @@ def seed_from_hf(hf_dir: str | Path, model: nn.Module, run_args, adapter_cls, pr
 def padded_description(description: ModelDescription) -> ModelDescription:
     """A Hugging Face model as a training run with the folder's tokenizer.json builds it: its
     vocabulary padded (registry.padded_vocab_size), the folder's size recorded as the real
-    one. A folder without a tokenizer keeps its rows (a byte-tokenizer run's export)."""
-    if description.tokenizer_path is None:
+    one. A folder without a tokenizer, or with the byte tokenizer's (a byte-tokenizer run's
+    export), keeps its rows: a byte-tokenizer run does not pad its flavor's vocabulary."""
+    if description.tokenizer_path is None or hf_tokenizer.is_byte_tokenizer(description.tokenizer_path):
         return description
     real = description.args.vocab_size
     args = dataclasses.replace(description.args, vocab_size=padded_vocab_size(real))

@@ -52,6 +52,16 @@ def byte_symbols() -> list[str]:
     return symbols
 
 
+def is_byte_tokenizer(tokenizer_json: str | Path) -> bool:
+    """Whether a tokenizer.json is the byte tokenizer as this module exports it: its 256
+    byte symbols in byte order, then <s> and </s>. (An import keeps such a folder's rows, as
+    a byte-tokenizer run keeps its flavor's.)"""
+    content = json.loads(Path(tokenizer_json).read_text())
+    byte_vocabulary = {symbol: byte for byte, symbol in enumerate(byte_symbols())}
+    added = [token.get("content") for token in content.get("added_tokens", [])]
+    return content.get("model", {}).get("vocab") == byte_vocabulary and added == list(BYTE_SPECIAL_TOKENS)
+
+
 def byte_tokenizer():
     """A tokenizers-library Tokenizer with ByteTokenizer's ids (no post-processor yet)."""
     vocabulary = {symbol: byte for byte, symbol in enumerate(byte_symbols())}

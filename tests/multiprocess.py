@@ -1,7 +1,9 @@
 """Run a function on N CPU ranks (gloo) with torch.multiprocessing, and collect what each returns.
 
 Ranks are real processes joined by a real process group, started the way torchrun
-would start them (RANK / WORLD_SIZE / MASTER_* in the environment).
+would start them (RANK / WORLD_SIZE / MASTER_* in the environment), and, as torchrun's
+workers do, they meet at a store their launcher (this test process) hosts: see
+tests.helpers.rendezvous_ports.
 """
 
 import os
@@ -12,18 +14,17 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from tests.helpers import free_port
+from tests.helpers import rendezvous_env
 from titanlite.parallel import exit_process
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, rendezvous: dict, fn: Callable, args: tuple, out_dir: str) -> None:
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
+        **rendezvous,
     )
     # Ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -37,7 +38,7 @@ def run_on_ranks(world_size: int, fn: Callable, *args) -> list:
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(
             _worker,
-            args=(world_size, free_port(), fn, args, out_dir),
+            args=(world_size, rendezvous_env(), fn, args, out_dir),
             nprocs=world_size,
             start_method="spawn",
             join=True,

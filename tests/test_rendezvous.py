@@ -50,4 +50,3 @@ def test_ports_stay_taken_from_their_choice_until_the_session_ends():
     # run_on_ranks's own port was held by this process, not by a rank that has now exited.
     assert port_is_taken(launch_port)
     assert launch_port not in ports
-

@@ -9,15 +9,18 @@ Starting rank processes (each imports torch) costs seconds; run_jobs_on_ranks ru
 small jobs in one launch, each in a process group of its own.
 """
 
+import copy
 import os
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 from tests.helpers import AGENT_STORE, rendezvous_ports
 from titanlite.parallel import exit_process
@@ -56,6 +59,21 @@ def _place(world_size: int, jobs: dict[str, Job]) -> list[_Placed]:
     return placed
 
 
+# How long a job's ranks wait for each other before the job starts: up to the time of the
+# jobs its other ranks have queued before it (a peer that dies ends the launch anyway).
+MEET_TIMEOUT = timedelta(minutes=30)
+
+
+def _meet(port: int, world_size: int) -> None:
+    """Wait until the job's `world_size` ranks have all come to its store, so that the
+    trainer's process-group timeout (comm.init_timeout_seconds) does not also count the
+    time some ranks spent on earlier jobs."""
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=MEET_TIMEOUT)
+    if store.add("job_ranks_arrived", 1) == world_size:
+        store.set("job_ranks_all_here", "1")
+    store.wait(["job_ranks_all_here"])
+
+
 def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> None:
     # Ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -72,8 +90,11 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> 
             MASTER_PORT=str(port),
             **AGENT_STORE,
         )
+        _meet(port, job.world_size)
         try:
-            results[name] = job.fn(*job.args)
+            # A copy as the job left it: a later job must not change what it returned
+            # (a list a log handler of this job still appends to, say).
+            results[name] = copy.deepcopy(job.fn(*job.args))
         except BaseException as error:
             raise RuntimeError(f"job {name!r} failed on its rank {job_rank}") from error
         if dist.is_initialized():  # the next job starts a default group of its own

@@ -105,7 +105,11 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> 
 
 def run_jobs_on_ranks(world_size: int, jobs: dict[str, Job]) -> dict[str, list]:
     """Run every job in one launch of `world_size` rank processes; returns each job's
-    per-rank results, in its rank order. A failing job fails the launch, naming the job."""
+    per-rank results, in its rank order. A failing job fails the launch, naming the job.
+
+    A job starts once its own ranks are done with their earlier jobs, not all ranks: a job
+    that reads what an earlier one wrote must share a rank with it, or follow a job that
+    does (a job on every rank waits for everything before it)."""
     placed = _place(world_size, jobs)
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(_worker, args=(world_size, placed, out_dir), nprocs=world_size, start_method="spawn")

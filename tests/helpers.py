@@ -1,4 +1,4 @@
-"""What many tests share: the tiny model's run arguments, free ports, the whole weights of a
+"""What many tests share: the tiny model's run arguments, rendezvous ports, the whole weights of a
 sharded model, small Hugging Face folders and a trained tiny run.
 
 Plain functions rather than fixtures: rank processes (spawned by tests.multiprocess, or
@@ -9,12 +9,12 @@ the expensive ones into shared fixtures.
 
 import dataclasses
 import logging
-import socket
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 from safetensors import safe_open
+from torch.distributed import TCPStore
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -96,22 +96,39 @@ def tiny_args(overrides: dict[str, object] | None = None) -> list[str]:
     return args
 
 
+# Ranks started by the tests find each other through a TCPStore that the test process hosts,
+# as torchrun's agent hosts one for its workers. The store listens on a port the kernel picks
+# (port 0) from before the ranks start until the test session ends, so nothing else can take
+# that port in between: a port merely found free, and bound by rank 0 minutes later, can be
+# (EADDRINUSE under load). With TORCHELASTIC_USE_AGENT_STORE=True, torch's env:// rendezvous
+# makes every rank, rank 0 included, a client of the store at MASTER_ADDR:MASTER_PORT
+# (torch/distributed/rendezvous.py, _create_c10d_store), so titanlite's own
+# init_process_group needs nothing else.
+AGENT_STORE = {"MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+_hosted_stores: list[TCPStore] = []  # alive while the session is: their ports stay taken
+
+
+def rendezvous_ports(count: int) -> list[int]:
+    """The ports of `count` new process-group stores hosted by this process, one per
+    init_process_group to come (a new default group on a used store would read the last
+    one's keys). The ranks need AGENT_STORE in their environment (run_on_ranks sets it)."""
+    stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(count)]
+    _hosted_stores.extend(stores)
+    return [store.port for store in stores]
+
+
+def rendezvous_env() -> dict[str, str]:
+    """What a set of rank processes needs to join one process group: AGENT_STORE and the
+    port of a store hosted here."""
+    return {**AGENT_STORE, "MASTER_PORT": str(rendezvous_ports(1)[0])}
+
+
+# The names older tests use: the ports they give their ranks are hosted stores now.
+free_ports = rendezvous_ports
+
+
 def free_port() -> int:
-    """A TCP port no process listens on right now, for a process group's MASTER_PORT."""
-    return free_ports(1)[0]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct free ports: the sockets stay open until all are bound, so the
-    kernel cannot hand out one port twice."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+    return rendezvous_ports(1)[0]
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

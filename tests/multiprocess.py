@@ -1,45 +1,124 @@
-"""Run a function on N CPU ranks (gloo) with torch.multiprocessing, and collect what each returns.
+"""Run functions on N CPU ranks (gloo) with torch.multiprocessing, and collect what each returns.
 
 Ranks are real processes joined by a real process group, started the way torchrun
-would start them (RANK / WORLD_SIZE / MASTER_* in the environment).
+would start them (RANK / WORLD_SIZE / MASTER_* in the environment), and, as torchrun's
+workers do, they meet at a store their launcher (this test process) hosts: see
+tests.helpers.rendezvous_ports.
+
+Starting rank processes (each imports torch) costs seconds; run_jobs_on_ranks runs many
+small jobs in one launch, each in a process group of its own.
 """
 
+import copy
 import os
 import tempfile
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
-from tests.helpers import free_port
+from tests.helpers import AGENT_STORE, rendezvous_ports
 from titanlite.parallel import exit_process
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+class Job(NamedTuple):
+    """fn(*args) on `world_size` ranks, as if launched alone: they see RANK 0..world_size-1."""
+
+    world_size: int
+    fn: Callable
+    args: tuple = ()
+
+
+class _Placed(NamedTuple):
+    name: str
+    job: Job
+    first_rank: int  # the launch's ranks first_rank .. first_rank + world_size - 1 run it
+    port: int  # its own store: each job starts a new default process group
+
+
+def _place(world_size: int, jobs: dict[str, Job]) -> list[_Placed]:
+    """Each job on a block of consecutive ranks, smaller jobs side by side on the block
+    with the fewest jobs yet. Every rank takes its jobs in this list's order, so the ranks
+    of a job always meet (no rank waits for a job that another rank has queued later)."""
+    load = [0] * world_size
+    placed = []
+    ports = rendezvous_ports(len(jobs))
+    for (name, job), port in zip(jobs.items(), ports, strict=True):
+        if world_size % job.world_size:
+            raise ValueError(f"job {name!r}: {job.world_size} rank(s) do not divide a launch of {world_size}")
+        blocks = range(0, world_size, job.world_size)
+        first = min(blocks, key=lambda start: max(load[start : start + job.world_size]))
+        for rank in range(first, first + job.world_size):
+            load[rank] += 1
+        placed.append(_Placed(name, job, first, port))
+    return placed
+
+
+# How long a job's ranks wait for each other before the job starts: up to the time of the
+# jobs its other ranks have queued before it (a peer that dies ends the launch anyway).
+MEET_TIMEOUT = timedelta(minutes=30)
+
+
+def _meet(port: int, world_size: int) -> None:
+    """Wait until the job's `world_size` ranks have all come to its store, so that the
+    trainer's process-group timeout (comm.init_timeout_seconds) does not also count the
+    time some ranks spent on earlier jobs."""
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=MEET_TIMEOUT)
+    if store.add("job_ranks_arrived", 1) == world_size:
+        store.set("job_ranks_all_here", "1")
+    store.wait(["job_ranks_all_here"])
+
+
+def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> None:
     # Ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    result = fn(*args)
-    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    results = {}
+    for name, job, first, port in placed:
+        if not first <= rank < first + job.world_size:
+            continue
+        job_rank = rank - first
+        os.environ.update(
+            RANK=str(job_rank),
+            LOCAL_RANK=str(job_rank),
+            WORLD_SIZE=str(job.world_size),
+            LOCAL_WORLD_SIZE=str(job.world_size),
+            MASTER_PORT=str(port),
+            **AGENT_STORE,
+        )
+        _meet(port, job.world_size)
+        try:
+            # A copy as the job left it: a later job must not change what it returned
+            # (a list a log handler of this job still appends to, say).
+            results[name] = copy.deepcopy(job.fn(*job.args))
+        except BaseException as error:
+            raise RuntimeError(f"job {name!r} failed on its rank {job_rank}") from error
+        if dist.is_initialized():  # the next job starts a default group of its own
+            dist.destroy_process_group()
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     exit_process(0)  # as train.py's ranks end: no interpreter teardown racing gloo's threads
+
+
+def run_jobs_on_ranks(world_size: int, jobs: dict[str, Job]) -> dict[str, list]:
+    """Run every job in one launch of `world_size` rank processes; returns each job's
+    per-rank results, in its rank order. A failing job fails the launch, naming the job.
+
+    A job starts once its own ranks are done with their earlier jobs, not all ranks: a job
+    that reads what an earlier one wrote must share a rank with it, or follow a job that
+    does (a job on every rank waits for everything before it)."""
+    placed = _place(world_size, jobs)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_worker, args=(world_size, placed, out_dir), nprocs=world_size, start_method="spawn")
+        per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    return {
+        name: [per_rank[rank][name] for rank in range(first, first + job.world_size)] for name, job, first, _ in placed
+    }
 
 
 def run_on_ranks(world_size: int, fn: Callable, *args) -> list:
     """Call fn(*args) on `world_size` ranks; returns the per-rank results, rank order."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), fn, args, out_dir),
-            nprocs=world_size,
-            start_method="spawn",
-            join=True,
-        )
-        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+    return run_jobs_on_ranks(world_size, {fn.__name__: Job(world_size, fn, args)})[fn.__name__]

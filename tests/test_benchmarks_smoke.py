@@ -114,3 +114,8 @@ def test_convert_quick_prints_every_row_and_the_ratios():
     assert memory.startswith("peak RSS / largest shard = "), lines
     for line in lines[-4:]:
         float(line.split(" = ")[1].split(";")[0].split()[0])
+
+
+def test_exit_aborts_counts_the_runs_of_an_ending():
+    (line,) = _run("exit_aborts.py", "--runs", "1", "--only", "exit_process")
+    assert line.startswith("exit_process: 0 aborts in 1 runs (0 other failures), "), line

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from tests.helpers import NoArgs, StepCounter, full_weights, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
 from titanlite.config import Checkpoint, parse_args
 from titanlite.train import SYNC_EVERY, Trainer
@@ -146,19 +146,31 @@ def _train_with_manager(manager, model, train_state, steps: int, after_each_save
 # --- 1. layout -------------------------------------------------------------------------
 
 
+def _step_folders(dump: str) -> list[str]:
+    return sorted(entry.name for entry in (Path(dump) / "checkpoint").iterdir())
+
+
 @pytest.fixture(scope="module")
-def two_rank_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("layout")
-    args = [
-        "--training.steps",
-        "4",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--job.dump_folder",
-        str(dump),
-    ]
-    return dump, run_on_ranks(2, _train_on_ranks, args)[0]
+def two_rank_runs(tmp_path_factory) -> dict:
+    """The module's 2-rank trainer runs, one launch: a plain run, and a model-only last
+    save followed by its resume, with the step folders listed in between."""
+    layout, model_only = tmp_path_factory.mktemp("layout"), tmp_path_factory.mktemp("model_only")
+    interval = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    common = ["--checkpoint.enable", "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
+    common += ["--job.dump_folder", str(model_only)]
+    jobs = {
+        "layout": Job(2, _train_on_ranks, (["--training.steps", "4", *interval, "--job.dump_folder", str(layout)],)),
+        "trained": Job(2, _train_on_ranks, (["--training.steps", "4", "--checkpoint.interval", "2", *common],)),
+        # Before the resume below writes its own (later) save.
+        "before_resume": Job(1, _step_folders, (str(model_only),)),
+        "resumed": Job(2, _train_on_ranks, (["--training.steps", "6", "--checkpoint.interval", "100", *common],)),
+    }
+    return {"layout_dump": layout, "model_only_dump": model_only, **run_jobs_on_ranks(2, jobs)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(two_rank_runs):
+    return two_rank_runs["layout_dump"], two_rank_runs["layout"][0]
 
 
 def test_two_rank_run_writes_complete_step_folders(two_rank_run):
@@ -402,21 +414,9 @@ def test_purge_interrupted_after_the_rename_is_cleaned_up_at_start_up(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model_only_run(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("model_only")
-    common = [
-        "--checkpoint.enable",
-        "--checkpoint.last_save_model_only",
-        "--checkpoint.export_dtype",
-        "bfloat16",
-        "--job.dump_folder",
-        str(dump),
-    ]
-    trained = run_on_ranks(2, _train_on_ranks, ["--training.steps", "4", "--checkpoint.interval", "2", *common])[0]
-    # Snapshot the folder before the resume below writes its own (later) save.
-    before_resume = sorted(entry.name for entry in (dump / "checkpoint").iterdir())
-    resumed = run_on_ranks(2, _train_on_ranks, ["--training.steps", "6", "--checkpoint.interval", "100", *common])[0]
-    return dump, trained, before_resume, resumed
+def model_only_run(two_rank_runs):
+    runs = two_rank_runs
+    return runs["model_only_dump"], runs["trained"][0], runs["before_resume"][0], runs["resumed"][0]
 
 
 def test_model_only_last_save_holds_bf16_weights_only(model_only_run):

@@ -8,9 +8,10 @@ bit for bit at the same layout, within 1e-5 at another world size. The reference
 change of world size is the uninterrupted single-process run; the parity tests show that
 every layout matches it within 1e-5.
 
-Starting processes costs seconds, so four module-scoped fixtures run every scenario of one
-world size in one set of processes, one Trainer (and process group) after another, and
-the tests compare what they returned:
+Starting processes costs seconds, so one launch of 4 processes runs every scenario, each
+a job on the ranks of its world size (tests.multiprocess.run_jobs_on_ranks), one Trainer
+(and process group) after another, and the tests compare what the four fixtures below
+return:
 
 * two_rank (FSDP over 2 ranks): the uninterrupted run, which saves every 2 steps; the
   same-layout resume for each async_mode; exclude_from_loading; load_step; initial_load_path.
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.checkpoint import complete_steps
 from titanlite.config import LRScheduler, parse_args
 from titanlite.optim import wsd_factor
@@ -355,36 +356,43 @@ def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> d
     return out
 
 
-# --- fixtures: one set of processes per world size -----------------------------------------
+# --- fixtures: every scenario in one launch of 4 processes ---------------------------------
 
 
 @pytest.fixture(scope="module")
-def two_rank(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("two_rank")
-    return dump, run_on_ranks(2, two_rank_worker, str(dump), free_ports(20))
-
-
-def fsdp2_step_folder(two_rank) -> str:
-    return str(two_rank[0] / "straight" / "checkpoint" / f"step-{SAVE_AT}")
-
-
-@pytest.fixture(scope="module")
-def four_rank(tmp_path_factory, two_rank):
-    dump = tmp_path_factory.mktemp("four_rank")
-    return dump, run_on_ranks(4, four_rank_worker, str(dump), free_ports(6), fsdp2_step_folder(two_rank))
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory, two_rank):
-    dump = tmp_path_factory.mktemp("single")
-    return dump, run_on_ranks(1, single_worker, str(dump), fsdp2_step_folder(two_rank))
+def launch(tmp_path_factory) -> dict:
+    """The four scenarios, as jobs of one launch; each job's dump folder and its results."""
+    dumps = {name: tmp_path_factory.mktemp(name) for name in ("two_rank", "four_rank", "single", "four_to_two")}
+    fsdp2_step_folder = str(dumps["two_rank"] / "straight" / "checkpoint" / f"step-{SAVE_AT}")
+    fsdp4_step_folder = str(dumps["four_rank"] / "fsdp4" / "checkpoint" / f"step-{SAVE_AT}")
+    jobs = {  # in dependency order: a job's ranks take it after their earlier ones
+        "two_rank": Job(2, two_rank_worker, (str(dumps["two_rank"]), free_ports(20))),
+        "four_rank": Job(4, four_rank_worker, (str(dumps["four_rank"]), free_ports(6), fsdp2_step_folder)),
+        "single": Job(1, single_worker, (str(dumps["single"]), fsdp2_step_folder)),
+        "four_to_two": Job(2, four_to_two_worker, (str(dumps["four_to_two"]), free_ports(4), fsdp4_step_folder)),
+    }
+    results = run_jobs_on_ranks(4, jobs)
+    return {name: (dumps[name], results[name]) for name in jobs}
 
 
 @pytest.fixture(scope="module")
-def four_to_two(tmp_path_factory, four_rank):
-    dump = tmp_path_factory.mktemp("four_to_two")
-    step_folder = str(four_rank[0] / "fsdp4" / "checkpoint" / f"step-{SAVE_AT}")
-    return dump, run_on_ranks(2, four_to_two_worker, str(dump), free_ports(4), step_folder)
+def two_rank(launch):
+    return launch["two_rank"]
+
+
+@pytest.fixture(scope="module")
+def four_rank(launch):
+    return launch["four_rank"]
+
+
+@pytest.fixture(scope="module")
+def single(launch):
+    return launch["single"]
+
+
+@pytest.fixture(scope="module")
+def four_to_two(launch):
+    return launch["four_to_two"]
 
 
 # --- checks ------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ and replicated over the other, or replicated over both, plus plain tensors every
 whole. Each rank adds up |g|^p of its own pieces divided by how many ranks hold the same
 piece; the sum over ranks must count every element once. A 2 x 2 mesh, so that a wrong
 replica count on either dimension shows.
+
+Both multi-rank runs are jobs of one launch (the `runs` fixture).
 """
 
 import math
@@ -16,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tests.helpers import tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from titanlite.train import Trainer
@@ -64,11 +66,18 @@ def norms_on_rank() -> dict:
     return report
 
 
-def test_grad_norm_counts_each_element_once():
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list]:
+    dump = str(tmp_path_factory.mktemp("tp_gradients"))
+    jobs = {"norms": Job(4, norms_on_rank), "tp gradients": Job(2, tensor_parallel_gradients_after_clipping, (dump,))}
+    return run_jobs_on_ranks(4, jobs)
+
+
+def test_grad_norm_counts_each_element_once(runs):
     every_element = torch.cat([g.flatten() for g in full_gradients()])
     expected = {p: torch.linalg.vector_norm(every_element, p).item() for p in NORM_TYPES}
     assert expected[math.inf] == 6.0
-    for report in run_on_ranks(4, norms_on_rank):  # every rank gets the same norm
+    for report in runs["norms"]:  # every rank gets the same norm
         for p in NORM_TYPES:
             assert report[p] == pytest.approx(expected[p], rel=1e-6), p
         assert report["without_division_2"] > 1.2 * expected[2.0]
@@ -94,11 +103,11 @@ def tensor_parallel_gradients_after_clipping(dump: str) -> dict:
     return layouts
 
 
-def test_tensor_parallel_gradients_end_in_their_parameters_layout(tmp_path):
+def test_tensor_parallel_gradients_end_in_their_parameters_layout(runs):
     # Without FSDP, TP leaves the norms' gradients as partial sums and the vocabulary-split
     # embedding's gradient whole; the optimizer must see them laid out like the parameters,
     # and the whole embedding gradient must not stay alive behind a slice.
-    layouts = run_on_ranks(2, tensor_parallel_gradients_after_clipping, str(tmp_path))[0]
+    layouts = runs["tp gradients"][0]
     assert "tok_embeddings.weight" in layouts and "layers.0.attention_norm.weight" in layouts
     for name, layout in layouts.items():
         assert all(layout.values()), (name, layout)

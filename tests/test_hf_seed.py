@@ -4,6 +4,8 @@ The folder is a randomly initialised transformers Llama of the tiny test shape, 
 several safetensors shards. A single process seeded from it must reproduce transformers'
 own logits; 2 and 4 ranks, each reading only its own slices, must hold exactly the same
 weights and take the same first step as the single process.
+
+Every multi-rank run of the module is a job of one 4-rank launch (the `runs` fixture).
 """
 
 import os
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, full_weights, save_hf_llama, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import local_box
 from titanlite.config import ConfigError, parse_args
@@ -63,8 +65,8 @@ def seed_and_train(hf_dir: str, extra: list[str]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(hf_folder) -> dict:
-    return run_on_ranks(1, seed_and_train, str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
+def single(runs) -> dict:
+    return runs["single"][0]
 
 
 def test_single_process_matches_transformers(hf_folder, single):
@@ -88,9 +90,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_ranks_seed_like_one_process(hf_folder, single, layout):
-    world_size, args = LAYOUTS[layout]
-    runs = run_on_ranks(world_size, seed_and_train, str(hf_folder), args)
+def test_ranks_seed_like_one_process(runs, single, layout):
+    world_size = LAYOUTS[layout][0]
+    runs = runs[layout]
     for run in runs:
         for name, value in single["seeded"].items():
             assert torch.equal(run["seeded"][name], value), name
@@ -169,9 +171,18 @@ def seed_from_per_rank_folder(folders: list[str]) -> str:
     return "no error"
 
 
-def test_ranks_reading_different_weights_all_stop(hf_folder, tmp_path):
-    # Same shapes, names and files, other values: what a stale copy on one node looks like.
-    other = save_hf_llama(tmp_path / "other", seed=2)
-    errors = run_on_ranks(2, seed_from_per_rank_folder, [str(hf_folder), str(other)])
-    for error in errors:
+def test_ranks_reading_different_weights_all_stop(runs):
+    for error in runs["different weights"]:
         assert "the ranks read different files" in error, error
+
+
+@pytest.fixture(scope="module")
+def runs(hf_folder, tmp_path_factory) -> dict[str, list]:
+    # Same shapes, names and files, other values: what a stale copy on one node looks like.
+    other = save_hf_llama(tmp_path_factory.mktemp("other") / "llama", seed=2)
+    jobs = {
+        "single": Job(1, seed_and_train, (str(hf_folder), [f"--training.local_batch_size={GLOBAL_BATCH}"])),
+        **{name: Job(n, seed_and_train, (str(hf_folder), args)) for name, (n, args) in LAYOUTS.items()},
+        "different weights": Job(2, seed_from_per_rank_folder, ([str(hf_folder), str(other)],)),
+    }
+    return run_jobs_on_ranks(4, jobs)

@@ -3,6 +3,7 @@ config mistake that must stop in the single-process preflight, before torchrun s
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -105,16 +106,40 @@ ALLOC_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP
 
 def _fake_commands(tmp_path: Path, **scripts: str) -> tuple[Path, Path]:
     """A folder of fake commands (name -> bash body) to put first on PATH, and the folder
-    they record into (RECORD in their environment). `python` is this interpreter."""
+    they record into (RECORD in their environment). `python` is this interpreter, started
+    by its own path: a link to it elsewhere would lose a virtual environment, which Python
+    finds from the folder its executable's path names (pyvenv.cfg beside it)."""
     bin_dir, record = tmp_path / "bin", tmp_path / "record"
     bin_dir.mkdir()
     record.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    scripts = {"python": f'exec {shlex.quote(sys.executable)} "$@"\n', **scripts}
     for name, body in scripts.items():
         path = bin_dir / name
         path.write_text("#!/usr/bin/env bash\n" + body)
         path.chmod(0o755)
     return bin_dir, record
+
+
+def test_the_fake_python_runs_in_the_callers_virtual_environment(tmp_path, monkeypatch):
+    """Tests run from a virtual environment (the README's setup) find torch only there: the
+    fake `python` the launcher scripts call must be that environment, not the Python it was
+    made from."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    venv_python = venv / "bin" / "python"
+    purelib = subprocess.run(
+        [str(venv_python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    (Path(purelib) / "only_in_this_venv.py").write_text("")  # as torch is in the user's venv only
+    monkeypatch.setattr(sys, "executable", str(venv_python))  # as if the tests ran from the venv
+
+    bin_dir, _ = _fake_commands(tmp_path)
+
+    result = subprocess.run([str(bin_dir / "python"), "-c", "import only_in_this_venv"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
 
 
 def _env_file(path: Path) -> dict[str, str]:

@@ -1,6 +1,8 @@
 """Metrics of a real training run: TensorBoard and JSONL agree, the derived numbers
 follow from tokens/s, validation and profiling write where the docs say, and the
-start-up diagnostics describe the sharding that was really built."""
+start-up diagnostics describe the sharding that was really built.
+
+The 2-rank runs are jobs of one launch (the `two_rank` fixture)."""
 
 import contextlib
 import io
@@ -17,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, capture_log_lines, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite import metrics
 from titanlite.config import parse_args
 from titanlite.metrics import tags
@@ -151,8 +153,8 @@ def diagnose_two_ranks(dump: str) -> dict:
     return {"units": units, "local_bytes": local_bytes, "lines": captured.lines, "stdout": stdout.getvalue()}
 
 
-def test_two_rank_diagnostics(tmp_path):
-    ranks = run_on_ranks(2, diagnose_two_ranks, str(tmp_path))
+def test_two_rank_diagnostics(two_rank):
+    ranks = two_rank["diagnostics"]
     expected_units = ["<root>"] + [f"layers.{i}" for i in range(TINY.n_layers)]
     model_bytes = sum(p.numel() * 4 for p in Transformer(TINY).parameters())
     assert sum(rank["local_bytes"] for rank in ranks) == model_bytes
@@ -166,7 +168,7 @@ def test_two_rank_diagnostics(tmp_path):
     assert any("after forward" in line and "after optimizer" in line for line in ranks[0]["lines"])
     # Each rank logged its own metrics, and the max loss is one of the ranks' own means.
     for rank_id in range(2):
-        (jsonl,) = tmp_path.glob(f"metrics/*/rank_{rank_id}/metrics.jsonl")
+        (jsonl,) = two_rank["dump"].glob(f"metrics/*/rank_{rank_id}/metrics.jsonl")
         lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
         assert [line["step"] for line in lines] == [1, 2]
         assert all(line[tags.MAX_LOSS] >= line[tags.LOSS] for line in lines)
@@ -179,8 +181,8 @@ def tensor_parallel_start_up(dump: str) -> list[str]:
     return captured.lines
 
 
-def test_tensor_parallel_start_up_shows_the_split(tmp_path):
-    lines = run_on_ranks(2, tensor_parallel_start_up, str(tmp_path))[0]
+def test_tensor_parallel_start_up_shows_the_split(two_rank):
+    lines = two_rank["tensor parallel"][0]
     assert any("strategy=TP" in line and "tensor_parallel=2" in line and "loss_parallel=True" in line for line in lines)
     (shards,) = [line for line in lines if line.startswith("parameter shards of block 0 on rank 0: ")]
     dim, hidden = TINY.dim, TINY.ffn_hidden_dim
@@ -208,6 +210,17 @@ def shard_root_only() -> list[str]:
     return captured.lines
 
 
-def test_a_wrap_that_matched_nothing_is_flagged():
-    lines = run_on_ranks(2, shard_root_only)[0]
+def test_a_wrap_that_matched_nothing_is_flagged(two_rank):
+    lines = two_rank["root only"][0]
     assert any("SHARDING PROBLEM: only 1 FSDP unit(s) for a model of 3 blocks" in line for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory) -> dict:
+    dump = tmp_path_factory.mktemp("two_rank")
+    jobs = {
+        "diagnostics": Job(2, diagnose_two_ranks, (str(dump / "diagnostics"),)),
+        "tensor parallel": Job(2, tensor_parallel_start_up, (str(dump / "tensor_parallel"),)),
+        "root only": Job(2, shard_root_only),
+    }
+    return {"dump": dump / "diagnostics", **run_jobs_on_ranks(4, jobs)}

@@ -5,9 +5,11 @@ Each run trains the same tiny model from the same seed on the same global batche
 of FSDP, HSDP, DDP, SHARD_GRAD_OP, tensor parallelism (alone, with FSDP and with DDP; with
 and without sequence and loss parallel), gradient accumulation, activation checkpointing
 and compile must equal a single process without any FSDP.
-"""
 
-import functools
+Every run of the module is a job of one launch of 4 rank processes (RUNS, the `runs`
+fixture): starting processes costs more than training the tiny model, and jobs of 1 or 2
+ranks run side by side on blocks of those 4.
+"""
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, full_weights, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.models.llama.model import Attention
 from titanlite.parallel import clip_grad_norm_
@@ -52,14 +54,11 @@ def train_and_report(extra_args: list[str]) -> dict:
     }
 
 
-@functools.cache
-def reference() -> dict:
-    """A single process, no FSDP, the whole global batch in one micro-batch."""
-    return run_on_ranks(1, train_and_report, [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
+REFERENCE = Job(1, train_and_report, ([f"--training.local_batch_size={GLOBAL_BATCH}"],))
+"""A single process, no FSDP, the whole global batch in one micro-batch."""
 
 
-def assert_same_training(run: dict, rtol: float) -> None:
-    ref = reference()
+def assert_same_training(run: dict, ref: dict, rtol: float) -> None:
     assert len(run["loss"]) == len(ref["loss"]) == STEPS
     torch.testing.assert_close(torch.tensor(run["loss"]), torch.tensor(ref["loss"]), rtol=rtol, atol=0)
     torch.testing.assert_close(torch.tensor(run["grad_norm"]), torch.tensor(ref["grad_norm"]), rtol=rtol, atol=0)
@@ -72,9 +71,9 @@ def assert_same_training(run: dict, rtol: float) -> None:
         torch.testing.assert_close(run["params"][name], value, rtol=0, atol=rtol, msg=name)
 
 
-def test_reference_learns():
+def test_reference_learns(runs):
     # Guards the comparisons below: a run whose loss does not move would match trivially.
-    ref = reference()
+    ref = runs["reference"][0]
     assert ref["loss"][-1] < ref["loss"][0] - 0.1
     assert all(norm > 0.5 for norm in ref["grad_norm"])  # clipping at 0.5 really acts
 
@@ -116,11 +115,9 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_layout_matches_single_process(layout):
-    world_size, extra = LAYOUTS[layout]
-    runs = run_on_ranks(world_size, train_and_report, extra)
-    for rank_run in runs:  # every rank must agree, not only rank 0
-        assert_same_training(rank_run, rtol=1e-5)
+def test_layout_matches_single_process(runs, layout):
+    for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
 
 
 COMPILED_LAYOUTS = {
@@ -130,12 +127,13 @@ COMPILED_LAYOUTS = {
 }
 
 
+COMPILE = ["--compile.enable", "--compile.components=model,loss"]
+
+
 @pytest.mark.parametrize("layout", COMPILED_LAYOUTS)
-def test_compile_matches_single_process(layout):
-    world_size, extra = COMPILED_LAYOUTS[layout]
-    runs = run_on_ranks(world_size, train_and_report, [*extra, "--compile.enable", "--compile.components=model,loss"])
-    for rank_run in runs:
-        assert_same_training(rank_run, rtol=1e-4)
+def test_compile_matches_single_process(runs, layout):
+    for rank_run in runs[f"compiled {layout}"]:
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-4)
 
 
 # --- the global grad norm -------------------------------------------------------------
@@ -161,10 +159,9 @@ def grad_norms_after_one_backward(extra_args: list[str]) -> dict:
     return norms
 
 
-def test_global_grad_norm_equals_single_process():
-    single = run_on_ranks(1, grad_norms_after_one_backward, [f"--training.local_batch_size={GLOBAL_BATCH}"])[0]
-    sharded = run_on_ranks(4, grad_norms_after_one_backward, ["--training.local_batch_size=2"])
-    for rank_norms in sharded:
+def test_global_grad_norm_equals_single_process(runs):
+    single = runs["grad norms 1"][0]
+    for rank_norms in runs["grad norms 4"]:
         assert rank_norms["2"] == pytest.approx(single["2"], rel=1e-5)
         assert rank_norms["inf"] == pytest.approx(single["inf"], rel=1e-5)
         # A shard's own norm is visibly smaller: the test would catch a local-only norm.
@@ -193,8 +190,8 @@ def sharding_report(extra_args: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_parameters_are_sharded(world_size):
-    reports = run_on_ranks(world_size, sharding_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])
+def test_parameters_are_sharded(runs, world_size):
+    reports = runs[f"sharding {world_size}"]
     total = reports[0]["total_bytes"]
     # torch.chunk gives each rank ceil(rows / world) rows or fewer: at most one row of
     # each parameter separates a rank's share from the exact 1/world.
@@ -233,10 +230,8 @@ def precision_report(extra_args: list[str]) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_bf16_compute_with_fp32_master_weights(world_size):
-    report = run_on_ranks(world_size, precision_report, [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"])[
-        0
-    ]
+def test_bf16_compute_with_fp32_master_weights(runs, world_size):
+    report = runs[f"bf16 {world_size}"][0]
     assert report["matmul_output"] == "torch.bfloat16"
     if world_size > 1:  # FSDP gathers the parameters in bf16; a single process autocasts
         assert report["matmul_weight"] == "torch.bfloat16"
@@ -244,7 +239,7 @@ def test_bf16_compute_with_fp32_master_weights(world_size):
     assert report["optimizer_state"] == ["torch.float32"]
     assert torch.isfinite(torch.tensor([report["loss"], report["grad_norm"]])).all()
     # bf16 compute stays close to the float32 reference's first step.
-    assert report["loss"] == pytest.approx(reference()["loss"][0], rel=2e-2)
+    assert report["loss"] == pytest.approx(runs["reference"][0]["loss"][0], rel=2e-2)
 
 
 # --- the RoPE tables stay float32 on every layout -------------------------------------
@@ -279,14 +274,42 @@ ROPE_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", ROPE_LAYOUTS)
-def test_rope_tables_reach_attention_in_float32(layout):
+def test_rope_tables_reach_attention_in_float32(runs, layout):
     # FSDP casts a block's floating-point forward arguments to the param dtype unless told
     # not to; the tables are such arguments, and bf16 keeps 8 significant bits of each value.
-    world_size, extra = ROPE_LAYOUTS[layout]
-    for report in run_on_ranks(world_size, rope_table_dtypes, extra):
+    reports = runs[f"rope {layout}"]
+    for report in reports:
         assert report["n_attentions"] == TINY.n_layers
         assert report["cos"] == report["sin"] == ["torch.float32"]
-        if world_size > 1:
+        if len(reports) > 1:
             # bf16 compute still reaches attention without that cast: the hidden state is
             # bf16 from the embedding on, whose weight FSDP gathers in bf16.
             assert report["x"] == ["torch.bfloat16"]
+
+
+# --- every run above, in one launch ---------------------------------------------------
+
+
+def batch_per_rank(world_size: int) -> list[str]:
+    return [f"--training.local_batch_size={GLOBAL_BATCH // world_size}"]
+
+
+RUNS = {
+    # Compiling is the slowest job: first, so that its ranks do not wait for it at the end.
+    **{
+        f"compiled {name}": Job(n, train_and_report, ([*extra, *COMPILE],))
+        for name, (n, extra) in COMPILED_LAYOUTS.items()
+    },
+    "reference": REFERENCE,
+    **{f"layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in LAYOUTS.items()},
+    "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
+    "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),
+    **{f"sharding {n}": Job(n, sharding_report, (batch_per_rank(n),)) for n in (2, 4)},
+    **{f"bf16 {n}": Job(n, precision_report, (batch_per_rank(n),)) for n in (1, 2)},
+    **{f"rope {name}": Job(n, rope_table_dtypes, (extra,)) for name, (n, extra) in ROPE_LAYOUTS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    return run_jobs_on_ranks(4, RUNS)

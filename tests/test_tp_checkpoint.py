@@ -7,7 +7,8 @@ rows over tp and then by FSDP's strided shard over dp_shard, row-wise ones by co
 tp and rows over dp_shard, norms only over dp_shard. The reference is the uninterrupted
 single-process run; TP's parity tests show that every layout matches it within 1e-5.
 
-Two sets of processes, each running one Trainer after another:
+Two jobs of one launch of 4 processes (tests.multiprocess.run_jobs_on_ranks), each running
+one Trainer after another:
 
 * four_rank: the uninterrupted TP2 x FSDP2 run, saving after steps 4 and 8; an FSDP-4 run
   saved after step 4; the TP2 x FSDP2 step-4 checkpoint resumed on FSDP 4 and on TP 2 x DDP 2
@@ -27,7 +28,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import TINY, free_ports, full_tensor, full_weights, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     GLOBAL_BATCH,
     SAVE_AT,
@@ -174,15 +175,26 @@ def resume_copy(session: Session, source_dump: str, target: str, dump: str) -> d
 
 
 @pytest.fixture(scope="module")
-def four_rank(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("tp_four_rank")
-    return dump, run_on_ranks(4, four_rank_worker, str(dump), free_ports(6))
+def launch(tmp_path_factory) -> dict:
+    """Both sets of runs as jobs of one launch of 4 processes, the single process's after
+    the 4 ranks' (it resumes their checkpoint)."""
+    four, one = tmp_path_factory.mktemp("tp_four_rank"), tmp_path_factory.mktemp("tp_single")
+    jobs = {
+        "four_rank": Job(4, four_rank_worker, (str(four), free_ports(6))),
+        "single": Job(1, single_worker, (str(one), str(four / "tp2_fsdp2"))),
+    }
+    results = run_jobs_on_ranks(4, jobs)
+    return {"four_rank": (four, results["four_rank"]), "single": (one, results["single"])}
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, four_rank):
-    dump = tmp_path_factory.mktemp("tp_single")
-    return dump, run_on_ranks(1, single_worker, str(dump), str(four_rank[0] / "tp2_fsdp2"))
+def four_rank(launch):
+    return launch["four_rank"]
+
+
+@pytest.fixture(scope="module")
+def single(launch):
+    return launch["single"]
 
 
 # --- checks ------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tests.helpers import free_port, tiny_args
+from tests.helpers import rendezvous_env, tiny_args
 from titanlite import train
 from titanlite.checkpoint import manager
 from titanlite.checkpoint.load import load_model
@@ -317,8 +317,7 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
     env = {
         **os.environ,
         "WORLD_SIZE": str(config.world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        **rendezvous_env(),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
     }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port, tiny_args
+from tests.helpers import rendezvous_env, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 # Every rank runs the real entry point; rank 1 stops answering during step 3, after noting
@@ -97,8 +97,7 @@ def start_ranks(tmp_path: Path, world_size: int, args: list[str], hang_in: str):
     env = {
         **os.environ,
         "WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        **rendezvous_env(),
         "PYTHONPATH": str(REPO),
         "OMP_NUM_THREADS": "1",
         "HANG_IN": hang_in,

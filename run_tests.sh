@@ -2,15 +2,20 @@
 # Run the test suite; arguments go to pytest (default: every test under tests/).
 #   ./run_tests.sh
 #   ./run_tests.sh tests/test_config.py -k toml -x
+#   TEST_WORKERS=0 ./run_tests.sh ...   # one process (pytest-xdist off), e.g. for pdb
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
 
 # Checked from / so that the checkout itself (the current folder) does not count as installed.
 # pyproject.toml pins torch, so this install cannot replace the torch build already present.
-if ! (cd / && "$PYTHON" -c "import pytest, tokenizers, transformers, coverage, titanlite") >/dev/null 2>&1; then
+if ! (cd / && "$PYTHON" -c "import pytest, xdist, tokenizers, transformers, coverage, titanlite") >/dev/null 2>&1; then
     echo "run_tests.sh: installing titanlite with its test extras (pip install -e \".[test]\")"
     "$PYTHON" -m pip install -e ".[test]"
 fi
 
-exec "$PYTHON" -m pytest "$@"
+# Two pytest workers by default: the multi-rank tests spend much of their time starting
+# processes and waiting at rendezvous, so one worker leaves a core of a 2-core machine idle
+# (measured in docs/performance.md). --dist loadfile keeps a module's tests in one worker, so a
+# module's one launch of ranks (run_jobs_on_ranks) and its fixtures run once.
+exec "$PYTHON" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

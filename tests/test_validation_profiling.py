@@ -18,13 +18,13 @@ from tests.multiprocess import run_on_ranks
 from titanlite import profiling as profiling_module
 from titanlite.config import parse_args
 from titanlite.config.job_config import Profiling, Validation
-from titanlite.data import ByteTokenizer
+from titanlite.data import ByteTokenizer, build_documents
 from titanlite.data.sources import python_stdlib_documents, stdlib_split_files
 from titanlite.loss import cross_entropy_sum
 from titanlite.profiling import Profiler, profiler_context
 from titanlite.train import Trainer
 from titanlite.trainer_setup import build_run_validator
-from titanlite.validation import Validator, build_validation_documents, build_validator, count_windows
+from titanlite.validation import VALIDATION_SPLIT, Validator, build_validator, count_windows, open_held_out
 
 SEQ_LEN = 32
 TRAIN_ARGS = tiny_args(
@@ -94,8 +94,13 @@ def hand_loss(model: torch.nn.Module, documents: list[str], seq_len: int, window
 # --------------------------------------------------------------------------- single process
 
 
+def raw_held_out(validation: Validation):
+    """The validator's window source for a raw held-out section (tokenized as it is read)."""
+    return open_held_out(validation, ByteTokenizer(), SEQ_LEN, hf_assets_path=None, cache_folder="unused")
+
+
 def test_held_out_fixture_has_the_intended_shape(held_out_path):
-    documents = build_validation_documents(text_validation(held_out_path))
+    documents = raw_held_out(text_validation(held_out_path)).documents
     assert count_windows(documents, ByteTokenizer(), SEQ_LEN) == HELD_OUT_WINDOWS
     assert count_windows(documents, ByteTokenizer(), SEQ_LEN, limit=4) == 4
 
@@ -155,16 +160,16 @@ def test_python_stdlib_validation_split_is_held_out():
     assert train_files and validation_files
     assert not set(train_files) & set(validation_files)
     # The validator reads exactly that split.
-    documents = build_validation_documents(Validation(enable=True))
+    documents = build_documents("python_stdlib", None, split=VALIDATION_SPLIT)
     assert list(documents()) == list(python_stdlib_documents("validation"))
 
 
 def test_configuration_errors_name_the_key(tmp_path, held_out_path):
     with pytest.raises(ValueError, match=r"^validation\.dataset 'text': dataset_path is required"):
-        build_validation_documents(Validation(enable=True, dataset="text"))
+        raw_held_out(Validation(enable=True, dataset="text"))
     missing = tmp_path / "missing"
     with pytest.raises(ValueError, match=rf"^validation\.dataset_path {missing}: no such file"):
-        build_validation_documents(Validation(enable=True, dataset="text", dataset_path=str(missing)))
+        raw_held_out(Validation(enable=True, dataset="text", dataset_path=str(missing)))
     common = dict(
         tokenizer=ByteTokenizer(), training_seq_len=SEQ_LEN, training_local_batch_size=2, loss_fn=cross_entropy_sum
     )

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config.job_config import Data
-from titanlite.data import DataLoader, PreparedWindows, StreamWindows, build_documents, open_windows, parse_mixture
+from titanlite.data import DataLoader, PreparedWindows, StreamWindows, open_windows, parse_mixture
 
 logger = logging.getLogger(__name__)
 
@@ -55,19 +55,6 @@ def _with_validation_key(error: ValueError) -> ValueError:
     if message.startswith(("validation", "data.")):  # already names its key
         return ValueError(message)
     return ValueError("validation dataset: " + message)
-
-
-def build_validation_documents(validation_config) -> DocumentSource:
-    """The held-out documents of a raw ``Validation`` config section.
-
-    python_stdlib reads its built-in "validation" split (disjoint from the training split),
-    huggingface reads the "validation" split of ``dataset_path`` and text reads the files at
-    ``dataset_path``. Errors are one-line ValueErrors naming the ``validation.`` key.
-    """
-    try:
-        return build_documents(validation_config.dataset, validation_config.dataset_path, split=VALIDATION_SPLIT)
-    except ValueError as error:
-        raise _with_validation_key(error) from None
 
 
 def validation_seq_len(validation_config, training_seq_len: int) -> int:

@@ -10,11 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = ("gpu_check.py", "gpu_mfu.py", "checkpoint_stall.py")
-CUDA_ONLY = "# cuda-only"  # gpu_check.CUDA_ONLY, which this process does not import
+CUDA_ONLY = "# cuda-only"  # gpu_check.CUDA_ONLY, kept apart so the coverage run stays the first import
 
 
 def run_under_coverage(tmp_path: Path) -> dict:
@@ -65,3 +68,17 @@ def test_dry_runs_execute_every_line_not_marked_cuda_only(tmp_path):
         mislabelled += [f"benchmarks/{script}:{number}" for number in ran if source[number - 1].endswith(CUDA_ONLY)]
     assert not unexecuted, "lines the CPU dry runs never executed:\n" + "\n".join(unexecuted)
     assert not mislabelled, f"lines marked {CUDA_ONLY!r} that ran on the CPU: {mislabelled}"
+
+
+def test_host_sync_count_takes_the_sync_warnings_alone(monkeypatch):
+    """Enabling the sync debug mode prints a one-time notice that is no sync: the first run
+    on an H200 counted it as one."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import gpu_check
+
+    syncs = []
+    with gpu_check.counting_host_syncs(torch.device("cpu"), syncs):
+        notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing ops"
+        warnings.warn(notice, stacklevel=1)
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+    assert syncs == ["called a synchronizing CUDA operation"]

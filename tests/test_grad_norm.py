@@ -111,3 +111,15 @@ def test_tensor_parallel_gradients_end_in_their_parameters_layout(runs):
     assert "tok_embeddings.weight" in layouts and "layers.0.attention_norm.weight" in layouts
     for name, layout in layouts.items():
         assert all(layout.values()), (name, layout)
+
+
+def test_cpu_norm_of_a_large_gradient_does_not_depend_on_its_split():
+    """A layout that splits a gradient must measure the same norm as one that does not: on
+    CPU a float32 sum of 4 M squares is about 1e-4 off, by an amount that changes with the
+    split (FSDP 2 against one process read 1e-4 apart on the debug model)."""
+    gradient = torch.randn(4 * 1024 * 1024, generator=torch.Generator().manual_seed(0))
+    exact = gradient.double().norm().item()
+    whole = total_grad_norm([gradient]).item()
+    halves = total_grad_norm(list(gradient.chunk(2))).item()
+    assert whole == pytest.approx(exact, rel=1e-7)
+    assert halves == pytest.approx(whole, rel=1e-7)

@@ -34,7 +34,13 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
     if not grads:
         return torch.zeros(())
     local = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in grads]
-    norms = torch._foreach_norm(local, norm_type)
+    # CPU kernels add a tensor's squares one after another in the output's dtype: in float32
+    # the norm of a 4 M-element gradient comes out about 1e-4 low, and a layout that splits
+    # the tensor rounds differently from one that does not (FSDP 2 against one process read
+    # 1e-4 apart). Summed in float64 both agree to float32's last bit. CUDA's kernel sums in a
+    # tree and is accurate in float32; bf16 gradients are measured in float32 either way.
+    accumulate = torch.float64 if local[0].device.type == "cpu" else torch.float32
+    norms = torch._foreach_norm(local, norm_type, dtype=accumulate)
     if math.isinf(norm_type):
         total = torch.stack(norms).max().float()
         if dist.is_initialized():
@@ -42,10 +48,10 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
         return total
     # Python numbers, not a tensor: nothing is copied to the device for them.
     powered = torch._foreach_div(torch._foreach_pow(norms, norm_type), [float(_copies(grad)) for grad in grads])
-    total = torch.stack(powered).sum().float()
+    total = torch.stack(powered).sum()
     if dist.is_initialized():
         dist.all_reduce(total)
-    return total.pow(1.0 / norm_type)
+    return total.pow(1.0 / norm_type).float()
 
 
 def _grads_in_parameter_layout(parameters: list[torch.nn.Parameter]) -> None:

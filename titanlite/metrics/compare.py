@@ -274,7 +274,12 @@ def summary_lines(c: Comparison) -> list[str]:
     lines = []
     for metric in (c.loss, c.grad_norm):
         if metric.rows:
-            lines.append(f"largest {metric.name} difference: {metric.max_abs_diff:.3e} at step {metric.max_diff_step}")
+            beyond = f"first beyond tolerance at step {metric.first_beyond}"
+            if metric.equal:
+                beyond = "within tolerance at every step"
+            lines.append(
+                f"{metric.name}: largest difference {metric.max_abs_diff:.3e} at step {metric.max_diff_step}, {beyond}"
+            )
     if c.equal:
         lines.append(f"equal within tolerance ({_tolerance(c)}) at all {len(c.steps)} steps")
     else:

@@ -387,6 +387,7 @@ def plot(comparison, path: str, labels: tuple[str, str]) -> None:
 
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib import pyplot
+    from matplotlib.ticker import MaxNLocator
 
     rows = comparison.loss.rows
     steps = [r.step for r in rows]
@@ -399,6 +400,7 @@ def plot(comparison, path: str, labels: tuple[str, str]) -> None:
     difference.axhline(0, color="gray", linewidth=0.5)
     difference.set_ylabel("loss B - A")
     difference.set_xlabel("step")
+    difference.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, not 2.5
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)

@@ -23,7 +23,6 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
 from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
-from titanlite.data import tokenizer_file
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
 from titanlite.loss import cross_entropy_sum, global_loss
 from titanlite.metrics import tags
@@ -201,16 +200,7 @@ class Trainer(Stateful):
     # --- train_state, signals -----------------------------------------------------------
 
     def model_description(self) -> ModelDescription:
-        model = self.job_config.model
-        # tokenizer_path: where the run's tokenizer.json is (None: the byte tokenizer), so
-        # that an export can ship the tokenizer beside the weights.
-        return ModelDescription(
-            model.name,
-            model.flavor,
-            self.plan.model_args,
-            tokenizer_path=tokenizer_file(model.hf_assets_path),
-            tokenizer_vocab_size=self.plan.tokenizer_vocab_size,
-        )
+        return ModelDescription.of_run(self.job_config.model, self.plan.model_args, self.plan.tokenizer_vocab_size)
 
     def state_dict(self) -> dict:
         # The layout is not loaded back: a resume compares it with its own (log_resumed_layout).

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint.files import read_checkpoint_metadata, single_process
+from titanlite.data import tokenizer_file
 from titanlite.registry import get_model_spec
 
 MODEL_ARGS = "model_args"
@@ -32,6 +33,19 @@ class ModelDescription:
     # (args.vocab_size is rounded up). None: every row is a token (a byte-tokenizer run, whose
     # model keeps its flavor's rows, or a checkpoint older than this entry).
     tokenizer_vocab_size: int | None = None
+
+    @classmethod
+    def of_run(cls, model_config, model_args, tokenizer_vocab_size: int | None) -> "ModelDescription":
+        """What a training run with the [model] section ``model_config`` builds: ``model_args``
+        as its plan resolved them, and where its tokenizer.json is (None: the byte tokenizer),
+        so that an export can ship the tokenizer beside the weights."""
+        return cls(
+            model_config.name,
+            model_config.flavor,
+            model_args,
+            tokenizer_path=tokenizer_file(model_config.hf_assets_path),
+            tokenizer_vocab_size=tokenizer_vocab_size,
+        )
 
     @property
     def real_vocab_size(self) -> int:

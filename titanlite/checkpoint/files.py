@@ -12,7 +12,8 @@ import shutil
 import warnings
 from pathlib import Path
 
-from torch.distributed.checkpoint import FileSystemReader
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite.errors import one_line
@@ -176,3 +177,16 @@ def write_atomically(out_dir: Path, write) -> None:
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
         raise
+
+
+def write_model_checkpoint(state: dict, out_dir: Path) -> Path:
+    """Write ``state`` (weights and the model description) from this one process as the
+    DCP checkpoint out_dir/step-0, which checkpoint.initial_load_path starts a run from;
+    atomically, as write_atomically does. Returns step-0."""
+
+    def write(folder: Path) -> None:
+        writer = FileSystemWriter(str(folder / "step-0"), sync_files=True)
+        single_process(dcp.save, state, storage_writer=writer, no_dist=True)
+
+    write_atomically(out_dir, write)
+    return Path(out_dir) / "step-0"

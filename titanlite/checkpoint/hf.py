@@ -17,15 +17,13 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import hf_tokenizer
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
-from titanlite.checkpoint.files import check_output, single_process, write_atomically
+from titanlite.checkpoint.files import check_output, write_model_checkpoint
 from titanlite.errors import one_line
 from titanlite.parallel.distributed import first_error_on_any_rank, gather_from_every_rank
 from titanlite.registry import get_model_spec, model_from_hf_config, padded_vocab_size
@@ -286,11 +284,4 @@ def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
     check_output(out_dir)
     state = {name: weights.read(name, shape) for name, shape in description.weight_shapes().items()}
     state[MODEL_ARGS] = description.to_state()
-
-    def write(folder: Path) -> None:
-        single_process(
-            dcp.save, state, storage_writer=FileSystemWriter(str(folder / "step-0"), sync_files=True), no_dist=True
-        )
-
-    write_atomically(out_dir, write)
-    return out_dir / "step-0"
+    return write_model_checkpoint(state, out_dir)

@@ -7,6 +7,7 @@ the single-process reference on rank 0 while rank 1 runs the perturbed ones (a c
 function, initialisation and data order, 3 steps each), then FSDP over both ranks.
 """
 
+import importlib.util
 import json
 import shlex
 import tempfile
@@ -25,64 +26,77 @@ from titanlite.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO_ROOT / "tests" / "reference_losses"
-CONFIG = "train_configs/debug_model.toml"
 STEPS = 30
-# One intra-op thread per rank, as scripts/loss_compare.py runs its ranks (--threads 1).
-THREADS = 1
+
+
+def _load_loss_compare():
+    """scripts/loss_compare.py, which writes the files: the test trains with its arguments."""
+    spec = importlib.util.spec_from_file_location("loss_compare", REPO_ROOT / "scripts" / "loss_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+LOSS_COMPARE = _load_loss_compare()
 
 
 class Reference:
-    """A committed loss file and the run that reproduces it: the config with `overrides` on
-    `ranks` processes."""
+    """A committed loss file and the loss_compare.py command that wrote it: the debug config
+    with `overrides` on `ranks` processes, one thread each, trained twice (sides A and B,
+    which must agree bit for bit), side A's losses exported."""
 
     def __init__(self, name: str, ranks: int, overrides: list[str]):
-        self.name, self.ranks, self.overrides = name, ranks, overrides
+        self.name = name
         self.path = REFERENCE_DIR / f"{name}.json"
+        sides = shlex.join(overrides)
+        self.script_args = (
+            ["--steps", str(STEPS), "--no-seed-checkpoint", "--threads", "1"]
+            + ["--a-ranks", str(ranks), "--b-ranks", str(ranks), f"--a={sides}", f"--b={sides}", "--assert-equal"]
+            + ["--export", str(self.path.relative_to(REPO_ROOT))]
+        )
+        self.script = LOSS_COMPARE.parse_command_line(self.script_args)
 
     def regenerate_command(self) -> str:
-        """The command that rewrites the file (README.md: in a commit of its own, with the
-        reason). It trains the run twice and exits 1 unless both agree bit for bit."""
-        overrides = shlex.join(self.overrides)
-        return shlex.join(
-            ["python", "scripts/loss_compare.py", "--steps", str(STEPS), "--no-seed-checkpoint"]
-            + ["--threads", str(THREADS), "--a-ranks", str(self.ranks), "--b-ranks", str(self.ranks)]
-            + [f"--a={overrides}", f"--b={overrides}", "--assert-equal"]
-            + ["--export", str(self.path.relative_to(REPO_ROOT))]
+        """The command that rewrites the file (README.md: in a commit of its own, with the reason)."""
+        return shlex.join(["python", "scripts/loss_compare.py", *self.script_args])
+
+    def expected_source(self) -> dict:
+        """What the file's source must say for this module's run to be the one that wrote it."""
+        script = self.script
+        return {
+            "config": LOSS_COMPARE.config_name(script.config, REPO_ROOT),
+            "overrides": shlex.split(script.common) + shlex.split(script.a),
+            "ranks": script.a_ranks,
+            "threads": script.threads,
+            "seed_checkpoint": not script.no_seed_checkpoint,
+        }
+
+    def trainer_arguments(self, dump_folder: str, steps: int = STEPS) -> list[str]:
+        """The trainer's command line of the script's side A, the number of steps aside."""
+        script = LOSS_COMPARE.parse_command_line([*self.script_args, "--steps", str(steps)])
+        side = shlex.split(script.common) + shlex.split(script.a)
+        return LOSS_COMPARE.trainer_arguments(script, script.config, side) + LOSS_COMPARE.comparison_settings(
+            Path(dump_folder), "a", None
         )
 
 
 # The debug config's 8 x 128 tokens per rank cost ~16 s of CPU for 30 steps on one process and
 # twice that on 2 ranks; a global batch of 4 sequences (of the config's 128 tokens) keeps the
-# module near 20 s of CPU (docs/performance.md). Both layouts train on the same global batches.
+# training near 21 s of CPU (docs/performance.md). Both layouts train on the same global batches.
 REFERENCES = {
     "1rank": Reference("debug_model_1rank", 1, ["--training.local_batch_size", "4"]),
     "fsdp2": Reference("debug_model_fsdp2", 2, ["--training.local_batch_size", "2"]),
 }
 
 
-def trainer_arguments(overrides: list[str], dump_folder: str, steps: int = STEPS) -> list[str]:
-    """What scripts/loss_compare.py gives the trainer for a side without a seed checkpoint
-    (its TensorBoard folder aside, which changes no number)."""
-    return [
-        "--job.config_file",
-        CONFIG,
-        "--debug.seed",
-        "0",
-        "--training.steps",
-        str(steps),
-        *overrides,
-        "--metrics.log_freq=1",
-        "--debug.deterministic=true",
-        f"--job.dump_folder={dump_folder}",
-    ]
-
-
-def train(overrides: list[str], steps: int = STEPS) -> dict:
-    """Train in this rank process; the per-step loss and grad norm (plain lists: results
-    cross processes through torch.load(weights_only=True))."""
-    torch.set_num_threads(THREADS)
+def train(name: str, steps: int = STEPS) -> dict:
+    """Train reference `name` in this rank process as loss_compare.py's side would be trained
+    under torchrun (measured: the same floats); the per-step loss and grad norm (plain lists:
+    results cross processes through torch.load(weights_only=True))."""
+    reference = REFERENCES[name]
+    torch.set_num_threads(reference.script.threads)  # what the script's OMP_NUM_THREADS sets
     with tempfile.TemporaryDirectory() as dump_folder:
-        records = Trainer(parse_args(trainer_arguments(overrides, dump_folder, steps))).train()
+        records = Trainer(parse_args(reference.trainer_arguments(dump_folder, steps))).train()
     if dist.is_initialized():
         dist.destroy_process_group()
     return {
@@ -140,7 +154,7 @@ def train_perturbed(change: str) -> dict:
         ),
     }
     with patches[change]:
-        return train(REFERENCES["1rank"].overrides, PERTURBED_STEPS)
+        return train("1rank", PERTURBED_STEPS)
 
 
 PERTURBATIONS = ("loss function", "initialisation", "data order")
@@ -148,9 +162,9 @@ PERTURBATIONS = ("loss function", "initialisation", "data order")
 RUNS = {
     # Rank 0 trains the single-process reference while rank 1 runs the perturbed ones; then
     # FSDP takes both ranks (run_jobs_on_ranks places jobs in this order).
-    "1rank": Job(1, train, (REFERENCES["1rank"].overrides,)),
+    "1rank": Job(1, train, ("1rank",)),
     **{change: Job(1, train_perturbed, (change,)) for change in PERTURBATIONS},
-    "fsdp2": Job(2, train, (REFERENCES["fsdp2"].overrides,)),
+    "fsdp2": Job(2, train, ("fsdp2",)),
 }
 
 
@@ -165,14 +179,7 @@ def runs() -> dict[str, list]:
 def recorded_for_other_run(reference: Reference, series: LossSeries) -> str | None:
     """One line when the file was not recorded by the run this module repeats (another
     config, overrides, launch size, thread count or step count), None when it was."""
-    expected = {
-        "config": CONFIG,
-        "overrides": reference.overrides,
-        "ranks": reference.ranks,
-        "threads": THREADS,
-        "seed_checkpoint": False,
-        "steps": list(range(1, STEPS + 1)),
-    }
+    expected = {**reference.expected_source(), "steps": list(range(1, STEPS + 1))}
     recorded = {**series.source, "steps": series.steps}
     for key, value in expected.items():
         if recorded.get(key) != value:
@@ -205,8 +212,8 @@ OTHER_KERNELS_RTOL = 1e-3
 
 
 def kernels() -> dict:
-    """What decides the order of a CPU run's sums, as scripts/loss_compare.py records it."""
-    return {"torch": torch.__version__, "device": f"cpu ({torch.backends.cpu.get_cpu_capability()})"}
+    """What decides the order of a run's sums, as scripts/loss_compare.py records it."""
+    return {"torch": torch.__version__, "device": LOSS_COMPARE.device_name()}
 
 
 def tolerance(reference: LossSeries) -> float:
@@ -246,7 +253,7 @@ def test_reference_catches_a_change(runs, change, rtol):
 
 def test_the_kernels_decide_the_tolerance():
     def recorded_with(**source) -> LossSeries:
-        return LossSeries([1], [1.0], [1.0], {"config": CONFIG, **source})
+        return LossSeries([1], [1.0], [1.0], source)
 
     assert tolerance(recorded_with(**kernels())) == 0.0
     assert tolerance(recorded_with(**{**kernels(), "device": "cpu (SOME_OTHER_ISA)"})) == OTHER_KERNELS_RTOL

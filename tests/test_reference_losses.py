@@ -3,8 +3,8 @@ files committed in tests/reference_losses/ (README.md there: how they were made,
 regenerate them, and why the comparison is bit-exact).
 
 Every run of the module is a job of one launch of 2 rank processes (the `runs` fixture):
-the single-process reference on rank 0 while rank 1 runs the perturbed ones (a changed loss
-function, initialisation and data order, 3 steps each), then FSDP over both ranks.
+the single-process reference on one rank while the other runs most of the perturbed ones (a
+changed loss function, initialisation and data order, 3 steps each), then FSDP over both.
 """
 
 import importlib.util
@@ -160,8 +160,8 @@ def train_perturbed(change: str) -> dict:
 PERTURBATIONS = ("loss function", "initialisation", "data order")
 
 RUNS = {
-    # Rank 0 trains the single-process reference while rank 1 runs the perturbed ones; then
-    # FSDP takes both ranks (run_jobs_on_ranks places jobs in this order).
+    # One-rank jobs go to the less loaded rank, in this order (run_jobs_on_ranks): the
+    # reference on rank 0, the perturbed runs beside it; then FSDP takes both ranks.
     "1rank": Job(1, train, ("1rank",)),
     **{change: Job(1, train_perturbed, (change,)) for change in PERTURBATIONS},
     "fsdp2": Job(2, train, ("fsdp2",)),

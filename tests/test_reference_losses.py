@@ -71,12 +71,13 @@ class Reference:
             "seed_checkpoint": not script.no_seed_checkpoint,
         }
 
-    def trainer_arguments(self, dump_folder: str, steps: int = STEPS) -> list[str]:
-        """The trainer's command line of the script's side A, the number of steps aside."""
+    def trainer_arguments(self, out: str, steps: int = STEPS) -> list[str]:
+        """The trainer's command line of the script's side A (the number of steps aside), its
+        dump and TensorBoard folders under `out` as under the script's output folder."""
         script = LOSS_COMPARE.parse_command_line([*self.script_args, "--steps", str(steps)])
         side = shlex.split(script.common) + shlex.split(script.a)
         return LOSS_COMPARE.trainer_arguments(script, script.config, side) + LOSS_COMPARE.comparison_settings(
-            Path(dump_folder), "a", None
+            Path(out), "a", None
         )
 
 
@@ -95,8 +96,8 @@ def train(name: str, steps: int = STEPS) -> dict:
     results cross processes through torch.load(weights_only=True))."""
     reference = REFERENCES[name]
     torch.set_num_threads(reference.script.threads)  # what the script's OMP_NUM_THREADS sets
-    with tempfile.TemporaryDirectory() as dump_folder:
-        records = Trainer(parse_args(reference.trainer_arguments(dump_folder, steps))).train()
+    with tempfile.TemporaryDirectory() as out:
+        records = Trainer(parse_args(reference.trainer_arguments(out, steps))).train()
     if dist.is_initialized():
         dist.destroy_process_group()
     return {

@@ -187,23 +187,23 @@ def comparison_settings(out: Path, side: str, seed_checkpoint: Path | None) -> l
     return settings
 
 
-def resolved_settings(argv: list[str], ranks: int, option: str) -> dict:
-    """MUST_MATCH_SETTINGS as this checkout's parser resolves the side's command line, the
-    global batch as the run on ``ranks`` processes derives it."""
+def resolved_settings(args, side: Side) -> tuple[dict, int]:
+    """(MUST_MATCH_SETTINGS, training.steps) as this checkout's parser resolves the side's
+    command line; the global batch as the run on the side's ranks derives it."""
     from titanlite.config import ConfigError, parse_args
     from titanlite.plan import plan_run
 
     try:
-        job_config = parse_args(argv)
-        plan = plan_run(job_config, ranks)
+        job_config = parse_args(trainer_arguments(args, args.config, side.overrides))
+        plan = plan_run(job_config, side.ranks)
     except ConfigError as error:
-        raise InputError(f"{option}: config error: {error}") from None
+        raise InputError(f"side {side.name.upper()}: config error: {error}") from None
     settings = {}
     for key in MUST_MATCH_SETTINGS:
         section, name = key.split(".")
         settings[key] = getattr(getattr(job_config, section), name)
     settings["training.global_batch_size"] = plan.global_batch_size
-    return settings
+    return settings, job_config.training.steps
 
 
 def config_name(config: str, repo: Path) -> str:
@@ -265,6 +265,9 @@ def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int):
     # more cores would give other last bits. A fixed count per rank makes the numbers a
     # property of the run, not of the machine (and keeps N ranks from oversubscribing it).
     env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
+    # On CUDA, debug.deterministic (torch.use_deterministic_algorithms) refuses cuBLAS
+    # matmuls unless cuBLAS is given a fixed workspace; PyTorch documents this value.
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     log_path = out / side.name / "train.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     where = f"commit {side.commit[:10]}" if side.commit else "this checkout"
@@ -287,22 +290,20 @@ def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int):
         raise InputError(f"side {side.name.upper()}: {error}") from None
 
 
-def run_side(side: Side, args, out: Path, seed_checkpoint: Path | None):
-    """Train ``side`` and return its LossSeries with its source filled in."""
+def run_side(side: Side, args, out: Path, seed_checkpoint: Path | None, settings: dict):
+    """Train ``side`` and return its LossSeries, its source filled in (``settings``: the
+    side's resolved_settings)."""
     import torch
 
-    option = f"--{side.name}" + ("-commit" if side.commit else "")
     repo = Path(args.repo)
-    overrides = split_overrides(getattr(args, side.name), f"--{side.name}")
-    settings = resolved_settings(trainer_arguments(args, args.config, overrides), side.ranks, option)
     with contextlib.ExitStack() as stack:
         tree = stack.enter_context(commit_worktree(repo, side.commit)) if side.commit else REPO_ROOT
         config = side.config_path(args.config, repo, tree)
-        argv = trainer_arguments(args, config, overrides) + comparison_settings(out, side.name, seed_checkpoint)
+        argv = trainer_arguments(args, config, side.overrides) + comparison_settings(out, side.name, seed_checkpoint)
         series = launch(side, tree, argv, out, args.threads)
     series.source = {
         "config": config_name(args.config, repo),
-        "overrides": split_overrides(args.common, "--common") + overrides,
+        "overrides": split_overrides(args.common, "--common") + side.overrides,
         "settings": settings,
         "ranks": side.ranks,
         "threads": args.threads,
@@ -357,22 +358,27 @@ def write_seed_checkpoint(args, folder: Path) -> Path:
 # --- importing, plotting -----------------------------------------------------------------
 
 
-def read_reference(path: str, run):
-    """The --import file, after checking that it comes from the same config and settings as
-    side A's run (MUST_MATCH_SETTINGS)."""
-    from titanlite.metrics.compare import read_series
+def read_reference(path: str, config: str, settings: dict, steps: int):
+    """The --import file, after checking, before anything trains, that it comes from the
+    same config and MUST_MATCH_SETTINGS as side A and holds its steps 1..``steps``."""
+    from titanlite.metrics.compare import LossSeries, read_series
 
     try:
         reference = read_series(path)
     except ValueError as error:
         raise InputError(str(error)) from None
-    ours, theirs = run.source, reference.source
-    if theirs.get("config") != ours["config"]:
-        raise InputError(f"{path}: from config {theirs.get('config')!r}, this run uses {ours['config']!r}")
-    for key, value in ours["settings"].items():
-        recorded = theirs.get("settings", {}).get(key, "(not recorded)")
-        if recorded != value:
-            raise InputError(f"{path}: from a run with {key} = {recorded!r}, this run has {value!r}")
+    recorded = reference.source
+    if recorded.get("config") != config:
+        raise InputError(f"{path}: from config {recorded.get('config')!r}, this run uses {config!r}")
+    for key, value in settings.items():
+        theirs = recorded.get("settings", {}).get(key, "(not recorded)")
+        if theirs != value:
+            raise InputError(f"{path}: from a run with {key} = {theirs!r}, this run has {value!r}")
+    planned = LossSeries(list(range(1, steps + 1)), [], [])
+    if reference.steps != planned.steps:
+        raise InputError(
+            f"the runs cover different steps: A has {planned.describe_steps()}, B {reference.describe_steps()}"
+        )
     return reference
 
 
@@ -391,6 +397,7 @@ def plot(comparison, path: str, labels: tuple[str, str]) -> None:
 
     matplotlib.use("Agg")  # files only: no display needed
     from matplotlib import pyplot
+    from matplotlib.ticker import MaxNLocator
 
     rows = comparison.loss.rows
     steps = [r.step for r in rows]
@@ -403,6 +410,7 @@ def plot(comparison, path: str, labels: tuple[str, str]) -> None:
     difference.axhline(0, color="gray", linewidth=0.5)
     difference.set_ylabel("loss B - A")
     difference.set_xlabel("step")
+    difference.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps, not 2.5
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     pyplot.close(figure)
@@ -441,17 +449,19 @@ def compare_sides(args) -> int:
         commit = resolve_commit(repo, commit_option, f"--{name}-commit") if commit_option else None
         overrides = split_overrides(getattr(args, name), f"--{name}")
         sides.append(Side(name, overrides, getattr(args, f"{name}_ranks"), commit))
+    plans = {side.name: resolved_settings(args, side) for side in sides}
+    if args.import_file:
+        reference = read_reference(args.import_file, config_name(args.config, repo), *plans["a"])
     out = output_folder(args.out)
     seed = None if args.no_seed_checkpoint else write_seed_checkpoint(args, out / "seed")
-    run_a = run_side(sides[0], args, out, seed)
+    run_a = run_side(sides[0], args, out, seed, plans["a"][0])
     if args.export:
         write_series(run_a, args.export)
         print(f"{PROG}: wrote side A's losses to {args.export}")
     if args.import_file:
-        run_b = read_reference(args.import_file, run_a)
-        labels = (side_label(sides[0]), f"B: {args.import_file}")
+        run_b, labels = reference, (side_label(sides[0]), f"B: {args.import_file}")
     else:
-        run_b = run_side(sides[1], args, out, seed)
+        run_b = run_side(sides[1], args, out, seed, plans["b"][0])
         labels = (side_label(sides[0]), side_label(sides[1]))
     tolerance_given = args.assert_equal or args.rtol is not None or args.atol is not None
     try:

@@ -172,15 +172,16 @@ def _load_script():
 
 @pytest.fixture
 def script_with_fake_runs(monkeypatch):
-    """The script, with every side's run replaced by a 3-step series from the default config's
+    """The script, with every side's run replaced by a 3-step series, made-up resolved
     settings, and no seed checkpoint written."""
     script = _load_script()
     settings = {key: f"value of {key}" for key in script.MUST_MATCH_SETTINGS}
 
-    def fake_run(side, args, out, seed_checkpoint):
-        source = {"config": script.DEFAULT_CONFIG, "settings": dict(settings), "ranks": side.ranks}
+    def fake_run(side, args, out, seed_checkpoint, side_settings):
+        source = {"config": script.DEFAULT_CONFIG, "settings": side_settings, "ranks": side.ranks}
         return series([8.0, 7.0, 6.0], [3.0, 2.0, 1.0], source=source)
 
+    monkeypatch.setattr(script, "resolved_settings", lambda args, side: (dict(settings), 3))
     monkeypatch.setattr(script, "run_side", fake_run)
     monkeypatch.setattr(script, "write_seed_checkpoint", lambda args, folder: None)
     return script, settings
@@ -202,6 +203,7 @@ def test_an_imported_reference_of_another_length_or_config_is_refused(script_wit
         _error_line(capsys)
         == "loss_compare: error: the runs cover different steps: A has 3 steps (1..3), B 2 steps (1..2)"
     )
+    assert not (tmp_path / "1").exists()  # refused before anything trained or was written
 
     write_series(
         series([8.0, 7.0, 6.0], source={**source, "settings": {**settings, "training.seq_len": 64}}), reference
@@ -289,7 +291,9 @@ def test_fsdp_over_two_ranks_equals_one_process(fsdp_against_one_process):
 def test_a_learning_rate_change_differs_from_step_2(fsdp_against_one_process, tmp_path):
     _, reference, _ = fsdp_against_one_process
     result = run_script(
-        *TINY, "--a", "--optimizer.lr 1e-2", "--import", str(reference), "--out", str(tmp_path), *LAYOUT_TOLERANCE
+        *TINY,
+        *("--a", "--optimizer.lr 1e-2", "--import", str(reference), "--out", str(tmp_path), *LAYOUT_TOLERANCE),
+        "--no-seed-checkpoint",  # saves the seed's seconds: on CPU the trainer initialises as the seed does
     )
     assert result.returncode == 1, _output(result)
     # Step 1 runs before the first update: the learning rate shows from step 2 on.
@@ -315,6 +319,7 @@ def test_a_commit_side_runs_in_a_worktree_and_leaves_the_checkout_alone(fsdp_aga
         *TINY,
         *("--repo", str(clone), "--config", str(clone / "train_configs" / "debug_model.toml")),
         *("--a-commit", "HEAD", "--import", str(reference), "--out", str(tmp_path / "out"), *LAYOUT_TOLERANCE),
+        "--no-seed-checkpoint",
     )
     assert result.returncode == 0, _output(result)
     head = before[1].strip()

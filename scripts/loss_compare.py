@@ -214,9 +214,13 @@ def config_name(config: str, repo: Path) -> str:
 
 
 def device_name() -> str:
+    """The device, and on a CPU the vector instructions torch's kernels use ("cpu (AVX512)"):
+    with other kernels the same run sums in another order (tests/reference_losses/README.md)."""
     import torch
 
-    return f"cuda ({torch.cuda.get_device_name()})" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return f"cuda ({torch.cuda.get_device_name()})"
+    return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def last_line(text: str) -> str:

@@ -244,6 +244,17 @@ def test_plot_without_matplotlib_is_one_line(script_with_fake_runs, tmp_path, mo
     assert not out.exists()  # refused before anything was written
 
 
+def test_plot_is_a_png_of_both_curves(script_with_fake_runs, tmp_path):
+    script, settings = script_with_fake_runs
+    reference, png = tmp_path / "reference.json", tmp_path / "plot.png"
+    write_series(series([8.0, 7.0, 6.5], source={"config": script.DEFAULT_CONFIG, "settings": settings}), reference)
+    assert script.main(["--import", str(reference), "--plot", str(png), "--out", str(tmp_path / "out")]) == 0
+    header = png.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n"
+    # IHDR's width and height: the figure's 8 x 6 inches at 120 dots per inch.
+    assert (int.from_bytes(header[16:20], "big"), int.from_bytes(header[20:24], "big")) == (960, 720)
+
+
 def test_contradicting_options_are_usage_errors(capsys):
     script = _load_script()
     for argv in (["--assert-equal", "--rtol", "1e-5"], ["--import", "x.json", "--b-ranks", "2"], ["--a-ranks", "0"]):

@@ -6,7 +6,6 @@ is one line on stderr, exit 2, and no output folder (checked through the scripts
 this process; the conversions themselves run the scripts as commands).
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.helpers import full_weights, hf_tensors, save_one_layer_hf_llama, tiny_args
+from tests.helpers import full_weights, hf_tensors, load_script, save_one_layer_hf_llama, tiny_args
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, read_model_description
 from titanlite.config import parse_args
@@ -32,14 +31,6 @@ IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
 
 def run_script(script: Path, *args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
-
-
-def load_script(script: Path):
-    """One of scripts/ as a module, for its main(argv) in this process."""
-    spec = importlib.util.spec_from_file_location(script.stem, script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def leftovers(parent: Path) -> list[str]:

@@ -8,6 +8,7 @@ the expensive ones into shared fixtures.
 """
 
 import dataclasses
+import importlib.util
 import logging
 from pathlib import Path
 from typing import NamedTuple
@@ -129,6 +130,15 @@ free_ports = rendezvous_ports
 
 def free_port() -> int:
     return rendezvous_ports(1)[0]
+
+
+def load_script(script: Path):
+    """A file of scripts/ as a module, so that a test can call its main(argv) in this process
+    instead of starting Python (seconds, most of it importing torch)."""
+    spec = importlib.util.spec_from_file_location(script.stem, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

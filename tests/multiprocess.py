@@ -119,6 +119,19 @@ def run_jobs_on_ranks(world_size: int, jobs: dict[str, Job]) -> dict[str, list]:
     }
 
 
+def run_jobs_in_fewest_launches(jobs: dict[str, Job]) -> dict[str, list]:
+    """run_jobs_on_ranks for jobs whose sizes no one launch divides (3 and 4 ranks, say): a
+    launch of the largest size runs every job whose size divides it, then the same for the
+    jobs left, one launch after another. Returns each job's per-rank results."""
+    results, left = {}, dict(jobs)
+    while left:
+        world_size = max(job.world_size for job in left.values())
+        fitting = {name: job for name, job in left.items() if world_size % job.world_size == 0}
+        results |= run_jobs_on_ranks(world_size, fitting)
+        left = {name: job for name, job in left.items() if name not in fitting}
+    return {name: results[name] for name in jobs}
+
+
 def run_on_ranks(world_size: int, fn: Callable, *args) -> list:
     """Call fn(*args) on `world_size` ranks; returns the per-rank results, rank order."""
     return run_jobs_on_ranks(world_size, {fn.__name__: Job(world_size, fn, args)})[fn.__name__]

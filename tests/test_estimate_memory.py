@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import TINY
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_in_fewest_launches
 from titanlite.config import ConfigError, parse_args
 from titanlite.estimate import (
     EstimateError,
@@ -93,13 +93,13 @@ def _measure_on_rank(argv: list[str]) -> dict:
         dist.destroy_process_group()
 
 
-def _estimate_against_real(world_size: int, argv: list[str], activations_rel: float = 0.0):
-    """Rank 0's estimate and the real tensors of every gloo rank for the same config. What the
-    simulation tracked must be what rank 0 really holds; the arithmetic must give the same
-    parameters and optimizer state; no rank may hold more than rank 0; the activations must
-    agree to ``activations_rel``. Returns (estimate, rank 0)."""
+def _estimate_against_real(world_size: int, argv: list[str], real: list[dict], activations_rel: float = 0.0):
+    """Rank 0's estimate against ``real``, what every gloo rank measured for the same config
+    (the real_memory fixture). What the simulation tracked must be what rank 0 really holds;
+    the arithmetic must give the same parameters and optimizer state; no rank may hold more
+    than rank 0; the activations must agree to ``activations_rel``. Returns (estimate, rank 0)."""
     estimate = estimate_memory(parse_args(argv), world_size=world_size)
-    real = run_on_ranks(world_size, _measure_on_rank, argv)
+    assert len(real) == world_size
     rank0 = real[0]
     for name in ("parameters", "gradients", "optimizer_state"):
         assert rank0[name] == getattr(estimate.measured, name), name
@@ -116,27 +116,28 @@ def _estimate_against_real(world_size: int, argv: list[str], activations_rel: fl
     return estimate, rank0
 
 
-@pytest.mark.parametrize(
-    "world_size, extra",
-    [
-        # The 7B config's settings: per-op selective AC, bf16 compute.
-        (2, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
-        # Uneven shards (padding), whole-block AC, float32, fused Adam, ZeRO-2.
-        (
-            3,
-            [
-                "--activation_checkpoint.mode=full",
-                "--training.mixed_precision_param=float32",
-                "--optimizer.implementation=fused",
-                "--parallelism.fsdp_reshard_after_forward=never",
-            ],
-        ),
-        # One process: no FSDP, autocast, every 2nd block checkpointed.
-        (1, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]),
-    ],
-)
-def test_tiny_estimate_matches_real_tensors(world_size, extra):
-    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra, activations_rel=0.15)
+TINY_CASES = [
+    # The 7B config's settings: per-op selective AC, bf16 compute.
+    (2, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]),
+    # Uneven shards (padding), whole-block AC, float32, fused Adam, ZeRO-2.
+    (
+        3,
+        [
+            "--activation_checkpoint.mode=full",
+            "--training.mixed_precision_param=float32",
+            "--optimizer.implementation=fused",
+            "--parallelism.fsdp_reshard_after_forward=never",
+        ],
+    ),
+    # One process: no FSDP, autocast, every 2nd block checkpointed.
+    (1, ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]),
+]
+
+
+@pytest.mark.parametrize("world_size, extra", TINY_CASES)
+def test_tiny_estimate_matches_real_tensors(real_memory, world_size, extra):
+    real = real_memory[_case_name(world_size, extra)]
+    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra, real, activations_rel=0.15)
     assert rank0["gradients"] == estimate.exact.gradients
 
 
@@ -202,8 +203,8 @@ TP_CASES = [
 
 
 @pytest.mark.parametrize("world_size, extra", TP_CASES)
-def test_tensor_parallel_estimate_matches_real_tensors(world_size, extra):
-    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra)
+def test_tensor_parallel_estimate_matches_real_tensors(real_memory, world_size, extra):
+    estimate, rank0 = _estimate_against_real(world_size, TINY_ARGS + extra, real_memory[_case_name(world_size, extra)])
     # The same tensors in the same order: the activations (sequence-split, all-gathered, the
     # vocabulary-split or gathered logits) and the peak usually agree to the byte. A real gloo
     # collective's output is freed only once gloo's own thread lets go of it, so under load the
@@ -218,6 +219,20 @@ def test_tensor_parallel_estimate_matches_real_tensors(world_size, extra):
     # Every gradient ends the step in its parameter's layout, FSDP or not (without FSDP the
     # vocabulary-split embedding's gradient comes back whole and clipping slices it).
     assert estimate.measured.gradients == estimate.exact.gradients
+
+
+def _case_name(world_size: int, extra: list[str]) -> str:
+    return " ".join([f"{world_size} rank(s):", *extra])
+
+
+@pytest.fixture(scope="module")
+def real_memory() -> dict[str, list[dict]]:
+    """What every rank of each case above really holds (_measure_on_rank), by _case_name. One
+    launch of 4 ranks measures the cases of 1, 2 and 4 ranks side by side and a second one the
+    3-rank case: starting rank processes costs more than measuring the tiny model."""
+    cases = TINY_CASES + TP_CASES
+    jobs = {_case_name(n, extra): Job(n, _measure_on_rank, (TINY_ARGS + extra,)) for n, extra in cases}
+    return run_jobs_in_fewest_launches(jobs)
 
 
 def test_every_rank_of_fsdp_x_tp_is_estimated_as_it_holds():

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
-from tests.helpers import save_one_layer_hf_llama, train_tiny
+from tests.helpers import load_script, save_one_layer_hf_llama, train_tiny
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, top_level_names
 from titanlite.checkpoint.load import load_model
@@ -214,17 +214,28 @@ def test_script_sampling_on_hf_folder(hf_folder):
     assert first.stdout.startswith("x") and first.stdout == second.stdout
 
 
-def test_script_refuses_a_folder_that_is_not_a_checkpoint(tmp_path):
+def main_in_this_process(capsys, *args) -> tuple[int, list[str]]:
+    """scripts/generate.py's main(args) in this process (a Python start costs seconds; the
+    tests above run the script as a command): its exit status, argparse's exit included,
+    and its non-empty stderr lines."""
+    script = load_script(SCRIPT)
+    capsys.readouterr()
+    try:
+        status = script.main([str(arg) for arg in args])
+    except SystemExit as exit_request:
+        status = exit_request.code
+    return status, [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def test_script_refuses_a_folder_that_is_not_a_checkpoint(tmp_path, capsys):
     folder = tmp_path / "plain"
     folder.mkdir()
     for args in (
         ["--checkpoint", folder, "--prompt", "a", "--max_new_tokens", 3],
         ["--checkpoint", tmp_path / "nowhere", "--prompt", "a", "--max_new_tokens", 3],
     ):
-        result = run_script(*args)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        assert result.returncode == 2, result.stderr
-        assert len(lines) == 1 and lines[0].startswith("generate: error: ") and str(args[1]) in lines[0], result.stderr
-    result = run_script("--checkpoint", folder, "--prompt", "a")  # no --max_new_tokens
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith("generate: error: ")
+        status, lines = main_in_this_process(capsys, *args)
+        assert status == 2, lines
+        assert len(lines) == 1 and lines[0].startswith("generate: error: ") and str(args[1]) in lines[0], lines
+    status, lines = main_in_this_process(capsys, "--checkpoint", folder, "--prompt", "a")  # no --max_new_tokens
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("generate: error: "), (status, lines)

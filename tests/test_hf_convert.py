@@ -2,10 +2,10 @@
 
 A Hugging Face model survives HF -> DCP -> HF bit for bit; a model trained by titanlite
 and exported gives, in transformers, the logits titanlite's own model gives; bad input
-is one line on stderr, exit 2, and no output folder.
+is one line on stderr, exit 2, and no output folder (checked through the scripts' main() in
+this process; the conversions themselves run the scripts as commands).
 """
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from tests.helpers import full_weights, hf_tensors, save_one_layer_hf_llama, tiny_args
+from tests.helpers import full_weights, hf_tensors, load_script, save_one_layer_hf_llama, tiny_args
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, read_model_description
 from titanlite.config import parse_args
@@ -166,9 +166,7 @@ def test_bf16_sharded_export(tiny_ema_run, tmp_path):
 
 def test_push_to_hub_uploads_the_output(tiny_ema_run, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_TOKEN", "hf_do_not_print_me_42")
-    spec = importlib.util.spec_from_file_location("convert_dcp_to_hf", EXPORT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(EXPORT)
     calls = []
 
     class FakeApi:
@@ -188,40 +186,42 @@ def test_push_to_hub_uploads_the_output(tiny_ema_run, tmp_path, monkeypatch, cap
 # --- bad input ---------------------------------------------------------------------------
 
 
-def one_error_line(result: subprocess.CompletedProcess, prog: str, path: Path) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+def one_error_line(capsys, script: Path, args: list, prog: str, path: Path) -> str:
+    """The script's main(args), run in this process (a Python start costs seconds; the
+    scripts' runs above cover their command line), must return 2 with one stderr line,
+    "PROG: error: ...", that names `path`."""
+    capsys.readouterr()
+    status = load_script(script).main([str(arg) for arg in args])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"{prog}: error: ") and str(path) in lines[0]
     return lines[0]
 
 
-def test_not_a_checkpoint_folder(tmp_path):
+def test_not_a_checkpoint_folder(tmp_path, capsys):
     folder = tmp_path / "plain"
     folder.mkdir()
     (folder / "notes.txt").write_text("hello")
-    result = run_script(EXPORT, folder, tmp_path / "out")
-    assert "no .metadata" in one_error_line(result, "convert_dcp_to_hf", folder)
+    line = one_error_line(capsys, EXPORT, [folder, tmp_path / "out"], "convert_dcp_to_hf", folder)
+    assert "no .metadata" in line
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
 
 
-def test_missing_folder(tmp_path):
-    result = run_script(EXPORT, tmp_path / "nowhere", tmp_path / "out")
-    one_error_line(result, "convert_dcp_to_hf", tmp_path / "nowhere")
+def test_missing_folder(tmp_path, capsys):
+    one_error_line(capsys, EXPORT, [tmp_path / "nowhere", tmp_path / "out"], "convert_dcp_to_hf", tmp_path / "nowhere")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
-    result = run_script(IMPORT, tmp_path / "nowhere", tmp_path / "out")
-    one_error_line(result, "convert_hf_to_dcp", tmp_path / "nowhere")
+    one_error_line(capsys, IMPORT, [tmp_path / "nowhere", tmp_path / "out"], "convert_hf_to_dcp", tmp_path / "nowhere")
     assert not (tmp_path / "out").exists()
 
 
-def test_existing_output_folder_is_refused(tiny_ema_run, hf_model, tmp_path):
+def test_existing_output_folder_is_refused(tiny_ema_run, hf_model, tmp_path, capsys):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    result = run_script(EXPORT, tiny_ema_run[0], out)
-    assert "not empty" in one_error_line(result, "convert_dcp_to_hf", out)
-    result = run_script(IMPORT, hf_model[0], out)
-    assert "not empty" in one_error_line(result, "convert_hf_to_dcp", out)
+    assert "not empty" in one_error_line(capsys, EXPORT, [tiny_ema_run[0], out], "convert_dcp_to_hf", out)
+    assert "not empty" in one_error_line(capsys, IMPORT, [hf_model[0], out], "convert_hf_to_dcp", out)
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and not leftovers(tmp_path)
 
 

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from tests.helpers import TINY, hf_tensors, train_tiny
+from tests.helpers import TINY, hf_tensors, load_script, train_tiny
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
 from titanlite.checkpoint import ModelDescription, hf_export, read_model_description
@@ -42,9 +42,14 @@ def run_export(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(EXPORT), *map(str, args)], capture_output=True, text=True, timeout=300)
 
 
-def error_line(result: subprocess.CompletedProcess) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2 and len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+def error_line(capsys, *args) -> str:
+    """The export script's main(args), run in this process (a Python start costs seconds; the
+    exports above and below run it as a command), must return 2 with one stderr line."""
+    capsys.readouterr()
+    status = load_script(EXPORT).main([str(arg) for arg in args])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith("convert_dcp_to_hf: error: ")
     return lines[0]
 
@@ -146,11 +151,11 @@ def test_the_runs_tokenizer_is_exported(trained_with_tokenizer, tokenizer_dir, t
     assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == original.eos_id
 
 
-def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, tmp_path):
+def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, tmp_path, capsys):
     gone = tmp_path / "moved-away" / "tokenizer.json"
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY, str(gone))
     out = tmp_path / "hf"
-    line = error_line(run_export(step, out))
+    line = error_line(capsys, step, out)
     assert str(gone) in line and "--tokenizer" in line
     assert no_output(tmp_path, out)
     with pytest.raises(ValueError, match="no longer exists"):
@@ -164,7 +169,7 @@ def test_a_moved_tokenizer_fails_before_writing_and_can_be_named(tokenizer_dir, 
     hf_export.export_to_hf(step, tmp_path / "hf2", tokenizer=tokenizer_dir / "tokenizer.json")  # the file
     assert (tmp_path / "hf2" / "tokenizer_config.json").is_file()
 
-    line = error_line(run_export(step, tmp_path / "hf3", "--tokenizer", tmp_path / "nothing-here"))
+    line = error_line(capsys, step, tmp_path / "hf3", "--tokenizer", tmp_path / "nothing-here")
     assert str(tmp_path / "nothing-here") in line and no_output(tmp_path, tmp_path / "hf3")
 
 
@@ -230,11 +235,11 @@ def test_one_shard_is_model_safetensors(tmp_path):
 # --- a checkpoint that contradicts its model_args -------------------------------------------
 
 
-def test_shapes_that_disagree_with_model_args_are_refused(tmp_path):
+def test_shapes_that_disagree_with_model_args_are_refused(tmp_path, capsys):
     claimed = dataclasses.replace(TINY, n_kv_heads=4)  # wk/wv would be 64 rows, not 32
     step = save_checkpoint(tmp_path / "step-1", tiny_weights(TINY), claimed)
     out = tmp_path / "hf"
-    line = error_line(run_export(step, out))
+    line = error_line(capsys, step, out)
     assert str(step) in line and "layers.0.attention.wk.weight" in line and "[32, 64]" in line
     assert no_output(tmp_path, out)
 

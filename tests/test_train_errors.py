@@ -5,9 +5,11 @@ status 2 and a single ``titanlite: config error: ...`` line on stderr that names
 offending key, path or value, before it writes anything. The parser's own checks are
 covered in test_config.py. Starting Python with torch costs seconds, so one
 module-scoped fixture runs every case (two at a time, one per core) and the tests
-check the outcomes afterwards. Bad training data found before any process group exists
-(truncated or manifest-less folders, another tokenizer, bad mixtures) goes through
-``main()`` in this process instead, with the same checks.
+check the outcomes afterwards. The mistakes found in one process before any process
+group exists (a model or flavor that is not registered, CPU offload without FSDP, a
+tokenizer or text corpus that is missing or unusable, bad training data) go through
+``main()`` in this process instead, with the same checks; the cases that need a world
+size, and the checksum check after start-up, keep their own Python.
 """
 
 import os
@@ -126,13 +128,6 @@ def _text_folder_without_text_files(folder: Path):
 
 ERROR_CASES = [
     Case(
-        "unknown_model_name",
-        _fixed(["--model.name", "llama4"], ["model.name", "'llama4'", "did you mean 'llama3'"]),
-    ),
-    Case(
-        "unknown_model_flavor", _fixed(["--model.name", "llama2", "--model.flavor", "9B"], ["model.flavor", r"\b9B\b"])
-    ),
-    Case(
         "degrees_do_not_match_world_size",
         _fixed(["--parallelism.data_parallel_shard_degree", "3"], ["data_parallel_shard_degree", r"\b3\b", r"\b4\b"]),
         env={"WORLD_SIZE": "4"},
@@ -153,19 +148,26 @@ ERROR_CASES = [
         ),
         env={"WORLD_SIZE": "2"},
     ),
-    Case("cpu_offload_on_one_process", _fixed(["--training.enable_cpu_offload"], ["enable_cpu_offload"])),
-    Case("missing_hf_assets_path", _missing_hf_assets),
-    Case("tokenizer_without_eos", _tokenizer_without_eos),
-    Case("text_dataset_missing_path", _missing_text_path),
-    Case("text_dataset_folder_without_text_files", _text_folder_without_text_files),
     # The one bad-data case that needs every step of start-up: the checksums are checked
     # after the process group would be made. The others follow, checked in this process.
     Case("prepared_shard_corrupted", _prepared_shard_corrupted),
 ]
 
-# Bad training data, found before any process group or file exists: run through main() in
-# this process (a second each instead of a Python start), with the same checks.
-DATA_ERROR_CASES = [
+# Mistakes found in one process before any process group or file exists: run through main()
+# in this process (a second each instead of a Python start), with the same checks.
+IN_PROCESS_CASES = [
+    Case(
+        "unknown_model_name",
+        _fixed(["--model.name", "llama4"], ["model.name", "'llama4'", "did you mean 'llama3'"]),
+    ),
+    Case(
+        "unknown_model_flavor", _fixed(["--model.name", "llama2", "--model.flavor", "9B"], ["model.flavor", r"\b9B\b"])
+    ),
+    Case("cpu_offload_on_one_process", _fixed(["--training.enable_cpu_offload"], ["enable_cpu_offload"])),
+    Case("missing_hf_assets_path", _missing_hf_assets),
+    Case("tokenizer_without_eos", _tokenizer_without_eos),
+    Case("text_dataset_missing_path", _missing_text_path),
+    Case("text_dataset_folder_without_text_files", _text_folder_without_text_files),
     Case(
         "dataset_path_with_python_stdlib",
         _fixed(["--training.dataset_path", "/nonexistent"], ["training.dataset_path", "/nonexistent", "python_stdlib"]),
@@ -244,8 +246,10 @@ def test_trainer_reports_one_config_error_line(outcomes, name):
     assert outcome.files_after == outcome.files_before  # nothing written anywhere in the run's folder
 
 
-@pytest.mark.parametrize("case", DATA_ERROR_CASES, ids=[case.name for case in DATA_ERROR_CASES])
-def test_bad_training_data_is_one_config_error_line(case, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("case", IN_PROCESS_CASES, ids=[case.name for case in IN_PROCESS_CASES])
+def test_a_mistake_found_in_one_process_is_one_config_error_line(
+    case, tmp_path, capsys, monkeypatch, quiet_process_state
+):
     for key in DISTRIBUTED_ENV:
         monkeypatch.delenv(key, raising=False)
     folder = tmp_path / case.name

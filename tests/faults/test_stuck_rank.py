@@ -16,7 +16,8 @@ from tests.helpers import rendezvous_env, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
 # Every rank runs the real entry point; rank 1 stops answering during step 3, after noting
-# the time it stopped in the dump folder.
+# the time it stopped in the dump folder. A rank whose main() returns notes the time it
+# ended there too: a test may look only after the fact (its job started with the others).
 LAUNCHER = """
 import os, sys, time
 from pathlib import Path
@@ -41,7 +42,10 @@ if os.environ["HANG_IN"] == "save":
     train.CheckpointManager.save = hang_in_save
 else:
     train.Trainer.train_step = hang_in_step
-exit_process(train.main(sys.argv[1:]))
+status = train.main(sys.argv[1:])
+dump_folder = sys.argv[sys.argv.index("--job.dump_folder") + 1]
+Path(dump_folder, f"rank{os.environ['RANK']}-ended").write_text(str(time.time()))
+exit_process(status)
 """
 TRAIN_TIMEOUT = 5
 ARGS = tiny_args({"training.steps": 6, "metrics.log_freq": None, "comm.train_timeout_seconds": TRAIN_TIMEOUT})
@@ -117,9 +121,11 @@ def others_give_up(ranks, dump_folder: Path, logs: Path, limit: float) -> list[s
     for rank in (rank for rank in range(len(ranks)) if rank != 1):
         ended = ends_by(ranks[rank], hang_started + limit + SLACK)
         assert ended, f"rank {rank} still waits {time.time() - hang_started:.0f} s after rank 1 stopped"
-        print(f"rank {rank} gave up {time.time() - hang_started:.1f} s after rank 1 stopped")
         stderr = (logs / f"rank{rank}.err").read_text()
         assert ranks[rank].returncode == 1, stderr
+        gave_up_after = float((dump_folder / f"rank{rank}-ended").read_text()) - hang_started
+        print(f"rank {rank} gave up {gave_up_after:.1f} s after rank 1 stopped")
+        assert gave_up_after <= limit + SLACK, f"rank {rank} gave up only {gave_up_after:.0f} s after rank 1 stopped"
         errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
         assert len(errors) == 1, stderr
         lines.append(errors[0])
@@ -127,37 +133,48 @@ def others_give_up(ranks, dump_folder: Path, logs: Path, limit: float) -> list[s
     return lines
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_a_stuck_rank_fails_the_others_within_the_train_timeout(tmp_path, layout):
-    world_size, layout_args = LAYOUTS[layout]
-    ranks, dump_folder, logs = start_ranks(tmp_path, world_size, [*ARGS, *layout_args], "step")
-    try:
-        for line in others_give_up(ranks, dump_folder, logs, TRAIN_TIMEOUT):
-            assert line.startswith("titanlite: rank "), line
-            assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
-            assert "flight recorder" not in line  # gloo: no NCCL recorder, and no folder for it
-        assert not (dump_folder / "comm_traces").exists()
-    finally:
-        for process in ranks:
-            process.kill()
-            process.wait()
-
-
 # The checkpoint group's collectives wait for the slowest writer, so it keeps the start-up
 # timeout; long enough for start-up on a busy machine, far below PyTorch's 30 minutes.
 INIT_TIMEOUT = 30
+SAVE_HANG_ARGS = [*ARGS, "--checkpoint.enable", "--checkpoint.interval", "2"]
+SAVE_HANG_ARGS += ["--comm.init_timeout_seconds", str(INIT_TIMEOUT)]
 
 
-def test_a_rank_stuck_in_a_save_fails_the_others_within_the_init_timeout(tmp_path):
-    args = [*ARGS, "--checkpoint.enable", "--checkpoint.interval", "2"]
-    args += ["--comm.init_timeout_seconds", str(INIT_TIMEOUT)]
-    ranks, dump_folder, logs = start_ranks(tmp_path, 2, args, "save")
+@pytest.fixture(scope="module")
+def stuck_jobs(tmp_path_factory):
+    """Every job of the module, started at once: each test waits out a timeout (5 s, 5 s, 30 s)
+    with its ranks mostly idle, so the waits overlap instead of adding up. The jobs do not
+    share a process group or a folder; each test checks its own. name -> (ranks, dump, logs)."""
+    jobs = {
+        # The longest wait first: its ranks start before the machine fills up.
+        "save": (2, SAVE_HANG_ARGS, "save"),
+        **{layout: (size, [*ARGS, *layout_args], "step") for layout, (size, layout_args) in LAYOUTS.items()},
+    }
+    started = {}
     try:
-        [line] = others_give_up(ranks, dump_folder, logs, INIT_TIMEOUT)
-        assert line.startswith("titanlite: "), line
-        assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
-        assert not (dump_folder / "checkpoint" / "step-2").exists()
+        for name, (world_size, args, hang_in) in jobs.items():
+            started[name] = start_ranks(tmp_path_factory.mktemp(name), world_size, args, hang_in)
+        yield started
     finally:
-        for process in ranks:
-            process.kill()
-            process.wait()
+        for ranks, _, _ in started.values():
+            for process in ranks:
+                process.kill()
+                process.wait()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_stuck_rank_fails_the_others_within_the_train_timeout(stuck_jobs, layout):
+    ranks, dump_folder, logs = stuck_jobs[layout]
+    for line in others_give_up(ranks, dump_folder, logs, TRAIN_TIMEOUT):
+        assert line.startswith("titanlite: rank "), line
+        assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
+        assert "flight recorder" not in line  # gloo: no NCCL recorder, and no folder for it
+    assert not (dump_folder / "comm_traces").exists()
+
+
+def test_a_rank_stuck_in_a_save_fails_the_others_within_the_init_timeout(stuck_jobs):
+    ranks, dump_folder, logs = stuck_jobs["save"]
+    [line] = others_give_up(ranks, dump_folder, logs, INIT_TIMEOUT)
+    assert line.startswith("titanlite: "), line
+    assert ": a collective failed after step 2 (did another rank die or hang?" in line, line
+    assert not (dump_folder / "checkpoint" / "step-2").exists()

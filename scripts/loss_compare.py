@@ -1,6 +1,6 @@
 """Did my change move the loss? Train two sides and compare their per-step loss and grad norm.
 
-python scripts/loss_compare.py --steps 20 --common "--training.global_batch_size 16" --a-ranks 2 --b-ranks 1 --atol 1e-5
+python scripts/loss_compare.py --steps 20 --common "--training.global_batch_size 16" --a-ranks 2 --b-ranks 1 --rtol 1e-5
 python scripts/loss_compare.py --steps 20 --b "--optimizer.lr 3e-3" --assert-equal
 python scripts/loss_compare.py --steps 20 --a-commit HEAD --b-commit HEAD~1
 

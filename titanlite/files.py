@@ -3,6 +3,7 @@
 Imports nothing from titanlite, so that data (a lower layer) and checkpoint may both use it."""
 
 import os
+import tempfile
 import threading
 from pathlib import Path
 
@@ -15,6 +16,23 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
+
+
+def write_text_atomically(path: str | os.PathLike, text: str) -> None:
+    """Replace ``path`` with ``text`` so that a reader, or a crash, sees the old file or the
+    whole new one: written beside it, fsynced, renamed over it, and the rename fsynced."""
+    path = Path(path)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    fsync_path(path.parent)
 
 
 class BackgroundSyncer:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite.files import fsync_path
+from titanlite.files import write_text_atomically
 
 FORMAT_NAME = "titanlite-prepared"
 FORMAT_VERSION = 1
@@ -152,14 +152,8 @@ class PreparedWriter:
             "source": source,
             "files": files,
         }
-        temporary = os.path.join(self.folder, MANIFEST + ".tmp")
-        with open(temporary, "w", encoding="utf-8") as manifest_file:
-            json.dump(manifest, manifest_file, indent=1, sort_keys=True)
-            manifest_file.write("\n")
-            manifest_file.flush()
-            os.fsync(manifest_file.fileno())
-        os.replace(temporary, os.path.join(self.folder, MANIFEST))
-        fsync_path(self.folder)
+        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+        write_text_atomically(os.path.join(self.folder, MANIFEST), text)
         return manifest
 
 

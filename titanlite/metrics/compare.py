@@ -19,10 +19,9 @@ infinite size.
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 
+from titanlite.files import write_text_atomically
 from titanlite.metrics import tags
 
 FORMAT = "titanlite-losses/1"
@@ -107,16 +106,7 @@ def write_series(series: LossSeries, path) -> None:
     }
     text = json.dumps(document, indent=1, allow_nan=False) + "\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "w") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_text_atomically(path, text)
 
 
 def _floats(document: dict, key: str, path: Path) -> list[float]:

@@ -13,6 +13,7 @@ from torch import nn
 from titanlite.config import ConfigError, JobConfig, value_text
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
+from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
 from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
 
@@ -26,6 +27,7 @@ class RunPlan:
     global_batch_size: int
     grad_accum_steps: int
     tokenizer: object
+    pipeline: PipelinePlan | None = None  # the stages, with pipeline parallelism
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -92,7 +94,12 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             parallelism.data_parallel_shard_degree,
             world_size,
             tp=parallelism.tensor_parallel_degree,
+            pp=parallelism.pipeline_parallel_degree,
         )
+        pipeline = None
+        if parallel_dims.pp > 1:
+            model_cls = get_model_spec(job_config.model.name).model_cls
+            pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
@@ -103,13 +110,20 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer)
+    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline)
 
 
 # Keys that only one part of the layout reads: key -> (that part, whether a layout has it).
 _FSDP = ("FSDP (more than one data-parallel rank)", lambda dims: dims.fsdp_applied)
 _TP = ("tensor parallelism (parallelism.tensor_parallel_degree > 1)", lambda dims: dims.tp > 1)
+_PP = ("pipeline parallelism (parallelism.pipeline_parallel_degree > 1)", lambda dims: dims.pp > 1)
 LAYOUT_KEYS = {
+    "parallelism.pipeline_parallel_schedule": _PP,
+    "parallelism.pipeline_parallel_microbatch_size": _PP,
+    "parallelism.pipeline_parallel_layers_per_stage": _PP,
+    "parallelism.pipeline_parallel_first_stage_less_layers": _PP,
+    "parallelism.pipeline_parallel_last_stage_less_layers": _PP,
+    "parallelism.module_fqns_per_model_part": _PP,
     "training.mixed_precision_reduce": _FSDP,
     "parallelism.fsdp_reshard_after_forward": _FSDP,
     "parallelism.enable_sequence_parallel": _TP,
@@ -221,13 +235,17 @@ def build_model(
     mesh,
     device: torch.device | str | None = None,
     buffer_device: torch.device | None = None,
+    stage_modules: tuple[str, ...] | None = None,
 ) -> nn.Module:
     """The run's model in training mode: built on meta, parallelised by the registry's function
     (activation checkpointing, compile, FSDP over ``mesh``), then, when ``device`` is given,
     materialised there shard by shard and initialised from debug.seed, its buffers (the RoPE
     tables) on ``buffer_device`` (default: ``device``). Without ``device`` it stays on meta,
-    for a caller that materialises it its own way (e.g. as fake tensors)."""
+    for a caller that materialises it its own way (e.g. as fake tensors). ``stage_modules``:
+    build only the part of one pipeline stage, the modules it names."""
     model = meta_model(job_config, plan.model_args)
+    if stage_modules is not None:
+        prune_to_stage(model, stage_modules)
     model = get_model_spec(job_config.model.name).parallelize_fn(model, plan.parallel_dims, mesh, job_config)
     if device is not None:
         model.to_empty(device=device)

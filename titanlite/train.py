@@ -40,13 +40,13 @@ from titanlite.parallel import (
     set_gradient_all_reduce,
     use_collective_timeout,
 )
-from titanlite.plan import build_model
 from titanlite.profiling import profiler_context
 from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
     build_loader,
     build_metrics,
+    build_run_model,
     build_run_validator,
     check_run,
     config_ok_line,
@@ -86,17 +86,26 @@ class Trainer(Stateful):
         # tensor-parallel ranks of one group read the same part).
         self.loader = build_loader(job_config, self.plan, windows, mesh, self.rank, self.device)
 
-        # 4. Model: built on meta, parallelised, then materialised shard by shard.
-        model = build_model(
-            job_config, self.plan, mesh, "cpu" if training.enable_cpu_offload else self.device, self.device
-        )
-        self.model = model
+        # 4. Model: built on meta, parallelised, then materialised shard by shard (under
+        # pipeline parallelism: this rank's stages, each so, run by the pipeline's schedule).
         self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
         # Entered anew for each micro-batch's loss and its backward (loss parallel under TP).
         self.loss_context = partial(loss_context, parallel_dims, job_config)
         self.loss_fn = cross_entropy_sum
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
+        # Packed windows have no padding and no ignored labels, so the global batch always
+        # holds exactly this many target tokens. Dividing every rank's summed loss by it makes
+        # the summed gradients equal one big batch's, whatever the layout.
+        self.global_tokens = self.plan.global_batch_size * training.seq_len
+        model, self.pipeline = build_run_model(
+            job_config,
+            self.plan,
+            mesh,
+            self.device,
+            lambda logits, labels: self.loss_fn(logits, labels) / self.global_tokens,
+        )
+        self.model = model
         self.dtype_probe, self.phase_memory = log_built_model(
             job_config, self.plan, model, mesh, self.rank, self.device
         )
@@ -157,30 +166,19 @@ class Trainer(Stateful):
         loss itself) and the global gradient norm, both as tensors, so that nothing
         waits for the device unless the caller asks for the numbers.
         """
-        training = self.job_config.training
-        # Packed windows have no padding and no ignored labels, so the global batch
-        # always holds exactly this many target tokens. Dividing every rank's summed
-        # loss by it makes the summed gradients equal one big batch's, whatever the layout.
-        global_tokens = self.plan.global_batch_size * training.seq_len
+        training, dims = self.job_config.training, self.plan.parallel_dims
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
-            set_gradient_all_reduce(self.model, self.plan.parallel_dims, micro_step == self.plan.grad_accum_steps - 1)
+            for part in self.pipeline.parts if self.pipeline is not None else [self.model]:
+                set_gradient_all_reduce(part, dims, micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
                 # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())
-            with self.loss_context():
-                with self.compute_context:
-                    logits = self.model(inputs)
-                    loss = self.loss_fn(logits, labels) / global_tokens
-                del logits  # the [batch, seq, vocab] logits are the largest activation
-                self.phase_memory.mark("forward")
-                loss.backward()
+            loss_share += self._forward_backward(inputs, labels)
             self.phase_memory.mark("backward")
-            # Under loss parallel the loss is a DTensor every TP rank holds whole.
-            loss_share += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
-        grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm)
+        grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm, stages=dims.pp)
         # A NaN/inf anywhere reaches the global norm, which every rank holds alike after its
         # all-reduce, so all ranks skip the same steps without another collective.
         nonfinite = ~torch.isfinite(grad_norm)
@@ -193,9 +191,25 @@ class Trainer(Stateful):
         if self.ema is not None:
             self.ema.update(skip=nonfinite)
         self.step += 1
-        self.tokens_seen += global_tokens
+        self.tokens_seen += self.global_tokens
         self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share)
         return loss_share, grad_norm
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """One micro-step's forward and backward; returns its share of the loss, detached.
+        Under pipeline parallelism the schedule runs the micro-step's pipeline micro-batches."""
+        if self.pipeline is not None:
+            with self.loss_context(), self.compute_context:
+                return self.pipeline.forward_backward(inputs, labels)
+        with self.loss_context():
+            with self.compute_context:
+                logits = self.model(inputs)
+                loss = self.loss_fn(logits, labels) / self.global_tokens
+            del logits  # the [batch, seq, vocab] logits are the largest activation
+            self.phase_memory.mark("forward")
+            loss.backward()
+        # Under loss parallel the loss is a DTensor every TP rank holds whole.
+        return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
     # --- train_state, signals -----------------------------------------------------------
 
@@ -234,7 +248,8 @@ class Trainer(Stateful):
 
     def global_loss(self, loss_share: torch.Tensor) -> tuple[float, float]:
         """The loss over the global batch, and the largest of the ranks' own mean losses."""
-        return global_loss(loss_share, ranks_per_dp_rank=self.plan.parallel_dims.tp)
+        dims = self.plan.parallel_dims
+        return global_loss(loss_share, ranks_per_dp_rank=dims.tp, stages=dims.pp)
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -275,9 +290,11 @@ class Trainer(Stateful):
         training = self.job_config.training
         lr = self.lr_scheduler.get_last_lr()[0]
         loss_share, grad_norm = self.train_step()
-        # Per device: the tp ranks of a group share their data-parallel rank's tokens (and FLOPs).
+        # Per device: the tp ranks of a group, and the pp stages of a pipeline, share their
+        # data-parallel rank's tokens (and FLOPs).
+        dims = self.plan.parallel_dims
         device_tokens = training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
-        self.metrics.step_done(device_tokens / self.plan.parallel_dims.tp)
+        self.metrics.step_done(device_tokens / (dims.tp * dims.pp))
         if self.step % training.gc_freq == 0:
             gc.collect(1)
         if self.dtype_probe is not None:

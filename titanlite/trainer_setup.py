@@ -30,7 +30,8 @@ from titanlite.parallel import (
     use_collective_timeout,
     world_size_from_env,
 )
-from titanlite.plan import RunPlan, load_tokenizer_and_data, plan_run, unused_layout_keys
+from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
+from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -41,7 +42,10 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     exists (layout, memory floor, tokenizer, data). A problem is a ConfigError; a key this
     layout ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
-    show_config_warnings(unused_layout_keys(job_config, plan.parallel_dims))
+    warnings = unused_layout_keys(job_config, plan.parallel_dims)
+    if plan.pipeline is not None and microbatch_warning(plan.pipeline) is not None:
+        warnings.append(microbatch_warning(plan.pipeline))
+    show_config_warnings(warnings)
     check_memory_floor(job_config, plan)
     tokenizer, windows = load_tokenizer_and_data(job_config, plan)
     return plan, tokenizer, windows
@@ -140,6 +144,27 @@ def log_built_model(
     log_startup(model, settings, len(blocks), sharded=dims.fsdp_applied, rank=rank)
     dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
     return dtype_probe, PhaseMemory(MemoryMonitor(device))
+
+
+def build_run_model(
+    job_config: JobConfig, plan: RunPlan, mesh, device: torch.device, loss_fn
+) -> tuple[nn.Module, Pipeline | None]:
+    """(model, pipeline): the model on this rank, built on meta, parallelised and materialised
+    (model parameters on the CPU with CPU offload). With pipeline parallelism each of this
+    rank's stages is built the same way, as a model part holding that stage's modules; the
+    model returned is then a LocalModel of the parts (the whole model's names, for the
+    optimizer, the checkpoint and the weight average) and the pipeline runs them, with
+    ``loss_fn(logits, labels)`` as its loss."""
+    weights_device = "cpu" if job_config.training.enable_cpu_offload else device
+    if plan.pipeline is None:
+        return build_model(job_config, plan, mesh, weights_device, device), None
+
+    def build_part(stage_modules: tuple[str, ...]) -> nn.Module:
+        return build_model(job_config, plan, mesh, weights_device, device, stage_modules=stage_modules)
+
+    pp_mesh = plan.parallel_dims.pp_mesh(mesh)
+    pipeline = Pipeline(plan.pipeline, pp_mesh.get_local_rank(), pp_mesh.get_group(), device, build_part, loss_fn)
+    return LocalModel(pipeline.parts), pipeline
 
 
 def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch.device) -> MetricsProcessor:

@@ -58,6 +58,7 @@ MINUS_ONE_OR_POSITIVE = Range("-1 or >= 1", lambda value: value == -1 or value >
 # -1 stands for "the newest".
 MINUS_ONE_OR_AT_LEAST_ZERO = Range("-1 or >= 0", lambda value: value >= -1)
 FRACTION = Range("in [0, 1]", lambda value: 0 <= value <= 1)
+POSITIVE_OR_UNSET = Range("> 0 or unset", lambda value: value is None or value > 0)
 FRACTION_OR_UNSET = Range("in [0, 1] or unset", lambda value: value is None or 0 <= value <= 1)
 # A decay of 1 would never move away from the first value.
 FRACTION_BELOW_ONE = Range("in [0, 1)", lambda value: 0 <= value < 1)
@@ -253,6 +254,33 @@ class Parallelism:
     """Overlap TP's collectives with its matmuls inside compiled blocks (micro-pipelined TP); needs CUDA,
     tensor_parallel_degree > 1 and compile.enable with the model compiled."""
 
+    pipeline_parallel_degree: int = ranged(at_least(1), default=1)
+    """Pipeline stages the layers are split over, one group of ranks per stage (pipeline parallelism, the outermost
+    mesh dimension: across nodes). Data and tensor parallelism take the ranks left over."""
+
+    pipeline_parallel_schedule: str = "1F1B"
+    """Pipeline schedule: GPipe or 1F1B (one stage per rank); Interleaved1F1B, LoopedBFS or InterleavedZeroBubble
+    (several stages per rank, looped); ZBVZeroBubble or DualPipeV (two stages per rank, in a V)."""
+
+    pipeline_parallel_microbatch_size: int = ranged(at_least(1), default=1)
+    """Sequences per pipeline micro-batch; it must divide training.local_batch_size, and local_batch_size / it
+    micro-batches go through the pipeline per accumulation step."""
+
+    pipeline_parallel_layers_per_stage: int | None = ranged(POSITIVE_OR_UNSET, default=None)
+    """Transformer blocks per pipeline stage (the embedding and the output counted as the *_less_layers keys say);
+    unset: as many stages as the schedule needs, the blocks spread evenly."""
+
+    pipeline_parallel_first_stage_less_layers: int = ranged(at_least(0), default=1)
+    """How many blocks' worth of work the embedding counts for: the first stage gets that many blocks fewer."""
+
+    pipeline_parallel_last_stage_less_layers: int = ranged(at_least(0), default=1)
+    """How many blocks' worth of work the final norm and output projection count for: the last stage gets that many
+    blocks fewer."""
+
+    module_fqns_per_model_part: list[list[str]] | None = None
+    """The stages by hand: for each stage, the names of the modules it holds (e.g. [["tok_embeddings", "layers.0"],
+    ["layers.1", "norm", "output"]]; on the command line stages are separated by ';'). Overrides the layer counts."""
+
 
 @dataclass
 class ActivationCheckpoint:
@@ -262,6 +290,26 @@ class ActivationCheckpoint:
     selective_ac_option: str = ranged(SELECTIVE_AC_OPTION, default="2")
     """For selective mode: an integer N checkpoints every N-th block; 'op' saves only chosen matmul/attention outputs in
     every block."""
+
+
+# Pipeline schedules by torchtitan's names (matched without regard to case), each with how
+# its stages sit on the pp ranks: "single", one stage per rank; "loop", two or more per rank,
+# rank r holding stages r, r + pp, r + 2 pp, ...; "v", exactly two per rank, rank r holding
+# stages r and 2 pp - 1 - r (so the first and the last stage share rank 0).
+PIPELINE_SCHEDULES = {
+    "GPipe": "single",
+    "1F1B": "single",
+    "Interleaved1F1B": "loop",
+    "LoopedBFS": "loop",
+    "InterleavedZeroBubble": "loop",
+    "ZBVZeroBubble": "v",
+    "DualPipeV": "v",
+}
+
+
+def canonical_schedule(name: str) -> str | None:
+    """The schedule's name as PIPELINE_SCHEDULES spells it, or None for an unknown one."""
+    return next((known for known in PIPELINE_SCHEDULES if known.lower() == name.lower()), None)
 
 
 # What torch.compile may wrap (compile.components).

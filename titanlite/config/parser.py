@@ -119,7 +119,9 @@ def _convert(value: Any, hint: Any, from_cli: bool) -> Any:
         raise _Mismatch
     if origin is list:
         if from_cli:
-            items = [item.strip() for item in value.split(",") if item.strip()]
+            # A list of lists is written "a,b;c": ';' between the outer items.
+            separator = ";" if typing.get_origin(typing.get_args(hint)[0]) is list else ","
+            items = [item.strip() for item in value.split(separator) if item.strip()]
         elif isinstance(value, list):
             items = value
         else:

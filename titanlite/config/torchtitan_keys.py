@@ -75,7 +75,6 @@ def _only_default(default: Any, advice: str, *neutral: Any) -> TorchtitanKey:
     return TorchtitanKey(default, "IGNORE_IF_DEFAULT", advice, tuple(neutral))
 
 
-NO_PP = "titanlite has no pipeline parallelism; use FSDP/HSDP (parallelism.data_parallel_*_degree) instead"
 NO_CP = "titanlite has no context parallelism; shorten training.seq_len or use activation checkpointing instead"
 NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
 NO_QUANT = (
@@ -117,15 +116,12 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "training.dataloader.prefetch_factor": _ignore(None),
     # [parallelism]
     "parallelism.enable_compiled_autograd": _ignore(False),
-    "parallelism.pipeline_parallel_degree": _only_default(1, NO_PP),
-    "parallelism.pipeline_parallel_split_points": _ignore([]),
-    "parallelism.module_fqns_per_model_part": _ignore(None),
-    "parallelism.pipeline_parallel_first_stage_less_layers": _ignore(1),
-    "parallelism.pipeline_parallel_last_stage_less_layers": _ignore(1),
-    "parallelism.pipeline_parallel_layers_per_stage": _ignore(None),
-    "parallelism.pipeline_parallel_schedule": _ignore("1F1B"),
-    "parallelism.pipeline_parallel_schedule_csv": _ignore(""),
-    "parallelism.pipeline_parallel_microbatch_size": _ignore(1),
+    "parallelism.pipeline_parallel_split_points": _only_default(
+        [], "list the stages' modules in parallelism.module_fqns_per_model_part instead"
+    ),
+    "parallelism.pipeline_parallel_schedule_csv": _only_default(
+        "", "titanlite runs the built-in schedules only; name one in parallelism.pipeline_parallel_schedule"
+    ),
     "parallelism.pipeline_parallel_expert_parallel_overlap": _ignore(True),
     "parallelism.context_parallel_degree": _only_default(1, NO_CP),
     "parallelism.context_parallel_load_balancer": _ignore("headtail"),
@@ -227,6 +223,10 @@ SHARED_KEYS = (
     "parallelism.data_parallel_replicate_degree", "parallelism.data_parallel_shard_degree",
     "parallelism.fsdp_reshard_after_forward", "parallelism.tensor_parallel_degree",
     "parallelism.disable_loss_parallel", "parallelism.enable_async_tensor_parallel",
+    "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_schedule",
+    "parallelism.pipeline_parallel_microbatch_size", "parallelism.pipeline_parallel_layers_per_stage",
+    "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
+    "parallelism.module_fqns_per_model_part",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval",
     "checkpoint.initial_load_path", "checkpoint.initial_load_model_only",
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_model_only",

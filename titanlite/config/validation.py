@@ -8,14 +8,17 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
 from titanlite.config.job_config import (
+    PIPELINE_SCHEDULES,
     DatasetNeedingPath,
     DatasetWithoutPath,
     JobConfig,
     PreparedDataset,
     Range,
+    canonical_schedule,
     field_range,
 )
 from titanlite.config.schema import ConfigError
+from titanlite.errors import unknown_name
 
 # A dataset that reads no path would silently ignore one; one that needs a path has nothing to read without it.
 DATASETS_WITHOUT_PATH = get_args(DatasetWithoutPath)
@@ -100,9 +103,16 @@ def _check_load_step(config: JobConfig) -> None:
         )
 
 
+def _check_pipeline_schedule(config: JobConfig) -> None:
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if canonical_schedule(schedule) is None:
+        raise ConfigError(unknown_name("parallelism.pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES))
+
+
 # Run in this order after the ranges; the first broken rule is the one reported.
 CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
+    _check_pipeline_schedule,
     _check_dataset_has_path,
     _check_hf_seed,
     _check_load_step,

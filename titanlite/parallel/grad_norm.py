@@ -8,11 +8,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def _copies(grad: torch.Tensor) -> int:
+def _copies(grad: torch.Tensor, stages: int) -> int:
     """How many ranks hold this rank's piece of ``grad``: the sizes of the mesh dimensions it
-    is replicated over (a DTensor), or every rank (a plain tensor, which nothing split)."""
+    is replicated over (a DTensor), or every rank of its pipeline stage (a plain tensor, which
+    nothing split; ``stages`` pipeline stages each hold other parameters)."""
     if not isinstance(grad, DTensor):
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return dist.get_world_size() // stages if dist.is_initialized() else 1
     copies = 1
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
@@ -23,13 +24,15 @@ def _copies(grad: torch.Tensor) -> int:
 
 
 @torch.no_grad()
-def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, stages: int = 1) -> torch.Tensor:
     """The norm of all of ``grads`` together, the same on every rank, with one all-reduce.
 
     Gradients are split in different ways on one mesh (FSDP shards over the data-parallel
     dimensions, TP over ``tp``, some only over one of them, some over none), so each rank
     adds up its own pieces' |g|^p, divided by the number of ranks holding the same piece,
-    and the sum over all ranks counts every element of every gradient exactly once.
+    and the sum over all ranks counts every element of every gradient exactly once. Under
+    pipeline parallelism (``stages`` > 1) each stage's ranks hold other gradients, and the
+    sum over all ranks adds the stages' together.
     """
     if not grads:
         return torch.zeros(())
@@ -47,7 +50,7 @@ def total_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0) -> torch.
             dist.all_reduce(total, op=dist.ReduceOp.MAX)
         return total
     # Python numbers, not a tensor: nothing is copied to the device for them.
-    powered = torch._foreach_div(torch._foreach_pow(norms, norm_type), [float(_copies(grad)) for grad in grads])
+    powered = torch._foreach_div(torch._foreach_pow(norms, norm_type), [float(_copies(grad, stages)) for grad in grads])
     total = torch.stack(powered).sum()
     if dist.is_initialized():
         dist.all_reduce(total)
@@ -83,12 +86,15 @@ def _grads_in_parameter_layout(parameters: list[torch.nn.Parameter]) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0, stages: int = 1
+) -> torch.Tensor:
     """Clip gradients to the global norm and return that norm (before clipping); every rank
-    gets the same norm, so all clip alike. ``max_norm <= 0`` only measures."""
+    gets the same norm, so all clip alike. ``max_norm <= 0`` only measures. ``stages``: the
+    pipeline stages, each holding its own parameters."""
     parameters = list(parameters)
     _grads_in_parameter_layout(parameters)
-    total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type)
+    total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type, stages)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
     return total_norm

@@ -1,5 +1,5 @@
-"""The layout: how many model replicas, how many shards each, how many tensor-parallel ranks
-per layer, and the one device mesh they make."""
+"""The layout: how many pipeline stages, how many model replicas per stage, how many shards
+each, how many tensor-parallel ranks per layer, and the one device mesh they make."""
 
 from dataclasses import dataclass
 
@@ -7,41 +7,47 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The mesh's dimensions, outermost first. Ranks fill it row by row, so the ranks of one
 # tensor-parallel group are consecutive: on the same node, where TP's per-layer collectives
-# need the fast link. Data parallelism, which talks once per block, spans the nodes.
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+# need the fast link. Data parallelism, which talks once per block, spans the nodes; pipeline
+# parallelism, which sends one activation per micro-batch between neighbouring stages, is
+# outermost, so the slowest links carry the least traffic.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees; ``dp_replicate * dp_shard * tp == world_size`` always holds.
+    """Resolved degrees; ``pp * dp_replicate * dp_shard * tp == world_size`` always holds.
 
     The data-parallel strategies are points of the (replicate, shard) grid: single
     process (1 x 1), FSDP (1 x N), DDP (N x 1) and HSDP (R x S). Tensor parallelism (tp)
     splits each layer within every data-parallel rank, so the ``tp`` ranks of one group
-    see the same batch.
+    see the same batch. Pipeline parallelism (pp) splits the layers into stages, each on
+    its own set of ranks laid out as above; the ``pp`` ranks of one pipeline read the same
+    batch too (the first stage its tokens, the last its labels).
     """
 
     dp_replicate: int
     dp_shard: int
     world_size: int
     tp: int = 1
+    pp: int = 1
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1) -> "ParallelDims":
+    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1) -> "ParallelDims":
         """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
         ValueError naming the key when the degrees do not multiply to the world size."""
         names = (
             "parallelism.data_parallel_replicate_degree",
             "parallelism.data_parallel_shard_degree",
             "parallelism.tensor_parallel_degree",
+            "parallelism.pipeline_parallel_degree",
         )
-        if world_size % tp != 0:
-            raise ValueError(f"{names[2]} ({tp}) must divide the world size ({world_size})")
-        dp_ranks = world_size // tp
-        # What the data-parallel degrees must fill: the world, or what TP leaves of it.
-        ranks_left = (
-            f"the world size ({world_size})" if tp == 1 else f"the world size ({world_size}) / {names[2]} ({tp})"
-        )
+        for name, degree in ((names[3], pp), (names[2], tp), (f"{names[3]} x {names[2]}", pp * tp)):
+            if world_size % degree != 0:
+                raise ValueError(f"{name} ({degree}) must divide the world size ({world_size})")
+        dp_ranks = world_size // (tp * pp)
+        # What the data-parallel degrees must fill: the world, or what TP and PP leave of it.
+        others = " x ".join(f"{name} ({degree})" for name, degree in ((names[3], pp), (names[2], tp)) if degree > 1)
+        ranks_left = f"the world size ({world_size})" + (f" / {others}" if others else "")
         if -1 in (dp_replicate, dp_shard):
             known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)
             if known == -1 or dp_ranks % known != 0:
@@ -52,7 +58,7 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        return cls(dp_replicate, dp_shard, world_size, tp)
+        return cls(dp_replicate, dp_shard, world_size, tp, pp)
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -88,21 +94,26 @@ class ParallelDims:
             data_parallel = "FSDP"
         else:
             data_parallel = "DDP" if self.dp_shard == 1 else "HSDP"
-        if self.tp == 1:
-            return data_parallel
-        return f"{data_parallel} + TP" if data_parallel else "TP"
+        parts = [name for name, present in (("PP", self.pp > 1), (data_parallel, True), ("TP", self.tp > 1)) if present]
+        return " + ".join(part for part in parts if part)
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
-        """The run's one mesh. Without tensor parallelism it is the data-parallel mesh FSDP
-        shards over (1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP); with it, the
-        3-D (dp_replicate, dp_shard, tp) mesh. None for a single process."""
+        """The run's one mesh. With pipeline parallelism the 4-D (pp, dp_replicate, dp_shard,
+        tp) mesh; else without tensor parallelism the data-parallel mesh FSDP shards over
+        (1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP); with it, the 3-D
+        (dp_replicate, dp_shard, tp) mesh. None for a single process."""
         if self.world_size == 1:
             return None
+        if self.pp > 1:
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         if self.tp > 1:
-            return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS)
+            return init_device_mesh(
+                device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS[1:]
+            )
         if self.dp_replicate == 1:
             return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=MESH_DIMS[:2])
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=MESH_DIMS[1:3])
 
     def tensor_parallel_crosses_nodes(self, ranks_per_node: int) -> str | None:
         """Why this layout's TP groups are not each inside one node (a warning), or None. A
@@ -125,6 +136,11 @@ class ParallelDims:
     def tp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The tensor-parallel part of ``mesh``, or None without tensor parallelism."""
         return mesh["tp"] if mesh is not None and self.tp > 1 else None
+
+    def pp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The pipeline part of ``mesh`` (this rank and the ranks holding the other stages of
+        its pipeline), or None without pipeline parallelism."""
+        return mesh["pp"] if mesh is not None and self.pp > 1 else None
 
     @staticmethod
     def coordinate(mesh: DeviceMesh | None) -> dict[str, int]:

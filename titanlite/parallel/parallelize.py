@@ -95,10 +95,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     }
     if sequence_parallel:
         outer_plan["norm"] = SequenceParallel()
-    else:
+    elif model.norm is not None:
         replicate_over(model.norm, tp_mesh)
+    # A pipeline stage holds some of the outer modules only (the others are None).
+    outer_plan = {name: style for name, style in outer_plan.items() if getattr(model, name) is not None}
     parallelize_module(model, tp_mesh, outer_plan)
-    model.tok_embeddings.register_forward_hook(_wait_for_collective)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings.register_forward_hook(_wait_for_collective)
     for block in model.layers.values():
         # Attention's extra arguments are the RoPE tables, plain tensors every rank holds whole.
         block_plan = {
@@ -300,13 +303,18 @@ def parallelize_decoder(
     dp_mesh = parallel_dims.dp_mesh(mesh)
     if dp_mesh is not None:
         training = job_config.training
+        reshard = parallelism.fsdp_reshard_after_forward
+        if reshard == "default" and parallel_dims.pp > 1:
+            # Every micro-batch of a pipeline step goes through the stage: freeing its
+            # parameters after each forward would all-gather them again for every one.
+            reshard = "never"
         apply_fsdp(
             model,
             model.layers,
             dp_mesh,
             param_dtype=DTYPES[training.mixed_precision_param],
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
-            reshard_after_forward=job_config.parallelism.fsdp_reshard_after_forward,
+            reshard_after_forward=reshard,
             cpu_offload=training.enable_cpu_offload,
         )
     return model

@@ -175,6 +175,12 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
+    # Pipeline parallelism splits the model into stages in this order: the modules before the
+    # blocks, the blocks one by one, the modules after them. A stage's model is this class with
+    # the other stages' blocks removed and their outer modules None (forward skips them).
+    pipeline_first = ("tok_embeddings",)
+    pipeline_last = ("norm", "output")
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args
@@ -191,11 +197,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
-        h = self.tok_embeddings(tokens)
+        """tokens [batch, seq] -> logits [batch, seq, vocab]. A pipeline stage without the
+        embedding takes the previous stage's hidden state instead of tokens, and one without
+        the output returns its hidden state."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
             h = block(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables: derived from the args and never saved, so a model whose weights
@@ -205,13 +215,24 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:
         """Fill every parameter and buffer. The values depend only on `seed` and the
-        device type, not on how the parameters are sharded: each tensor is drawn whole,
-        in this fixed order, and every rank keeps its own part of it."""
-        device = buffer_device or self.norm.weight.device
-        generator = torch.Generator(device=device).manual_seed(seed)
+        device type, not on how the parameters are sharded or which pipeline stage holds
+        them: each tensor is drawn whole, and every rank keeps its own part of it; the
+        embedding, each block and the output draw from generators of their own, so a stage
+        holding some of them draws exactly what the whole model would."""
+        device = buffer_device or next(self.parameters()).device
         self.init_buffers(device)
-        fill_normal_(self.tok_embeddings.weight, std=1.0, generator=generator)
-        for block in self.layers.values():
-            block.init_weights(generator)
-        self.norm.init_weights()
-        fill_trunc_normal_(self.output.weight, std=self.args.dim**-0.5, generator=generator, cutoff=3.0)
+        if self.tok_embeddings is not None:
+            fill_normal_(self.tok_embeddings.weight, std=1.0, generator=part_generator(seed, 0, device))
+        for name, block in self.layers.items():
+            block.init_weights(part_generator(seed, 1 + int(name), device))
+        if self.norm is not None:
+            self.norm.init_weights()
+        if self.output is not None:
+            generator = part_generator(seed, 1 + self.args.n_layers, device)
+            fill_trunc_normal_(self.output.weight, std=self.args.dim**-0.5, generator=generator, cutoff=3.0)
+
+
+def part_generator(seed: int, part: int, device: torch.device) -> torch.Generator:
+    """The generator of the model's ``part``-th piece (0 the embedding, then the blocks, then
+    the output): seeded from the run's seed and the piece's place alone."""
+    return torch.Generator(device=device).manual_seed(seed * 1_000_003 + part)

@@ -174,13 +174,24 @@ def plan_pipeline(parallelism: Parallelism, model_cls: type, model_args, local_b
     return plan
 
 
+# Schedules that torch refuses to build with fewer micro-batches per step than stages (they
+# fill the pipeline with one micro-batch per stage before the first backward).
+_ONE_MICROBATCH_PER_STAGE = ("1F1B", "DualPipeV")
+
+
 def _check_microbatches(plan: PipelinePlan) -> None:
     m = plan.microbatches
+    count = f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size = {m}"
+    if plan.schedule in _ONE_MICROBATCH_PER_STAGE and m < plan.num_stages:
+        raise ValueError(
+            f"{_KEY}pipeline_parallel_schedule {plan.schedule} needs at least one micro-batch per pipeline stage "
+            f"({plan.num_stages}), but {count}; raise the batch, lower the micro-batch size or pick GPipe"
+        )
     if plan.style == "loop" and m > plan.pp and m % plan.pp != 0:
         # The looped schedules go round the ranks in rounds of pp micro-batches.
         raise ValueError(
             f"{plan.schedule} runs micro-batches in rounds of {_KEY}pipeline_parallel_degree ({plan.pp}): "
-            f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size = {m} must be a multiple of it"
+            f"{count} must be at most it or a multiple of it"
         )
 
 

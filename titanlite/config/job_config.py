@@ -307,6 +307,11 @@ PIPELINE_SCHEDULES = {
 }
 
 
+# Zero-bubble schedules split each backward into the inputs' gradient and, later, the
+# weights' gradient.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 def canonical_schedule(name: str) -> str | None:
     """The schedule's name as PIPELINE_SCHEDULES spells it, or None for an unknown one."""
     return next((known for known in PIPELINE_SCHEDULES if known.lower() == name.lower()), None)

@@ -175,13 +175,22 @@ def plan_pipeline(parallelism: Parallelism, model_cls: type, model_args, local_b
 
 
 def _check_microbatches(plan: PipelinePlan) -> None:
-    m = plan.microbatches
-    if plan.style == "loop" and m > plan.pp and m % plan.pp != 0:
-        # The looped schedules go round the ranks in rounds of pp micro-batches.
+    """The micro-batch counts torch 2.13's schedules refuse when they are built (after every
+    process group exists), refused here first."""
+    m, key = plan.microbatches, f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size"
+    if plan.schedule in ("1F1B", "DualPipeV") and m < plan.num_stages:
         raise ValueError(
-            f"{plan.schedule} runs micro-batches in rounds of {_KEY}pipeline_parallel_degree ({plan.pp}): "
-            f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size = {m} must be a multiple of it"
+            f"{plan.schedule} needs at least one micro-batch per stage: {key} = {m} is below the "
+            f"{plan.num_stages} stages; raise the local batch, lower the micro-batch size, or use GPipe"
         )
+    if plan.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        # They go round the ranks in rounds of (about) pp micro-batches, all rounds alike.
+        rounds = max(1, m // plan.pp)
+        if m % rounds != 0:
+            raise ValueError(
+                f"{plan.schedule} runs the micro-batches in {rounds} equal rounds: {key} = {m} must be a multiple "
+                f"of {rounds} (with {_KEY}pipeline_parallel_degree = {plan.pp})"
+            )
 
 
 def microbatch_warning(plan: PipelinePlan) -> str | None:

@@ -53,9 +53,15 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
 
 def config_ok_line(plan: RunPlan) -> str:
     """What job.validate_only prints when every check passed."""
+    pipeline = plan.pipeline
+    stages = (
+        ""
+        if pipeline is None
+        else f", {pipeline.num_stages} pipeline stages ({pipeline.schedule}, {pipeline.microbatches} micro-batch(es))"
+    )
     return (
         f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
-        f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+        f"rank(s){stages}, global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
     )
 
 

@@ -103,6 +103,8 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if pipeline is not None:
+        check_pipeline_validation(job_config)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
     if pipeline is not None:
         check_pipeline_compile(job_config, pipeline.schedule)
@@ -114,6 +116,22 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline)
+
+
+def check_pipeline_validation(job_config: JobConfig) -> None:
+    """Under pipeline parallelism the held-out batches go through the training pipeline, whose
+    stages hold buffers of the training micro-batches' shape: the validation batch must be the
+    training one (-1, or the same numbers)."""
+    validation, training = job_config.validation, job_config.training
+    if not validation.enable:
+        return
+    for key, size in (("local_batch_size", training.local_batch_size), ("seq_len", training.seq_len)):
+        value = getattr(validation, key)
+        if value not in (-1, size):
+            raise ConfigError(
+                f"validation.{key} ({value}) must be -1 or training.{key} ({size}) under pipeline parallelism: "
+                "held-out batches go through the training pipeline, whose micro-batch shapes are fixed"
+            )
 
 
 # Keys that only one part of the layout reads: key -> (that part, whether a layout has it).

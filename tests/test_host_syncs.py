@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from tests.helpers import tiny_args
 from tests.host_syncs import HostSyncs, is_host_sync
-from tests.multiprocess import run_on_ranks
+from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.nonfinite import SYNC_EVERY
 from titanlite.train import Trainer
@@ -139,9 +139,75 @@ def quiet_steps_report(dump: str) -> dict:
     }
 
 
+# Pipeline parallelism: PP 2 x FSDP 2, two stages per rank (Interleaved1F1B), two
+# micro-batches a step, fused AdamW, clipping and the EMA; steps 1 and 4 log.
+PP_ARGS = tiny_args(
+    {
+        "training.steps": 4,
+        "training.local_batch_size": 2,
+        "parallelism.pipeline_parallel_degree": 2,
+        "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
+        "training.max_norm": 0.5,
+        "optimizer.implementation": "fused",
+        "ema.enable": True,
+        "metrics.log_freq": 100,
+    }
+)
+PP_QUIET = (2, 3)
+PP_FEATURE_OPS = {
+    "the pipeline's sends": "c10d.send",
+    "the pipeline's receives": "c10d.recv_",
+    "FSDP's all-gathers": "fsdp.all_gather_copy_in",
+    "the global gradient norm": "aten._foreach_norm",
+    "fused AdamW": "aten._fused_adamw_",
+    "the EMA": "aten._foreach_lerp_",
+}
+
+
+def pipeline_quiet_steps_report() -> dict:
+    trainer = Trainer(parse_args(PP_ARGS))
+    modes = {step: HostSyncs() for step in PP_QUIET}
+    one_step = trainer._one_step
+
+    def counted(*args):
+        mode = modes.get(trainer.step + 1)
+        if mode is None:
+            return one_step(*args)
+        with mode:
+            return one_step(*args)
+
+    trainer._one_step = counted
+    trainer.train()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {
+        "syncs": {step: dict(mode.syncs) for step, mode in modes.items()},
+        "where": {step: mode.report() for step, mode in modes.items()},
+        "ops": {step: dict(mode.other_ops) for step, mode in modes.items()},
+    }
+
+
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory) -> list[dict]:
-    return run_on_ranks(4, quiet_steps_report, str(tmp_path_factory.mktemp("host_syncs")))
+def launch(tmp_path_factory) -> dict[str, list[dict]]:
+    jobs = {
+        "fsdp_tp": Job(4, quiet_steps_report, (str(tmp_path_factory.mktemp("host_syncs")),)),
+        "pipeline": Job(4, pipeline_quiet_steps_report),
+    }
+    return run_jobs_on_ranks(4, jobs)
+
+
+@pytest.fixture(scope="module")
+def ranks(launch) -> list[dict]:
+    return launch["fsdp_tp"]
+
+
+def test_quiet_pipeline_steps_make_no_host_sync(launch):
+    for rank, report in enumerate(launch["pipeline"]):
+        for step in PP_QUIET:
+            assert report["syncs"][step] == {}, f"rank {rank} step {step}: {report['where'][step]}"
+            ops = report["ops"][step]
+            for feature, op in PP_FEATURE_OPS.items():
+                assert ops.get(op, 0) > 0, f"rank {rank} step {step}: no {op} ({feature}); saw {sorted(ops)}"
 
 
 def test_quiet_steps_make_no_host_sync(ranks):

@@ -173,15 +173,15 @@ def test_v_schedules_put_the_first_and_last_stage_on_rank_zero():
             r"parallelism\.pipeline_parallel_microbatch_size \(3\)$"),
         # torch's 1F1B and DualPipeV fill the pipeline with one micro-batch per stage first.
         ({MICROBATCH: 8},
-         8, r"^parallelism\.pipeline_parallel_schedule 1F1B needs at least one micro-batch per pipeline stage \(2\), "
-            r"but training\.local_batch_size / parallelism\.pipeline_parallel_microbatch_size = 1; "),
+         8, r"^1F1B needs at least one micro-batch per stage: training\.local_batch_size / "
+            r"parallelism\.pipeline_parallel_microbatch_size = 1 is below the 2 stages; "),
         ({SCHEDULE: "DualPipeV", MICROBATCH: 4},
-         8, r"DualPipeV needs at least one micro-batch per pipeline stage \(4\), but .* = 2; "),
-        # Looped schedules go round in rounds of pp micro-batches: 3 is neither 2 or fewer nor a multiple of 2.
+         8, r"^DualPipeV needs at least one micro-batch per stage: .* = 2 is below the 4 stages; "),
+        # The interleaved schedules run m // pp rounds of equal size: 5 is not 2 rounds' worth.
         ({SCHEDULE: "InterleavedZeroBubble"},
-         3, r"^InterleavedZeroBubble runs micro-batches in rounds of parallelism\.pipeline_parallel_degree \(2\): "
-            r"training\.local_batch_size / parallelism\.pipeline_parallel_microbatch_size = 3 must be at most it or a "
-            r"multiple of it$"),
+         5, r"^InterleavedZeroBubble runs the micro-batches in 2 equal rounds: training\.local_batch_size / "
+            r"parallelism\.pipeline_parallel_microbatch_size = 5 must be a multiple of 2 \(with "
+            r"parallelism\.pipeline_parallel_degree = 2\)$"),
     ],
 )  # fmt: skip
 def test_layout_that_cannot_run(overrides, local_batch_size, message):
@@ -197,10 +197,12 @@ def test_weight_tying_cannot_be_split():
     assert plan_pipeline(pipeline_config().parallelism, Transformer, untied, 8).num_stages == 2
 
 
-@pytest.mark.parametrize("microbatches", [1, 2, 4])
-def test_looped_schedules_take_pp_or_fewer_microbatches_or_a_multiple(microbatches):
-    overrides = {SCHEDULE: "LoopedBFS", MICROBATCH: 1}
-    assert plan_of(overrides, local_batch_size=microbatches).microbatches == microbatches
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS"])
+@pytest.mark.parametrize("microbatches", [1, 2, 3, 4, 6])
+def test_looped_schedules_take_microbatch_counts_that_fill_equal_rounds(schedule, microbatches):
+    # 3 micro-batches on 2 ranks make 1 round (3 // 2) of 3, 6 make 3 rounds of 2: torch runs both.
+    plan = plan_of({SCHEDULE: schedule, MICROBATCH: 1}, local_batch_size=microbatches)
+    assert plan.microbatches == microbatches
 
 
 def test_unknown_schedule_gets_a_did_you_mean():
@@ -267,7 +269,7 @@ def test_fewer_microbatches_than_stages_is_a_warning(overrides, warning, monkeyp
     out, err = capsys.readouterr()
     assert err.splitlines() == [f"titanlite: warning: {warning}; raise training.local_batch_size or lower "
                                 "parallelism.pipeline_parallel_microbatch_size"]  # fmt: skip
-    assert out.startswith("titanlite: config ok: PP over 2 rank(s), global batch 2")
+    assert out.startswith("titanlite: config ok: PP over 2 rank(s), ")
 
 
 def test_enough_microbatches_is_no_warning():

@@ -316,20 +316,21 @@ def test_hf_export_and_load_model_of_a_tp_checkpoint(four_rank, single, tmp_path
 
 
 def test_a_checkpoint_without_the_later_records_still_resumes(tmp_path, monkeypatch, quiet_process_state):
-    """Checkpoints written before TP existed have no train_state.tp, and older ones no
-    train_state.global_batch_size; they must resume (as written by a layout without TP, with
-    no global batch to compare), while a missing entry a resume needs is still an error."""
+    """Checkpoints written before TP (PP) existed have no train_state.tp (train_state.pp), and
+    older ones no train_state.global_batch_size; they must resume (as written by a layout
+    without TP and PP, with no global batch to compare), while a missing entry a resume needs
+    is still an error."""
     args = tiny_args({"training.steps": 2, "checkpoint.enable": True, "job.dump_folder": str(tmp_path)})
     written_by = Trainer.state_dict
 
     def without(*keys):
         return lambda self: {key: value for key, value in written_by(self).items() if key not in keys}
 
-    monkeypatch.setattr(Trainer, "state_dict", without("tp", "global_batch_size"))
+    monkeypatch.setattr(Trainer, "state_dict", without("tp", "pp", "global_batch_size"))
     Trainer(parse_args(args)).train()
     stored = set(stored_keys(tmp_path / "checkpoint" / "step-2"))
     assert {"train_state.step", "train_state.world_size"} <= stored
-    assert not {"train_state.tp", "train_state.global_batch_size"} & stored
+    assert not {"train_state.tp", "train_state.pp", "train_state.global_batch_size"} & stored
     monkeypatch.setattr(Trainer, "state_dict", written_by)
     resumed = Trainer(parse_args(args))
     assert (resumed.step, resumed.tokens_seen) == (2, 2 * 2 * 32)

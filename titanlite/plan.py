@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig, value_text
+from titanlite.config.job_config import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
@@ -102,7 +103,11 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if pipeline is not None:
+        check_pipeline_validation(job_config)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
+    if pipeline is not None:
+        check_pipeline_compile(job_config, pipeline.schedule)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
         raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one data-parallel rank")
 
@@ -111,6 +116,22 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline)
+
+
+def check_pipeline_validation(job_config: JobConfig) -> None:
+    """Under pipeline parallelism the held-out batches go through the training pipeline, whose
+    stages hold buffers of the training micro-batches' shape: the validation batch must be the
+    training one (-1, or the same numbers)."""
+    validation, training = job_config.validation, job_config.training
+    if not validation.enable:
+        return
+    for key, size in (("local_batch_size", training.local_batch_size), ("seq_len", training.seq_len)):
+        value = getattr(validation, key)
+        if value not in (-1, size):
+            raise ConfigError(
+                f"validation.{key} ({value}) must be -1 or training.{key} ({size}) under pipeline parallelism: "
+                "held-out batches go through the training pipeline, whose micro-batch shapes are fixed"
+            )
 
 
 # Keys that only one part of the layout reads: key -> (that part, whether a layout has it).
@@ -173,6 +194,17 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     ]
     if missing:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
+
+
+def check_pipeline_compile(job_config: JobConfig, schedule: str) -> None:
+    """Compiled blocks cannot take a split backward (torch 2.13): their compiled backward
+    frees its saved buffers after the inputs' gradient, and with that reuse turned off
+    the weights' gradients came out wrong (grad norm 2e-4 off at the first step)."""
+    if schedule in SPLIT_BACKWARD_SCHEDULES and job_config.compile.enable and "model" in job_config.compile.components:
+        raise ConfigError(
+            f"parallelism.pipeline_parallel_schedule {schedule} splits the backward, which compiled blocks do not "
+            "support; pick 1F1B or Interleaved1F1B, or leave 'model' out of compile.components"
+        )
 
 
 def load_tokenizer(job_config: JobConfig):

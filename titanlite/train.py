@@ -44,6 +44,7 @@ from titanlite.profiling import profiler_context
 from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
+    LAYOUT_ENTRIES_ADDED_LATER,
     build_loader,
     build_metrics,
     build_run_model,
@@ -65,10 +66,8 @@ class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
     "train_state": the step, the tokens seen, and the layout and global batch that wrote it."""
 
-    # train_state entries that checkpoints written before them lack (the checkpoint manager
-    # then leaves them out of the load): "tp", absent where no layout had tensor parallelism,
-    # and "global_batch_size".
-    entries_added_later = ("tp", "global_batch_size")
+    # train_state entries that checkpoints written before them lack (see trainer_setup).
+    entries_added_later = LAYOUT_ENTRIES_ADDED_LATER
 
     def __init__(self, job_config: JobConfig):
         self.job_config = job_config

@@ -21,7 +21,8 @@ from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
 from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
-from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_startup
+from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, local_trainable_mib, log_startup
+from titanlite.metrics.flops import param_counts
 from titanlite.metrics.processor import MetricsProcessor
 from titanlite.parallel import (
     first_error_on_any_rank,
@@ -53,9 +54,15 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
 
 def config_ok_line(plan: RunPlan) -> str:
     """What job.validate_only prints when every check passed."""
+    pipeline = plan.pipeline
+    stages = (
+        ""
+        if pipeline is None
+        else f", {pipeline.num_stages} pipeline stages ({pipeline.schedule}, {pipeline.microbatches} micro-batch(es))"
+    )
     return (
         f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
-        f"rank(s), global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+        f"rank(s){stages}, global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
     )
 
 
@@ -140,10 +147,31 @@ def log_built_model(
         settings["sequence_parallel"] = job_config.parallelism.enable_sequence_parallel
         settings["loss_parallel"] = not job_config.parallelism.disable_loss_parallel
         settings["async_tensor_parallel"] = job_config.parallelism.enable_async_tensor_parallel
-    blocks = list(model.layers.values())
-    log_startup(model, settings, len(blocks), sharded=dims.fsdp_applied, rank=rank)
-    dtype_probe = ComputeDtypeProbe(model, DTYPES[training.mixed_precision_param])
-    return dtype_probe, PhaseMemory(MemoryMonitor(device))
+    pipeline = model.pipeline if isinstance(model, LocalModel) else None
+    if pipeline is not None:
+        settings["pipeline"] = f"{plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batch(es) per step"
+    parts = model.parts if pipeline is not None else [model]
+    log_startup(model, settings, len(model.layers), sharded=dims.fsdp_applied, rank=rank, parts=parts)
+    if pipeline is not None:
+        log_stages(plan.pipeline, pipeline.stage_indices, parts, rank)
+    dtype_probe = ComputeDtypeProbe(parts, DTYPES[training.mixed_precision_param])
+    return dtype_probe, PhaseMemory(MemoryMonitor(device), interleaved=pipeline is not None)
+
+
+def log_stages(pipeline_plan, stage_indices: list[int], parts: list[nn.Module], rank: int) -> None:
+    """Which modules each pipeline stage on this rank holds, its parameters (whole) and the
+    MiB of them this rank keeps (its shards under FSDP or TP)."""
+    for index, part in zip(stage_indices, parts, strict=True):
+        modules = pipeline_plan.stage_modules[index]
+        logger.info(
+            "rank %d: pipeline stage %d of %d holds %s (%.2f M params, local %.2f MiB)",
+            rank,
+            index,
+            pipeline_plan.num_stages,
+            ", ".join(modules),
+            sum(param.numel() for param in part.parameters()) / 1e6,
+            local_trainable_mib(part),
+        )
 
 
 def build_run_model(
@@ -164,7 +192,7 @@ def build_run_model(
 
     pp_mesh = plan.parallel_dims.pp_mesh(mesh)
     pipeline = Pipeline(plan.pipeline, pp_mesh.get_local_rank(), pp_mesh.get_group(), device, build_part, loss_fn)
-    return LocalModel(pipeline.parts), pipeline
+    return LocalModel(pipeline.parts, pipeline), pipeline
 
 
 def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch.device) -> MetricsProcessor:
@@ -196,6 +224,12 @@ def build_run_validator(
             loss = loss_fn(logits, labels)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
+    def pipeline_loss(model: LocalModel, inputs, labels):
+        # Every stage takes part; the ranks of the last one hold the loss.
+        with loss_context():
+            loss = model.pipeline.forward_loss(inputs, labels, loss_fn)
+        return loss if model.pipeline.has_last else None
+
     try:
         validator = build_validator(
             job_config.validation,
@@ -210,6 +244,7 @@ def build_run_validator(
             dp_rank=dims.dp_rank(mesh),
             dp_degree=dims.dp_degree,
             ranks_per_dp_rank=dims.tp,
+            forward_loss=pipeline_loss if plan.pipeline is not None else None,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
@@ -220,21 +255,35 @@ def build_run_validator(
     return validator
 
 
+def params_text(plan: RunPlan, model: nn.Module) -> str:
+    """The model's parameter count for the run summary; under pipeline parallelism also the
+    part of it this rank's stages hold."""
+    here = sum(param.numel() for param in model.parameters()) / 1e6
+    if not isinstance(model, LocalModel):
+        return f"{here:.2f} M params"
+    # The whole model's count from its shapes alone (built on meta, as the FLOPs count is).
+    total = param_counts(plan.model_args).total / 1e6
+    return f"{total:.2f} M params, {here:.2f} M of them in this rank's stages {list(model.pipeline.stage_indices)}"
+
+
+def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, show_pp: bool) -> str:
+    """A layout as the start-up and resume lines name it, in the mesh's order; the pp degree
+    where ``show_pp`` (a layout with pipeline parallelism is involved)."""
+    pipeline = f"pp {pp} x " if show_pp else ""
+    return f"{world_size} rank(s) ({pipeline}replicate {replicate} x shard {shard} x tp {tp})"
+
+
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
     """The one start-up line that says what runs where: model, layout and batch."""
     dims, training = plan.parallel_dims, job_config.training
     logger.info(
-        "%s: model %s %s (%.2f M params), %s over %d rank(s) (replicate %d x shard %d x tp %d) on %s, "
-        "global batch %d = local %d x dp %d x accumulation %d",
+        "%s: model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d",
         job_config.job.description,
         job_config.model.name,
         job_config.model.flavor,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        params_text(plan, model),
         dims.strategy,
-        dims.world_size,
-        dims.dp_replicate,
-        dims.dp_shard,
-        dims.tp,
+        layout_text(dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.pp > 1),
         device.type,
         plan.global_batch_size,
         training.local_batch_size,
@@ -263,26 +312,38 @@ def layout_record(plan: RunPlan) -> dict:
         "dp_replicate": dims.dp_replicate,
         "dp_shard": dims.dp_shard,
         "tp": dims.tp,
+        "pp": dims.pp,
         "global_batch_size": plan.global_batch_size,
     }
+
+
+# The train_state entries that checkpoints written before them lack (the checkpoint manager
+# then leaves them out of the load), each then meaning 1: "tp" and "pp", absent where no
+# layout had tensor or pipeline parallelism, and "global_batch_size".
+LAYOUT_ENTRIES_ADDED_LATER = ("tp", "pp", "global_batch_size")
 
 
 def log_resumed_layout(step: int, plan: RunPlan, train_state: dict, rank: int) -> None:
     """Say so when the checkpoint being resumed was written by another layout, and warn when
     the global batch changed with it (a global_batch_size of -1 follows the number of ranks)."""
     dims = plan.parallel_dims
-    # Checkpoints written before tensor parallelism existed have no "tp": they had none.
-    saved = (train_state["world_size"], train_state["dp_replicate"], train_state["dp_shard"], train_state.get("tp", 1))
-    if saved != (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp):
+    # Checkpoints written before tensor (pipeline) parallelism existed have no "tp" ("pp"): they had none.
+    saved = (
+        train_state["world_size"],
+        train_state["dp_replicate"],
+        train_state["dp_shard"],
+        train_state.get("tp", 1),
+        train_state.get("pp", 1),
+    )
+    ours = (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
+    if saved != ours:
+        show_pp = max(saved[-1], dims.pp) > 1
         logger.info(
-            "resuming at step %d on %d rank(s) (replicate %d x shard %d x tp %d) from a checkpoint written by "
-            "%d rank(s) (replicate %d x shard %d x tp %d): model, optimizer and data position are resharded",
+            "resuming at step %d on %s from a checkpoint written by %s: model, optimizer and data position are "
+            "resharded",
             step,
-            dims.world_size,
-            dims.dp_replicate,
-            dims.dp_shard,
-            dims.tp,
-            *saved,
+            layout_text(*ours, show_pp),
+            layout_text(*saved, show_pp),
         )
     # Checkpoints written before it was recorded have no "global_batch_size": nothing to compare.
     saved_batch = train_state.get("global_batch_size", plan.global_batch_size)

@@ -43,6 +43,9 @@ DocumentSource = Callable[[], Iterator[str]]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 HeldOutWindows = PreparedWindows | StreamWindows
 
+# A label that cross-entropy leaves out (torch's default ignore_index).
+IGNORE_INDEX = -100
+
 # The held-out split name given to python_stdlib and Hugging Face datasets (text has no splits).
 VALIDATION_SPLIT = "validation"
 
@@ -143,8 +146,13 @@ class Validator:
             reads windows ``[(s * dp_degree + r) * b, ... + b)`` (b: local_batch_size), the
             training loader's split, so the blocks of b windows are the same at every degree.
         process_group: group to all-reduce the totals over (None: the default group).
-        ranks_per_dp_rank: ranks in the group that read the same windows (the tensor-parallel
-            degree), whose totals the all-reduce therefore counts that many times.
+        ranks_per_dp_rank: ranks in the group that hold the loss of the same windows (the
+            tensor-parallel degree), whose totals the all-reduce therefore counts that many times.
+        forward_loss: for a model that is not called as a whole (the stages of a pipeline):
+            ``forward_loss(model, inputs, labels)`` -> the loss summed over the batch, the
+            labels of rows outside the held-out set being IGNORE_INDEX, or None on a rank that
+            computes no loss (whose tokens then do not count). Used instead of
+            ``loss_fn(model(inputs), labels)``.
     """
 
     def __init__(
@@ -160,6 +168,7 @@ class Validator:
         dp_degree: int = 1,
         process_group: dist.ProcessGroup | None = None,
         ranks_per_dp_rank: int = 1,
+        forward_loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
     ):
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(f"validation.steps: expected -1 or a positive int, got {steps!r}")
@@ -173,6 +182,7 @@ class Validator:
         self.device = torch.device(device)
         self.process_group = process_group
         self.ranks_per_dp_rank = ranks_per_dp_rank
+        self.forward_loss = forward_loss
         # Building a loader now checks batch size and rank with the loader's own errors.
         self._new_loader()
         self.windows, self.steps = self._plan(steps)
@@ -259,14 +269,25 @@ class Validator:
         loader = self._new_loader()  # from the start: the same windows at every evaluation
         for step in range(self.steps):
             inputs, labels = (t.to(self.device) for t in loader.next_batch())
-            with self.compute_context or contextlib.nullcontext():
-                logits = model(inputs)
             rows = self._rows_in_set(step)
-            if rows > 0:
-                totals[0] += self.loss_fn(logits[:rows], labels[:rows]).double()
+            loss = self._summed_loss(model, inputs, labels, rows)
+            if loss is not None:
+                totals[0] += loss.double()
                 totals[1] += rows * self.seq_len
-            del logits
         return totals
+
+    def _summed_loss(self, model: torch.nn.Module, inputs, labels, rows: int) -> torch.Tensor | None:
+        """The loss summed over the first ``rows`` rows of the batch (the held-out ones), or
+        None where this rank computes none."""
+        if self.forward_loss is not None:
+            if rows < len(labels):  # the whole batch goes through (its shape is fixed), these rows uncounted
+                labels = labels.clone()
+                labels[rows:] = IGNORE_INDEX
+            with self.compute_context or contextlib.nullcontext():
+                return self.forward_loss(model, inputs, labels)
+        with self.compute_context or contextlib.nullcontext():
+            logits = model(inputs)
+        return self.loss_fn(logits[:rows], labels[:rows]) if rows > 0 else None
 
 
 def _perplexity(loss: float) -> float:

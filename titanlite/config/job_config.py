@@ -307,6 +307,11 @@ PIPELINE_SCHEDULES = {
 }
 
 
+# Zero-bubble schedules split each backward into the inputs' gradient and, later, the
+# weights' gradient.
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 def canonical_schedule(name: str) -> str | None:
     """The schedule's name as PIPELINE_SCHEDULES spells it, or None for an unknown one."""
     return next((known for known in PIPELINE_SCHEDULES if known.lower() == name.lower()), None)
@@ -440,10 +445,11 @@ class Validation:
     none."""
 
     local_batch_size: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
-    """Sequences per rank per validation step; -1 means training.local_batch_size."""
+    """Sequences per rank per validation step; -1 means training.local_batch_size, the only size pipeline parallelism
+    takes (the held-out batches go through the training pipeline, whose micro-batch shapes are fixed)."""
 
     seq_len: int = ranged(MINUS_ONE_OR_POSITIVE, default=-1)
-    """Tokens per validation sequence; -1 means training.seq_len."""
+    """Tokens per validation sequence; -1 means training.seq_len, the only length pipeline parallelism takes."""
 
     freq: int = ranged(at_least(1), default=10)
     """Validate every this many training steps (and after the last one)."""

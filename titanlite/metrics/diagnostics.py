@@ -56,27 +56,40 @@ def shard_shapes(block: nn.Module) -> str:
     return ", ".join(shapes)
 
 
-def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool) -> str | None:
+def wrap_problem(unit_names: list[str], n_blocks: int, sharded: bool, roots: int = 1) -> str | None:
     """Why the sharding looks wrong, or None. Each block should be a unit of its own,
-    plus the root that holds the embeddings, final norm and output."""
+    plus the root that holds the embeddings, final norm and output (one root per model part:
+    ``roots`` of them for the stages of a pipeline)."""
     if not sharded or n_blocks < 2:
         return None
-    if len(unit_names) <= 1:
+    if len(unit_names) <= roots:
         return (
             f"only {len(unit_names)} FSDP unit(s) for a model of {n_blocks} blocks: per-block sharding "
             "matched nothing, so every rank gathers the whole model at once"
         )
-    if len(unit_names) < n_blocks + 1:
+    if len(unit_names) < n_blocks + roots:
+        what = "the root" if roots == 1 else f"the {roots} pipeline stages' roots"
         return (
-            f"{len(unit_names)} FSDP units for {n_blocks} blocks (expected {n_blocks + 1}: one per block plus the root)"
+            f"{len(unit_names)} FSDP units for {n_blocks} blocks (expected {n_blocks + roots}: one per block "
+            f"plus {what})"
         )
     return None
 
 
-def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sharded: bool, rank: int) -> list[str]:
+def log_startup(
+    model: nn.Module,
+    settings: dict[str, object],
+    n_blocks: int,
+    sharded: bool,
+    rank: int,
+    parts: list[nn.Module] | None = None,
+) -> list[str]:
     """Log the resolved parallel settings and the sharding; returns the FSDP unit names.
-    ``model.layers`` holds the blocks."""
-    units = fsdp_unit_names(model)
+    ``model.layers`` holds the blocks; ``parts``: the model parts, each sharded as a model of
+    its own (the stages of a pipeline on this rank, which ``model`` holds under the whole
+    model's names), default ``[model]``."""
+    parts = [model] if parts is None else parts
+    units = [name for part in parts for name in fsdp_unit_names(part)]
     logger.info("parallel settings: %s", ", ".join(f"{key}={value}" for key, value in settings.items()))
     samples = ", ".join(units[:SAMPLE_UNITS]) + (", ..." if len(units) > SAMPLE_UNITS else "")
     logger.info(
@@ -86,11 +99,12 @@ def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sh
         checkpointed_block_count(model),
         n_blocks,
     )
-    problem = wrap_problem(units, n_blocks, sharded)
+    problem = wrap_problem(units, n_blocks, sharded, roots=len(parts))
     if problem:
         logger.warning("!!! SHARDING PROBLEM: %s !!!", problem)
-    name, first_block = next(iter(model.layers.items()))
-    logger.info("parameter shards of block %s on rank %d: %s", name, rank, shard_shapes(first_block))
+    if len(model.layers) > 0:  # a pipeline stage may hold no block (only the embedding, say)
+        name, first_block = next(iter(model.layers.items()))
+        logger.info("parameter shards of block %s on rank %d: %s", name, rank, shard_shapes(first_block))
     logger.info("rank %d: local trainable parameters %.2f MiB", rank, local_trainable_mib(model))
     return units
 
@@ -98,15 +112,19 @@ def log_startup(model: nn.Module, settings: dict[str, object], n_blocks: int, sh
 class ComputeDtypeProbe:
     """Records the dtype of the model's output (the logits, from its last matmul) in the
     first forward: what mixed precision really computes in, whatever the config says.
-    The hook sits on the model itself, outside the separately compiled blocks."""
+    The hook sits on the model itself, outside the separately compiled blocks. Given several
+    model parts (a pipeline's stages on this rank), the output of the first one to run
+    counts (a stage before the last one outputs hidden states, in the same dtype)."""
 
-    def __init__(self, model: nn.Module, expected: torch.dtype):
+    def __init__(self, model: nn.Module | list[nn.Module], expected: torch.dtype):
         self.expected, self.seen = expected, None
-        self._handle = model.register_forward_hook(self._record)
+        parts = model if isinstance(model, list) else [model]
+        self._handles = [part.register_forward_hook(self._record) for part in parts]
 
     def _record(self, module, inputs, output) -> None:
         self.seen = output.dtype
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
     def report(self) -> None:
         """Log the dtype seen (once, after the first step) and warn on a mismatch."""
@@ -126,13 +144,21 @@ class ComputeDtypeProbe:
 class PhaseMemory:
     """Peak memory after forward, after backward and after the optimizer step, for the
     first `steps` steps. The peak is reset at the start of each of those steps, so each
-    figure is the highest point since the step began."""
+    figure is the highest point since the step began.
+
+    Under pipeline parallelism (``interleaved``) the schedule runs the micro-batches'
+    forwards and backwards in turns, so there is no moment "after forward": the figures are
+    after the schedule's forward and backward, and after the optimizer."""
 
     PHASES = ("forward", "backward", "optimizer")
+    PIPELINE_PHASES = ("backward", "optimizer")
+    PIPELINE_NAMES = {"backward": "forward+backward"}  # what "backward" covers under a schedule
 
-    def __init__(self, monitor: MemoryMonitor, steps: int = 3):
+    def __init__(self, monitor: MemoryMonitor, steps: int = 3, interleaved: bool = False):
         self.monitor, self.steps_left = monitor, steps
         self.peaks: dict[str, float] = {}
+        self.phases = self.PIPELINE_PHASES if interleaved else self.PHASES
+        self.names = self.PIPELINE_NAMES if interleaved else {}
 
     @property
     def active(self) -> bool:
@@ -156,6 +182,8 @@ class PhaseMemory:
             "step %d peak memory (%s): %s",
             step,
             self.monitor.kind,
-            ", ".join(f"after {phase} {self.peaks.get(phase, 0.0):.3f} GiB" for phase in self.PHASES),
+            ", ".join(
+                f"after {self.names.get(phase, phase)} {self.peaks.get(phase, 0.0):.3f} GiB" for phase in self.phases
+            ),
         )
         return dict(self.peaks)

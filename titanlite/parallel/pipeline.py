@@ -174,25 +174,23 @@ def plan_pipeline(parallelism: Parallelism, model_cls: type, model_args, local_b
     return plan
 
 
-# Schedules that torch refuses to build with fewer micro-batches per step than stages (they
-# fill the pipeline with one micro-batch per stage before the first backward).
-_ONE_MICROBATCH_PER_STAGE = ("1F1B", "DualPipeV")
-
-
 def _check_microbatches(plan: PipelinePlan) -> None:
-    m = plan.microbatches
-    count = f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size = {m}"
-    if plan.schedule in _ONE_MICROBATCH_PER_STAGE and m < plan.num_stages:
+    """The micro-batch counts torch 2.13's schedules refuse when they are built (after every
+    process group exists), refused here first."""
+    m, key = plan.microbatches, f"training.local_batch_size / {_KEY}pipeline_parallel_microbatch_size"
+    if plan.schedule in ("1F1B", "DualPipeV") and m < plan.num_stages:
         raise ValueError(
-            f"{_KEY}pipeline_parallel_schedule {plan.schedule} needs at least one micro-batch per pipeline stage "
-            f"({plan.num_stages}), but {count}; raise the batch, lower the micro-batch size or pick GPipe"
+            f"{plan.schedule} needs at least one micro-batch per stage: {key} = {m} is below the "
+            f"{plan.num_stages} stages; raise the local batch, lower the micro-batch size, or use GPipe"
         )
-    if plan.style == "loop" and m > plan.pp and m % plan.pp != 0:
-        # The looped schedules go round the ranks in rounds of pp micro-batches.
-        raise ValueError(
-            f"{plan.schedule} runs micro-batches in rounds of {_KEY}pipeline_parallel_degree ({plan.pp}): "
-            f"{count} must be at most it or a multiple of it"
-        )
+    if plan.schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        # They go round the ranks in rounds of (about) pp micro-batches, all rounds alike.
+        rounds = max(1, m // plan.pp)
+        if m % rounds != 0:
+            raise ValueError(
+                f"{plan.schedule} runs the micro-batches in {rounds} equal rounds: {key} = {m} must be a multiple "
+                f"of {rounds} (with {_KEY}pipeline_parallel_degree = {plan.pp})"
+            )
 
 
 def microbatch_warning(plan: PipelinePlan) -> str | None:
@@ -246,7 +244,10 @@ class Pipeline:
         ]
         schedule_class = get_schedule_class(plan.schedule)
         stages = self.stages[0] if issubclass(schedule_class, PipelineScheduleSingle) else self.stages
-        self.schedule = schedule_class(stages, plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+        # The schedule keeps the function it was built with; this one calls the loss of the
+        # step in progress (the training loss, or forward_loss's own).
+        self.loss_fn = loss_fn
+        self.schedule = schedule_class(stages, plan.microbatches, loss_fn=self._loss, scale_grads=False)
         self.has_first = 0 in self.stage_indices
         self.has_last = plan.num_stages - 1 in self.stage_indices
         self.device = device
@@ -261,12 +262,21 @@ class Pipeline:
         return self._summed(losses)
 
     @torch.no_grad()
-    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Forward only (held-out loss): this rank's summed loss, as forward_backward's."""
+    def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn=None) -> torch.Tensor:
+        """Forward only (held-out loss): this rank's summed loss, as forward_backward's, each
+        micro-batch's by ``loss_fn(output, labels)`` (default: the training loss). The inputs
+        must have the training micro-batches' shapes: the stages' buffers were sized for them."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
+        training_loss, self.loss_fn = self.loss_fn, loss_fn or self.loss_fn
+        try:
+            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
+        finally:
+            self.loss_fn = training_loss
         return self._summed(losses)
+
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, labels)
 
     def _summed(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if not losses:
@@ -280,8 +290,9 @@ class LocalModel(nn.Module):
     modules as the parts (shared, not copied), so its state dict, parameters and optimizer
     state are the checkpoint's. Never called: the pipeline runs the parts."""
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], pipeline: Pipeline | None = None):
         super().__init__()
+        self.pipeline = pipeline  # what runs the parts (held-out evaluation goes through it)
         layers = nn.ModuleDict()
         for part in parts:
             for name, block in part.layers.items():

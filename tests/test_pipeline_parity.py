@@ -140,14 +140,24 @@ def test_every_schedule_runs_ten_times_in_a_row_without_hanging(runs):
 STUCK_TIMEOUT = 3  # seconds
 
 
+def counted_in(store, key: str, count: int) -> None:
+    """Wait until `key` in the job's store has counted `count` ranks in (polling: the store's
+    own waits give up after STUCK_TIMEOUT)."""
+    while store.add(key, 0) < count:
+        time.sleep(0.05)
+
+
 def stuck_peer(extra_args: list[str]) -> dict:
     """Every rank takes one step; then the second stage's ranks stop taking part (waiting for
     word from the first's) while the first stage's take another. Returns what that step did
     on a first-stage rank and how long it took."""
     args = BASE_ARGS + ["--parallelism.pipeline_parallel_degree=2", f"--comm.init_timeout_seconds={STUCK_TIMEOUT}"]
     trainer = Trainer(parse_args(args + extra_args))
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    # Start the first step together: a rank still building its model must not time it out.
+    store.add("built", 1)
+    counted_in(store, "built", world)
     trainer.train_step()
-    store = dist.distributed_c10d._get_default_store()
     outcome = {}
     if trainer.pipeline.has_first:
         start = time.monotonic()
@@ -159,9 +169,7 @@ def stuck_peer(extra_args: list[str]) -> dict:
         outcome["seconds"] = time.monotonic() - start
         store.add("first stage done", 1)
     else:
-        # The store's own timeout is STUCK_TIMEOUT; the first stage's ranks take longer.
-        while store.add("first stage done", 0) < dist.get_world_size() // 2:
-            time.sleep(0.1)
+        counted_in(store, "first stage done", world // 2)
     dist.destroy_process_group()
     return outcome
 

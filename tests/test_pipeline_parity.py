@@ -21,7 +21,17 @@ import torch.distributed as dist
 
 from tests.helpers import full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
-from tests.test_parity import BASE_ARGS, NO_LP, NO_SP, REFERENCE, REPLICATE2, TP2, assert_same_training
+from tests.test_parity import (
+    BASE_ARGS,
+    FULL_AC,
+    NO_LP,
+    NO_SP,
+    REFERENCE,
+    REPLICATE2,
+    SELECTIVE_OP,
+    TP2,
+    assert_same_training,
+)
 from titanlite.config import parse_args
 from titanlite.config.job_config import PIPELINE_SCHEDULES
 from titanlite.train import Trainer
@@ -77,17 +87,18 @@ OUTPUT_ALONE = [
 ]
 
 # PP 2 alone, on 2 ranks: every schedule at least once with accumulation (so it runs 16 times
-# in a row), micro-batch counts 1, 2, 4 and 8 between them.
+# in a row), micro-batch counts 1, 2, 4 and 8 between them; activation checkpointing recomputes
+# inside the stages of two of them.
 PIPELINES = {
     "gpipe_m1_by_hand": pp_args("GPipe", 8, 8, *BY_HAND),
     "gpipe_m4_accum2": pp_args("GPipe", 4, 1),
     "1f1b_m2_accum2": pp_args("1F1B", 4, 2),
     "1f1b_m8": pp_args("1F1B", 8, 1),
     "interleaved1f1b_m1_accum2": pp_args("Interleaved1F1B", 4, 4),
-    "interleaved1f1b_m4": pp_args("Interleaved1F1B", 8, 2),
+    "interleaved1f1b_m4_selective_ac_op": pp_args("Interleaved1F1B", 8, 2, *SELECTIVE_OP),
     "looped_bfs_m2_accum2": pp_args("LoopedBFS", 4, 2),
     "interleaved_zero_bubble_m4_accum2_output_alone": pp_args("InterleavedZeroBubble", 4, 1, *OUTPUT_ALONE),
-    "zbv_zero_bubble_m4": pp_args("ZBVZeroBubble", 8, 2),
+    "zbv_zero_bubble_m4_full_ac": pp_args("ZBVZeroBubble", 8, 2, *FULL_AC),
     "zbv_zero_bubble_m1_accum2": pp_args("ZBVZeroBubble", 4, 4),
     "dual_pipe_v_m4_accum2": pp_args("DualPipeV", 4, 1),
 }
@@ -117,7 +128,7 @@ def test_pipeline_matches_single_process(runs, layout):
 
 def test_v_schedules_hold_the_embedding_and_the_output_on_rank_zero(runs):
     # Down the V and back up: stages 0 and 3 on rank 0, stages 1 and 2 on rank 1.
-    for name in ("zbv_zero_bubble_m4", "dual_pipe_v_m4_accum2"):
+    for name in ("zbv_zero_bubble_m4_full_ac", "dual_pipe_v_m4_accum2"):
         first, second = (set(run["params"]) for run in runs[name])
         assert {"tok_embeddings.weight", "output.weight", "layers.2.attention.wq.weight"} <= first
         assert {"layers.0.attention.wq.weight", "layers.1.attention.wq.weight"} <= second

@@ -223,6 +223,11 @@ def test_pp_must_divide_the_world_size():
     overrides = {"parallelism.tensor_parallel_degree": 2}
     with pytest.raises(ConfigError, match=r"degree x parallelism\.tensor_parallel_degree \(4\) must divide the world"):
         plan_run(pipeline_config(overrides), world_size=6)
+    # The data-parallel degrees fill what PP (and TP) leave of the world.
+    replicate = {"parallelism.data_parallel_replicate_degree": 2, "parallelism.data_parallel_shard_degree": 4}
+    with pytest.raises(ConfigError, match=r"\(2\) x parallelism\.data_parallel_shard_degree \(4\) must equal the world "
+                       r"size \(8\) / parallelism\.pipeline_parallel_degree \(2\);"):  # fmt: skip
+        plan_run(pipeline_config(replicate), world_size=8)
 
 
 @pytest.mark.parametrize(

@@ -204,6 +204,33 @@ CASES = [
          r"^parallelism\.enable_async_tensor_parallel needs compile\.enable with 'model' in compile\.components(, CUDA GPUs)?; "
          r"set it to false$",
          env={"WORLD_SIZE": "2"}),
+    # Pipeline parallelism: the degree against the world, the stages against the schedule and
+    # the micro-batches against the batch (tests/test_pipeline_plan.py has every rule).
+    Case("pp_does_not_divide_world_size", ["--job.validate_only", "--parallelism.pipeline_parallel_degree=2"],
+         r"^parallelism\.pipeline_parallel_degree \(2\) must divide the world size \(3\)$", env={"WORLD_SIZE": "3"}),
+    Case("pp_unknown_schedule", ["--parallelism.pipeline_parallel_degree=2", "--parallelism.pipeline_parallel_schedule=ZBV"],
+         r"^parallelism\.pipeline_parallel_schedule 'ZBV' is not known \(choose from GPipe, .*\)"),
+    Case("pp_v_schedule_without_two_stages_per_rank", ["--job.validate_only", "--parallelism.pipeline_parallel_degree=2",
+                                                       "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble",
+                                                       "--parallelism.module_fqns_per_model_part",
+                                                       "tok_embeddings,layers.0;layers.1,layers.2,norm,output"],
+         r"^parallelism\.pipeline_parallel_schedule ZBVZeroBubble needs exactly 2 stage\(s\) per pp rank, but "
+         r"parallelism\.module_fqns_per_model_part gives 2 stage\(s\) over parallelism\.pipeline_parallel_degree = 2$",
+         env={"WORLD_SIZE": "2"}),
+    Case("pp_looped_schedule_with_one_stage_per_rank", ["--job.validate_only", "--parallelism.pipeline_parallel_degree=2",
+                                                        "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
+                                                        "--parallelism.pipeline_parallel_layers_per_stage=3",
+                                                        "--parallelism.pipeline_parallel_last_stage_less_layers=2"],
+         r"^parallelism\.pipeline_parallel_schedule Interleaved1F1B needs 2 or more stage\(s\) per pp rank, but "
+         r"parallelism\.pipeline_parallel_layers_per_stage gives 2 stage\(s\)", env={"WORLD_SIZE": "2"}),
+    Case("pp_batch_does_not_split_into_microbatches", ["--job.validate_only", "--parallelism.pipeline_parallel_degree=2",
+                                                       "--parallelism.pipeline_parallel_microbatch_size=3"],
+         r"^training\.local_batch_size \(2\) must be a multiple of parallelism\.pipeline_parallel_microbatch_size \(3\)$",
+         env={"WORLD_SIZE": "2"}),
+    Case("pp_1f1b_with_fewer_microbatches_than_stages", ["--job.validate_only", "--parallelism.pipeline_parallel_degree=2",
+                                                         "--parallelism.pipeline_parallel_microbatch_size=2"],
+         r"^1F1B needs at least one micro-batch per stage: .* = 1 is below the 2 stages",
+         env={"WORLD_SIZE": "2"}),
     Case("global_batch_does_not_divide_one_rank", ["--training.global_batch_size", "5"],
          r"training\.global_batch_size \(5\) must be a multiple of training\.local_batch_size \(2\)"),
     Case("cpu_offload_on_one_rank", ["--training.enable_cpu_offload"], r"training\.enable_cpu_offload needs FSDP"),

@@ -3,6 +3,8 @@ each, how many tensor-parallel ranks per layer, and the one device mesh they mak
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The mesh's dimensions, outermost first. Ranks fill it row by row, so the ranks of one
@@ -106,7 +108,8 @@ class ParallelDims:
             return None
         if self.pp > 1:
             shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
-            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+            override = _gloo_pipeline_group(device_type)
+            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override)
         if self.tp > 1:
             return init_device_mesh(
                 device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS[1:]
@@ -153,3 +156,21 @@ class ParallelDims:
         from its place in the mesh: tp ranks of one group share it."""
         coordinate = self.coordinate(mesh)
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)
+
+
+def _gloo_pipeline_group(device_type: str) -> dict | None:
+    """The pp dimension's group options under gloo: the default group's timeout (at start-up,
+    comm.init_timeout_seconds), or None to leave the mesh's groups as torch makes them.
+
+    A gloo send or receive waits as long as its group's timeout was when the group was made
+    (a timeout set later reaches collectives only), and the mesh makes groups with torch's
+    30-minute default: a pipeline stage whose peer stopped would wait that long. NCCL applies
+    a timeout set later to sends and receives too."""
+    if device_type != "cpu" or not dist.is_gloo_available():
+        return None
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    if not isinstance(backend, dist.ProcessGroupGloo):  # e.g. the estimator's fake process group
+        return None
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = backend.options._timeout
+    return {"pp": ("gloo", options)}

@@ -1,0 +1,209 @@
+"""Pipeline parallelism trains exactly like one process, and no schedule hangs.
+
+Every run trains test_parity's tiny model from the same seed on the same global batches
+(8 sequences a step, 8 steps, float32) and must match its single-process reference within
+1e-5 in every step's loss and grad norm and in the final weights: PP 2 with each of torch's
+schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
+micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2, TP 2
+(with and without sequence and loss parallel) and DDP 2.
+
+The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
+norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
+so the weights of a run are the union of its ranks'.
+
+Every run is a job of one launch of 4 rank processes (RUNS, the `runs` fixture).
+"""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from tests.helpers import full_weights
+from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_parity import (
+    BASE_ARGS,
+    FULL_AC,
+    NO_LP,
+    NO_SP,
+    REFERENCE,
+    REPLICATE2,
+    SELECTIVE_OP,
+    TP2,
+    assert_same_training,
+)
+from titanlite.config import parse_args
+from titanlite.config.job_config import PIPELINE_SCHEDULES
+from titanlite.train import Trainer
+
+# A schedule that deadlocks must fail the launch, not hang it: under gloo a pipeline's sends
+# and receives wait at most init_timeout_seconds (the pp group's timeout when it was made; a
+# timeout set later reaches collectives only), the collectives at most the train timeout.
+NO_HANG = ["--comm.init_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
+
+
+def train_pipeline(extra_args: list[str]) -> dict:
+    """Train with pipeline parallelism; what train_and_report returns, plus how often the
+    schedule ran and which schedule class ran it."""
+    trainer = Trainer(parse_args(BASE_ARGS + NO_HANG + ["--parallelism.pipeline_parallel_degree=2"] + extra_args))
+    schedule = trainer.pipeline.schedule
+    step_schedule, schedule_steps = schedule.step, []
+
+    def counted_step(*args, **kwargs):
+        schedule_steps.append(len(schedule_steps))
+        return step_schedule(*args, **kwargs)
+
+    schedule.step = counted_step
+    records = trainer.train()
+    report = {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "params": full_weights(trainer.model),
+        "schedule": type(schedule).__name__,
+        "schedule_steps": len(schedule_steps),
+    }
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return report
+
+
+def pp_args(schedule: str, local_batch: int, microbatch: int, *extra: str) -> list[str]:
+    """The schedule with local_batch / microbatch micro-batches per step; 8 // local_batch
+    accumulation steps (PP alone: one data-parallel rank reads the whole global batch)."""
+    return [
+        f"--parallelism.pipeline_parallel_schedule={schedule}",
+        f"--training.local_batch_size={local_batch}",
+        f"--parallelism.pipeline_parallel_microbatch_size={microbatch}",
+        *extra,
+    ]
+
+
+# The stages by hand (the command line's form), unlike the default split: 2 blocks on the first.
+BY_HAND = ["--parallelism.module_fqns_per_model_part=tok_embeddings,layers.0,layers.1;layers.2,norm,output"]
+# The first stage holds a block too, the last only the norm and the output.
+OUTPUT_ALONE = [
+    "--parallelism.pipeline_parallel_first_stage_less_layers=0",
+    "--parallelism.pipeline_parallel_layers_per_stage=1",
+]
+
+# PP 2 alone, on 2 ranks: every schedule at least once with accumulation (so it runs 16 times
+# in a row), micro-batch counts 1, 2, 4 and 8 between them; activation checkpointing recomputes
+# inside the stages of two of them.
+PIPELINES = {
+    "gpipe_m1_by_hand": pp_args("GPipe", 8, 8, *BY_HAND),
+    "gpipe_m4_accum2": pp_args("GPipe", 4, 1),
+    "1f1b_m2_accum2": pp_args("1F1B", 4, 2),
+    "1f1b_m8": pp_args("1F1B", 8, 1),
+    "interleaved1f1b_m1_accum2": pp_args("Interleaved1F1B", 4, 4),
+    "interleaved1f1b_m4_selective_ac_op": pp_args("Interleaved1F1B", 8, 2, *SELECTIVE_OP),
+    "looped_bfs_m2_accum2": pp_args("LoopedBFS", 4, 2),
+    "interleaved_zero_bubble_m4_accum2_output_alone": pp_args("InterleavedZeroBubble", 4, 1, *OUTPUT_ALONE),
+    "zbv_zero_bubble_m4_full_ac": pp_args("ZBVZeroBubble", 8, 2, *FULL_AC),
+    "zbv_zero_bubble_m1_accum2": pp_args("ZBVZeroBubble", 4, 4),
+    "dual_pipe_v_m4_accum2": pp_args("DualPipeV", 4, 1),
+}
+
+# PP 2 with the data-parallel and tensor-parallel layouts, on 4 ranks.
+COMPOSED = {
+    "pp2_fsdp2_interleaved1f1b_m2_accum2": pp_args("Interleaved1F1B", 2, 1),
+    "pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2),
+    "pp2_tp2_no_sp_no_lp_zbv_m2_accum2": pp_args("ZBVZeroBubble", 4, 2, *TP2, *NO_SP, *NO_LP),
+    "pp2_ddp2_gpipe_m2_accum2": pp_args("GPipe", 2, 1, *REPLICATE2),
+}
+
+
+def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict) -> None:
+    everyones = {name: value for run in rank_runs for name, value in run["params"].items()}
+    for run in rank_runs:  # every rank must agree, not only rank 0
+        # Only its stages' weights: a rank holding the whole model would not be pipelining.
+        assert 0 < len(run["params"]) < len(ref["params"])
+        # Its own weights, completed by the other stages' ranks' to the whole model's names.
+        assert_same_training({**run, "params": {**everyones, **run["params"]}}, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [*PIPELINES, *COMPOSED])
+def test_pipeline_matches_single_process(runs, layout):
+    assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0])
+
+
+def test_v_schedules_hold_the_embedding_and_the_output_on_rank_zero(runs):
+    # Down the V and back up: stages 0 and 3 on rank 0, stages 1 and 2 on rank 1.
+    for name in ("zbv_zero_bubble_m4_full_ac", "dual_pipe_v_m4_accum2"):
+        first, second = (set(run["params"]) for run in runs[name])
+        assert {"tok_embeddings.weight", "output.weight", "layers.2.attention.wq.weight"} <= first
+        assert {"layers.0.attention.wq.weight", "layers.1.attention.wq.weight"} <= second
+        assert not first & second
+
+
+def test_every_schedule_runs_ten_times_in_a_row_without_hanging(runs):
+    # Each job ran its schedule every accumulation step of 8 optimizer steps under NO_HANG's
+    # timeouts: a deadlock would have failed the launch, naming the job.
+    ran = {}
+    for name in PIPELINES:
+        for run in runs[name]:
+            ran[run["schedule"]] = max(ran.get(run["schedule"], 0), run["schedule_steps"])
+    assert {name.removeprefix("Schedule") for name in ran} == set(PIPELINE_SCHEDULES)
+    assert min(ran.values()) >= 10, ran
+
+
+# --- a schedule whose peer stops fails within the timeout ----------------------------------
+
+STUCK_TIMEOUT = 3  # seconds
+
+
+def counted_in(store, key: str, count: int) -> None:
+    """Wait until `key` in the job's store has counted `count` ranks in (polling: the store's
+    own waits give up after STUCK_TIMEOUT)."""
+    while store.add(key, 0) < count:
+        time.sleep(0.05)
+
+
+def stuck_peer(extra_args: list[str]) -> dict:
+    """Every rank takes one step; then the second stage's ranks stop taking part (waiting for
+    word from the first's) while the first stage's take another. Returns what that step did
+    on a first-stage rank and how long it took."""
+    args = BASE_ARGS + ["--parallelism.pipeline_parallel_degree=2", f"--comm.init_timeout_seconds={STUCK_TIMEOUT}"]
+    trainer = Trainer(parse_args(args + extra_args))
+    store, world = dist.distributed_c10d._get_default_store(), dist.get_world_size()
+    # Start the first step together: a rank still building its model must not time it out.
+    store.add("built", 1)
+    counted_in(store, "built", world)
+    trainer.train_step()
+    outcome = {}
+    if trainer.pipeline.has_first:
+        start = time.monotonic()
+        try:
+            trainer.train_step()
+            outcome["error"] = None
+        except RuntimeError as error:
+            outcome["error"] = str(error)
+        outcome["seconds"] = time.monotonic() - start
+        store.add("first stage done", 1)
+    else:
+        counted_in(store, "first stage done", world // 2)
+    dist.destroy_process_group()
+    return outcome
+
+
+def test_a_schedule_whose_peer_stops_fails_within_the_timeout(runs):
+    # PP x DDP: nothing but the pipeline's sends and receives talks before the last
+    # micro-batch, and the pp group is not the default one.
+    for outcome in runs["stuck peer"][:2]:
+        assert outcome["error"] is not None, "the step went on without its peer"
+        # Failed by the timeout, not at once (a peer that died) and not after torch's
+        # 30-minute default for a new group.
+        assert STUCK_TIMEOUT - 0.5 < outcome["seconds"] < STUCK_TIMEOUT + 20, outcome
+
+
+RUNS = {
+    # The 4-rank jobs first: the 2-rank ones and the reference then share the ranks evenly.
+    **{name: Job(4, train_pipeline, (args,)) for name, args in COMPOSED.items()},
+    "stuck peer": Job(4, stuck_peer, (pp_args("GPipe", 2, 1, *REPLICATE2),)),
+    "reference": REFERENCE,
+    **{name: Job(2, train_pipeline, (args,)) for name, args in PIPELINES.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list]:
+    return run_jobs_on_ranks(4, RUNS)

@@ -110,6 +110,15 @@ class _PlainTracker(_CategoryPeaks, MemTracker):
         self._setup_extras()
         self.track_external(model, optimizer)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        # A pipeline schedule calls its stage once per micro-batch, each forward before the
+        # earlier ones' backward; the tracker's per-module figures (unused here) allow one
+        # call per module, so a further call only files its inputs.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            self.memory_tracking[module].input_mem = self._track_inputs_or_outputs(inputs)
+            return
+        super()._pre_fw_hook(module, inputs)
+
 
 @dataclass
 class StepMemory:
@@ -162,6 +171,10 @@ def _finish(tracker, at_start: dict[str, int], model, optimizer, max_norm: float
     """Clip and step as the trainer does, still tracked; the step's figures."""
     clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
+    return _figures(tracker, at_start)
+
+
+def _figures(tracker, at_start: dict[str, int]) -> StepMemory:
     return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)
 
 
@@ -210,6 +223,14 @@ def tracked_stage_step(
                 output.backward(None if labels is not None else torch.ones_like(output))
             del output
         return _finish(tracker, at_start, model, optimizer, max_norm)
+
+
+def tracked_call(model, optimizer, step) -> StepMemory:
+    """``step()``, whatever it runs (e.g. a real pipeline step with its optimizer step),
+    under the memory tracker over ``model`` and ``optimizer``."""
+    with _tracking(model, optimizer, ()) as (tracker, at_start):
+        step()
+        return _figures(tracker, at_start)
 
 
 def fold_step(step: StepMemory) -> tuple[dict[str, int], ModelStateBytes, int]:

@@ -181,6 +181,12 @@ def test_nodes_give_the_world_size(capsys):
         (["--training.stepz", "3"], "training.stepz"),
         (["--world_size", "8", "--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree (3) must divide"),
         (["--sweep", "--sweep_sizes", "8,x"], "--sweep_sizes '8,x': expected GPU counts like 8,64"),
+        (["--sweep", "--sweep_pp", "1,0"], "--sweep_pp '1,0': expected positive pipeline degrees"),
+        (["--sweep", "--sweep_schedules", "1F1B,Zigzag"], "unknown schedule 'Zigzag' (choose from GPipe, 1F1B,"),
+        (
+            ["--world_size", "8", "--parallelism.pipeline_parallel_degree", "3"],
+            "pipeline_parallel_degree (3) must divide",
+        ),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, expected):

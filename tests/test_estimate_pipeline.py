@@ -243,6 +243,18 @@ def test_the_floor_is_per_stage_and_the_fullest_must_fit(monkeypatch):
     assert whose.startswith("pp rank 1 (stage(s) 1)")
     assert floor["weights and Adam state"] < whole["weights and Adam state"]
     assert floor["logits"] == whole["logits"] * 2 // 4
+    assert floor["unsharded stage weights and gradients"] == 0  # no FSDP: gradients are plain
+    # Under FSDP each micro-batch but the last keeps the stage's gradients unsharded (float32
+    # here) and the gathered weights stay: the stage's parameters twice, whatever the shards.
+    _, sharded = fullest_floor(config, plan_run(config, 4))
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    stage_params = sum(
+        p.numel() for name in plan.pipeline.stage_modules[1] for p in model.get_submodule(name).parameters()
+    )
+    assert sharded["unsharded stage weights and gradients"] == stage_params * (4 + 4)
+    one = parse_args([*TINY_PP, "--parallelism.pipeline_parallel_microbatch_size=4"])
+    assert fullest_floor(one, plan_run(one, 4))[1]["unsharded stage weights and gradients"] == 0
     monkeypatch.setattr("titanlite.estimate.floor.device_memory_bytes", lambda *_: (1, "a 1-byte test device"))
     with pytest.raises(ConfigError, match=r"^pp rank 1 \(stage\(s\) 1\) of model llama3 tiny on 1 shard\(s\)") as error:
         check_memory_floor(config, plan)

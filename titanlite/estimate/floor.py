@@ -155,8 +155,25 @@ def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tu
         holds_logits = pipeline.num_stages - 1 in stages
         logits_batch = job_config.parallelism.pipeline_parallel_microbatch_size if holds_logits else 0
         whose = f"pp rank {pp_rank} (stage(s) {', '.join(map(str, stages))}) of "
-        floors.append((whose, floor(model, logits_batch)))
+        rank_floor = floor(model, logits_batch)
+        rank_floor["unsharded stage weights and gradients"] = _unsharded_stage_bytes(job_config, plan, model)
+        floors.append((whose, rank_floor))
     return floors
+
+
+def _unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
+    """What FSDP surely holds unsharded on a pp rank with several micro-batches per step: as
+    torch.distributed.pipelining runs FSDP, every micro-batch's backward but the step's last
+    keeps the stage's gradients unsharded and unreduced (accumulated in the reduce dtype), and
+    titanlite's default reshard policy under PP keeps the gathered weights (in the parameter
+    dtype) for the whole step; each is the stage's parameters over the TP degree."""
+    parallel_dims, training = plan.parallel_dims, job_config.training
+    if not parallel_dims.fsdp_applied or plan.pipeline.microbatches < 2:
+        return 0
+    params = sum(param.numel() for param in stage.parameters()) // parallel_dims.tp
+    gathered = job_config.parallelism.fsdp_reshard_after_forward != "always"
+    weight_bytes = DTYPES[training.mixed_precision_param].itemsize if gathered else 0
+    return params * (weight_bytes + DTYPES[training.mixed_precision_reduce].itemsize)
 
 
 def fullest_floor(job_config: JobConfig, plan: RunPlan) -> tuple[str, dict[str, int]]:

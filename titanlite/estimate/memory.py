@@ -32,6 +32,11 @@ What each figure means (bytes on one rank):
   activations during backward ("Temp"), and the optimizer step's scratch tensors.
 * ``other``: buffers (the RoPE tables), the input batch and, when enabled, the EMA copy.
 
+Under pipeline parallelism every pp rank is estimated: each of its stages is built as the
+trainer builds it and simulated for two micro-batches, and the activations of the further
+micro-batches its schedule keeps in flight are added (estimate.pipeline, docs/estimate.md);
+the figures above are then the fullest pp rank's, and ``MemoryEstimate.pipeline`` lists all.
+
 The measured step is a steady-state one: the optimizer state is created before tracking
 starts (a step on zero gradients), because from the second step on it stays resident
 during forward and backward; a first step alone would miss it.
@@ -357,7 +362,7 @@ def _estimate_pipeline(
     pipeline, training, parallel_dims = plan.pipeline, job_config.training, plan.parallel_dims
     stride = world_size // pipeline.pp  # ranks per stage: pp is the outermost mesh dimension
     simulated: dict[tuple, _Simulated] = {}
-    ranks: list[tuple[StageMemory, list[_Simulated]]] = []
+    ranks: list[tuple[StageMemory, list[_Simulated], list[str]]] = []
     for pp_rank in range(pipeline.pp):
         stages = pipeline.rank_stages(pp_rank)
         kinds = [_stage_kind(job_config, pipeline.stage_modules[stage]) for stage in stages]
@@ -367,10 +372,10 @@ def _estimate_pipeline(
                 for stage, kind in zip(stages, kinds, strict=True):
                     if kind not in simulated:
                         simulated[kind] = _simulate(job_config, plan, mesh, pipeline.stage_modules[stage])
-        runs = [simulated[kind] for kind in kinds]
-        ranks.append((_rank_memory(pipeline, pp_rank, runs, training.enable_cpu_offload), runs))
-    worst, runs = max(ranks, key=lambda entry: entry[0].peak_bytes)
-    _add_untracked(dict(worst.peak), sum(run.ema_bytes for run in runs), training.enable_cpu_offload, notes)
+        runs, rank_notes = [simulated[kind] for kind in kinds], []
+        ranks.append((_rank_memory(pipeline, pp_rank, runs, training.enable_cpu_offload, rank_notes), runs, rank_notes))
+    worst, runs, worst_notes = max(ranks, key=lambda entry: entry[0].peak_bytes)
+    notes.extend(worst_notes)
     notes.append(
         f"pipeline {pipeline.schedule}, {pipeline.microbatches} micro-batch(es) of "
         f"{job_config.parallelism.pipeline_parallel_microbatch_size} sequence(s) per accumulation step: "
@@ -386,12 +391,12 @@ def _estimate_pipeline(
         activations=worst.in_flight * worst.microbatch_activations,
         measured=_summed(run.measured for run in runs),
         exact=_summed(run.exact for run in runs),
-        num_params=sum(stage.num_params for stage, _ in ranks),
-        pipeline=[stage for stage, _ in ranks],
+        num_params=sum(stage.num_params for stage, _, _ in ranks),
+        pipeline=[stage for stage, _, _ in ranks],
     )
 
 
-def _rank_memory(pipeline, pp_rank: int, runs: list[_Simulated], cpu_offload: bool) -> StageMemory:
+def _rank_memory(pipeline, pp_rank: int, runs: list[_Simulated], cpu_offload: bool, notes: list[str]) -> StageMemory:
     """One pp rank's peak from its stages' simulated steps (each of one micro-batch in flight):
     their breakdowns at their peaks added up, as if every stage peaked at once (exact for one
     stage per rank, an upper bound for several), plus the activations of the further
@@ -401,7 +406,7 @@ def _rank_memory(pipeline, pp_rank: int, runs: list[_Simulated], cpu_offload: bo
     peak = {name: sum(run.peak[name] for run in runs) for name in CATEGORIES}
     peak["activations"] += max(0, in_flight - len(runs)) * per_microbatch
     peak["total"] = sum(peak[name] for name in CATEGORIES)
-    _add_untracked(peak, sum(run.ema_bytes for run in runs), cpu_offload, [])
+    _add_untracked(peak, sum(run.ema_bytes for run in runs), cpu_offload, notes)
     stages = pipeline.rank_stages(pp_rank)
     return StageMemory(
         pp_rank=pp_rank,

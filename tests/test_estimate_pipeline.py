@@ -149,6 +149,7 @@ def test_step_time_is_the_compute_stretched_by_the_bubble(schedule, microbatches
     pipelined = max(timing.compute_s / (1 - plan.bubble), timing.pp_s) + timing.pp_exposed_s
     assert timing.step_s == pytest.approx(pipelined, rel=1e-12)
     assert timing.pp_link == "intra-node"
+    assert f"pipeline bubble {plan.bubble:.1%}" in timing.describe()
     # Per device: the pipeline's tokens over its two GPUs.
     assert timing.tokens_per_device_per_step == microbatches * 4096 / 2
 

@@ -469,8 +469,9 @@ def _sweep_sizes(options) -> list[int]:
 
 
 def _sweep_pipelines(options) -> list[tuple[int, str | None]]:
-    """(pp degree, schedule) pairs the sweep tries: no pipeline, then each degree above 1 of
-    --sweep_pp with each schedule of --sweep_schedules."""
+    """(pp degree, schedule) pairs the sweep tries: no pipeline (always: the layouts PP is
+    measured against), then each degree above 1 of --sweep_pp with each schedule of
+    --sweep_schedules."""
     from titanlite.config.job_config import PIPELINE_SCHEDULES, canonical_schedule
 
     degrees = _positive_ints("--sweep_pp", options.sweep_pp, "pipeline degrees like 1,2,4,8")
@@ -483,8 +484,7 @@ def _sweep_pipelines(options) -> list[tuple[int, str | None]]:
         schedules.append(canonical_schedule(name))
     if not schedules and max(degrees) > 1:
         raise ValueError("--sweep_schedules is empty: name at least one schedule (e.g. 1F1B)")
-    pipelines = [(1, None)] if 1 in degrees else []
-    return pipelines + [(pp, schedule) for pp in sorted(set(degrees) - {1}) for schedule in schedules]
+    return [(1, None)] + [(pp, schedule) for pp in sorted(set(degrees) - {1}) for schedule in schedules]
 
 
 def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:

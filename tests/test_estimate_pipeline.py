@@ -11,7 +11,7 @@ import torch
 import torch.distributed.pipelining.schedules as torch_schedules
 
 from titanlite.config import ConfigError, parse_args
-from titanlite.estimate import check_memory_floor, estimate_memory, estimate_step_time
+from titanlite.estimate import check_memory_floor, estimate_for_job_config, estimate_memory, estimate_step_time
 from titanlite.estimate.floor import fullest_floor
 from titanlite.estimate.pipeline import in_flight_microbatches, stage_params
 from titanlite.estimate.step_time import rank_work
@@ -185,6 +185,21 @@ def test_stage_boundaries_send_one_activation_and_its_gradient_per_micro_batch(t
         LLAMA3_8B, tp=tp, sequence_parallel=sequence_parallel, **{**common, "pipeline": looped}
     )
     assert interleaved.pp_bytes == 3 * microbatches * activation
+
+
+def test_a_schedule_torch_refuses_is_an_error_the_sweep_skips(capsys):
+    argv = [*TINY_PP, "--training.local_batch_size=1"]
+    with pytest.raises(ValueError, match=r"^1F1B needs at least as many micro-batches as stages: 1 micro-batch"):
+        estimate_for_job_config(parse_args(argv), 2, "h100")
+    gpipe = parse_args([*argv, "--parallelism.pipeline_parallel_schedule=GPipe"])
+    assert estimate_for_job_config(gpipe, 2, "h100").bubble == 0.5
+    # One sequence a step on 2 GPUs: a pipeline of 2 stages gets one micro-batch.
+    sweep = ["--sweep", "--skip_memory", "--sweep_sizes", "2", "--sweep_pp", "2", "--sweep_schedules", "1F1B,GPipe"]
+    assert estimate.main([*TINY_PP, "--training.global_batch_size=1", *sweep]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 GPUs 2 x 1 x 1 x 1 (1F1B): 1F1B needs at least as many micro-batches as stages" in out
+    # The layouts without a pipeline are tried too (here they cannot split one sequence).
+    assert "skipped 2 GPUs 1 x 2 x 1: the global batch of 1 sequences does not split over 2" in out
 
 
 def test_pipeline_across_nodes_uses_the_inter_node_link_and_splits_the_fsdp_traffic():

@@ -19,10 +19,12 @@ for training: --parallelism.tensor_parallel_degree 2 asks for TP.
 
 The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
 FSDP and HSDP (one shard group per node), each with every TP degree the model and the node
-allow, at 8, 64, 512 and 4096 GPUs (or --sweep_sizes), holding the global batch
-(training.global_batch_size, or local_batch_size x GPUs) with no accumulation, then which
-layout wins at each size and whether TP wins, and why. A layout that does not fit is
-reported as such (exit status 0); bad input is one line on stderr and exit status 2.
+allow and every pipeline degree of --sweep_pp (1, 2, 4, 8, 16) with each schedule of
+--sweep_schedules (1F1B, Interleaved1F1B), at 8, 64, 512 and 4096 GPUs (or --sweep_sizes),
+holding the global batch (training.global_batch_size, or local_batch_size x GPUs) with no
+accumulation, then which layout wins at each size, whether TP and whether PP win, and why.
+A layout that does not fit is reported as such (exit status 0); bad input is one line on
+stderr and exit status 2.
 """
 
 import argparse
@@ -36,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 PROG = "estimate"
 SWEEP_SIZES = (8, 64, 512, 4096)
+SWEEP_PP = "1,2,4,8,16"
+SWEEP_SCHEDULES = "1F1B,Interleaved1F1B"
 GIB = 2**30
 
 
@@ -67,6 +71,14 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--sweep", action="store_true", help="FSDP and HSDP with each TP degree at 8, 64, 512 and 4096 GPUs"
     )
     parser.add_argument("--sweep_sizes", default=None, help="the sweep's GPU counts, comma-separated (e.g. 8,64)")
+    parser.add_argument(
+        "--sweep_pp", default=SWEEP_PP, help=f"the sweep's pipeline degrees, comma-separated (default {SWEEP_PP})"
+    )
+    parser.add_argument(
+        "--sweep_schedules",
+        default=SWEEP_SCHEDULES,
+        help=f"the sweep's pipeline schedules, comma-separated (default {SWEEP_SCHEDULES})",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--skip_memory", action="store_true", help="step time only (no memory simulation)")
     parser.add_argument("-h", "--help", action="store_true")
@@ -105,19 +117,28 @@ def _world_size(options, hardware) -> int:
     return options.world_size or by_nodes or hardware.gpus_per_node
 
 
-def _with_layout(job_config, replicate: int, shard: int, tp: int, local_batch_size: int):
-    """A copy of the config with this layout and local batch, and no accumulation."""
+def _with_layout(
+    job_config, replicate: int, shard: int, tp: int, local_batch_size: int, pp: int = 1, schedule: str | None = None
+):
+    """A copy of the config with this layout (and pipeline schedule) and local batch, and no
+    accumulation."""
     changed = copy.deepcopy(job_config)
     changed.parallelism.data_parallel_replicate_degree = replicate
     changed.parallelism.data_parallel_shard_degree = shard
     changed.parallelism.tensor_parallel_degree = tp
+    changed.parallelism.pipeline_parallel_degree = pp
+    if schedule is not None:
+        changed.parallelism.pipeline_parallel_schedule = schedule
     changed.training.local_batch_size = local_batch_size
     changed.training.global_batch_size = -1
     return changed
 
 
-def estimate_one(job_config, world_size: int, hardware, options, memory_cache: dict | None = None) -> dict:
-    """Memory and step time of one layout, as a JSON-ready dict."""
+def estimate_one(
+    job_config, world_size: int, hardware, options, memory_cache: dict | None = None, screen: bool = False
+) -> dict:
+    """Memory and step time of one layout, as a JSON-ready dict. ``screen``: a layout whose
+    floor does not fit is not simulated (its memory is the floor, marked "floor_only")."""
     from titanlite.estimate import DEFAULT_EFFICIENCY, estimate_for_job_config, estimate_memory, fits
 
     efficiency = DEFAULT_EFFICIENCY if options.efficiency is None else options.efficiency
@@ -131,14 +152,39 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
             "tp": timing.tp,
             "local_batch_size": job_config.training.local_batch_size,
             "hardware": hardware.name,
+            **(
+                {"pp": timing.pp, "schedule": timing.schedule, "microbatches": timing.microbatches}
+                if timing.pp > 1
+                else {}
+            ),
         },
         "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"},
     }
+    floor_bytes = _floor_bytes(job_config, world_size)
+    reserve = int(options.reserve_gib * GIB)
+    result["memory_floor"] = {"bytes": floor_bytes, "fits": floor_bytes + reserve <= hardware.memory_bytes}
     if options.skip_memory:
+        return result
+    if screen and not result["memory_floor"]["fits"]:  # surely too big: not worth a simulation
+        result["memory"] = {
+            "peak_bytes": floor_bytes,
+            "floor_only": True,
+            "device_bytes": hardware.memory_bytes,
+            "reserve_bytes": reserve,
+            "fits": False,
+            "headroom_bytes": hardware.memory_bytes - reserve - floor_bytes,
+        }
         return result
     # Per-rank memory depends on the shard and TP degrees and the batch, not on how many
     # replicas there are.
-    key = (timing.dp_shard, timing.tp, timing.dp_replicate > 1, job_config.training.local_batch_size)
+    key = (
+        timing.dp_shard,
+        timing.tp,
+        timing.dp_replicate > 1,
+        job_config.training.local_batch_size,
+        timing.pp,
+        timing.schedule,
+    )
     memory = None if memory_cache is None else memory_cache.get(key)
     if memory is None:
         memory = estimate_memory(job_config, world_size)
@@ -158,7 +204,28 @@ def estimate_one(job_config, world_size: int, hardware, options, memory_cache: d
         "headroom_bytes": headroom,
         "notes": memory.notes,
     }
+    if memory.pipeline:
+        result["memory"]["per_pp_rank"] = [
+            {
+                "pp_rank": rank.pp_rank,
+                "stages": list(rank.stages),
+                "peak_bytes": rank.peak_bytes,
+                "in_flight_microbatches": rank.in_flight,
+                "microbatch_activations": rank.microbatch_activations,
+            }
+            for rank in memory.pipeline
+        ]
     return result
+
+
+def _floor_bytes(job_config, world_size: int) -> int:
+    """The trainer's own floor (estimate.floor) for this layout's fullest rank: what it surely
+    holds, by arithmetic, in no time."""
+    from titanlite.estimate.floor import fullest_floor
+    from titanlite.plan import plan_run, tokenizer_for_estimate
+
+    plan = plan_run(job_config, world_size, tokenizer_for_estimate(job_config)[0])
+    return sum(fullest_floor(job_config, plan)[1].values())
 
 
 def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
@@ -170,9 +237,12 @@ def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
     tp = f" x tp {layout['tp']}" if layout["tp"] > 1 else ""
+    pp = (
+        f"pp {layout['pp']} ({layout['schedule']}, {layout['microbatches']} micro-batches) x " if "pp" in layout else ""
+    )
     lines = [
         f"{describe_model} on {layout['world_size']} x {layout['hardware']}: {layout['strategy']}, "
-        f"{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s){tp}",
+        f"{pp}{layout['dp_replicate']} replica(s) x {layout['dp_shard']} shard(s){tp}",
         "",
     ]
     if memory is not None:
@@ -192,6 +262,12 @@ def _report(result: dict, describe_model: str) -> str:
             f"{memory['gradients'] / GIB:.2f} / {memory['optimizer_state'] / GIB:.2f} GiB "
             "(params x bytes / (shards x tp))"
         )
+        for rank in memory.get("per_pp_rank", []):
+            lines.append(
+                f"  pp rank {rank['pp_rank']} (stage {', '.join(map(str, rank['stages']))}): peak "
+                f"{rank['peak_bytes'] / GIB:.2f} GiB, {rank['in_flight_microbatches']} micro-batch(es) in flight "
+                f"x {rank['microbatch_activations'] / GIB:.2f} GiB"
+            )
         lines.extend(f"  note: {note}" for note in memory["notes"])
         lines.append("")
     threshold = timing["threshold_tokens_per_device"]
@@ -203,6 +279,14 @@ def _report(result: dict, describe_model: str) -> str:
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         _collective_line("TP", timing, "tp", "tp_link"),
+        *(
+            [
+                _collective_line("pipeline", timing, "pp", "pp_link")
+                + f", bubble {timing['bubble']:.1%}, {timing['pp_exposed_s'] * 1e3:.1f} ms exposed"
+            ]
+            if timing["pp"] > 1
+            else []
+        ),
         f"  step           {timing['step_s'] * 1e3:10.1f} ms  "
         f"-> {timing['tokens_per_second_per_device']:,.0f} tokens/s/device, MFU {timing['mfu_percent']:.1f}%",
         f"  verdict: {timing['verdict']} "
@@ -214,23 +298,30 @@ def _report(result: dict, describe_model: str) -> str:
 
 
 def _layout_name(layout: dict) -> str:
-    return f"{layout['strategy']} {layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
+    degrees = f"{layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
+    if layout.get("pp", 1) > 1:
+        return f"{layout['strategy']} {layout['pp']}x{degrees} {layout['schedule']}"
+    return f"{layout['strategy']} {degrees}"
 
 
 def _sweep_rows(results: list[dict]) -> str:
     header = (
-        f"{'GPUs':>5} {'layout':<10} {'repl x shard x tp':>17} {'batch':>5} {'peak GiB':>9} {'fits':>5} "
-        f"{'step ms':>9} {'TP ms':>7} {'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+        f"{'GPUs':>5} {'layout':<15} {'pp x repl x shard x tp':>22} {'schedule':<15} {'batch':>5} {'bubble':>6} "
+        f"{'peak GiB':>9} {'fits':>5} {'step ms':>9} {'TP ms':>7} {'tok/s/GPU':>10} {'MFU %':>6}  verdict"
     )
     rows = [header]
     for r in results:
         layout, timing, memory = r["layout"], r["step_time"], r.get("memory")
-        peak = "-" if memory is None else f"{memory['peak_bytes'] / GIB:.2f}"
-        fit = "-" if memory is None else ("yes" if memory["fits"] else "NO")
-        degrees = f"{layout['dp_replicate']} x {layout['dp_shard']} x {layout['tp']}"
+        if memory is None:  # the floor only: a layout that surely does not fit says so
+            peak, fit = "-", "-" if _fits(r) else "NO"
+        else:
+            more = ">" if memory.get("floor_only") else ""
+            peak, fit = f"{more}{memory['peak_bytes'] / GIB:.2f}", "yes" if memory["fits"] else "NO"
+        degrees = f"{layout.get('pp', 1)} x {layout['dp_replicate']} x {layout['dp_shard']} x {layout['tp']}"
         rows.append(
-            f"{layout['world_size']:>5} {layout['strategy']:<10} {degrees:>17} {layout['local_batch_size']:>5} "
-            f"{peak:>9} {fit:>5} {timing['step_s'] * 1e3:>9.1f} {timing['tp_s'] * 1e3:>7.1f} "
+            f"{layout['world_size']:>5} {layout['strategy']:<15} {degrees:>22} {layout.get('schedule') or '-':<15} "
+            f"{layout['local_batch_size']:>5} {timing['bubble']:>6.1%} {peak:>9} {fit:>5} "
+            f"{timing['step_s'] * 1e3:>9.1f} {timing['tp_s'] * 1e3:>7.1f} "
             f"{timing['tokens_per_second_per_device']:>10,.0f} {timing['mfu_percent']:>6.1f}  {timing['verdict']}"
         )
     return "\n".join(rows)
@@ -241,40 +332,82 @@ def _throughput(result: dict) -> float:
 
 
 def _fits(result: dict) -> bool:
-    """Whether the layout fits; unknown (memory skipped) counts as fitting."""
-    return "memory" not in result or result["memory"]["fits"]
+    """Whether the layout fits; with memory skipped, whether its floor fits."""
+    if "memory" in result:
+        return result["memory"]["fits"]
+    return "memory_floor" not in result or result["memory_floor"]["fits"]
 
 
 def _data_parallel_seconds(timing: dict) -> float:
     return timing["all_gather_s"] + timing["reduce_scatter_s"] + timing["all_reduce_s"]
 
 
-def _why_tp_wins(winner: dict, without_tp: list[dict], tried_without_tp: list[dict]) -> str:
-    """Why the winning TP layout beats every layout without TP, in one clause."""
-    if not without_tp:
-        if not tried_without_tp:
-            return "no layout without TP has a sequence per data-parallel rank"
-        smallest = min(tried_without_tp, key=lambda r: r["memory"]["peak_bytes"])
+def _degree(result: dict, dim: str) -> int:
+    """The layout's degree of "tp" or "pp" (1 where the layout has none)."""
+    return result["layout"].get(dim, 1)
+
+
+# Per dimension: its name in the verdicts, how it cuts the data-parallel traffic, and what it
+# costs when it loses.
+_DIMENSIONS = {
+    "tp": (
+        "TP",
+        lambda result: f"TP {_degree(result, 'tp')} divides the bytes each GPU gathers and reduces by the TP degree",
+        lambda timing: f"its collectives adding {timing['tp_s'] * 1e3:,.0f} ms a step over {timing['tp_link']}",
+    ),
+    "pp": (
+        "PP",
+        lambda result: f"PP {_degree(result, 'pp')} leaves each GPU only its stages' weights to gather and reduce",
+        lambda timing: (
+            f"its pipeline bubble idling {timing['bubble']:.0%} of its compute ({timing['microbatches']} micro-batches)"
+        ),
+    ),
+}
+
+
+def _why_it_wins(dim: str, winner: dict, without: list[dict], tried_without: list[dict]) -> str:
+    """Why the winning layout with TP (or PP) beats every layout without it, in one clause."""
+    label, helps, _ = _DIMENSIONS[dim]
+    if not without:
+        if not tried_without:
+            return f"no layout without {label} has a sequence per data-parallel rank"
+        smallest = min(tried_without, key=lambda r: r["memory"]["peak_bytes"])
         return (
-            f"no layout without TP fits in memory (the smallest peak, {_layout_name(smallest['layout'])}, "
+            f"no layout without {label} fits in memory (the smallest peak, {_layout_name(smallest['layout'])}, "
             f"is {smallest['memory']['peak_bytes'] / GIB:.1f} GiB of {smallest['memory']['device_bytes'] / GIB:.0f})"
         )
-    best = max(without_tp, key=_throughput)
+    best = max(without, key=_throughput)
     gain = _throughput(winner) / _throughput(best) - 1
     timing = best["step_time"]
     if _data_parallel_seconds(timing) > timing["compute_s"]:
         return (
-            f"{gain:+.0%} over the best without TP, {_layout_name(best['layout'])}, whose data-parallel "
+            f"{gain:+.0%} over the best without {label}, {_layout_name(best['layout'])}, whose data-parallel "
             f"collectives ({_data_parallel_seconds(timing) * 1e3:,.0f} ms over {timing['shard_link']}) exceed its "
-            f"compute ({timing['compute_s'] * 1e3:,.0f} ms); TP {winner['layout']['tp']} divides the bytes "
-            "each GPU gathers and reduces by the TP degree"
+            f"compute ({timing['compute_s'] * 1e3:,.0f} ms); {helps(winner)}"
         )
-    return f"{gain:+.0%} over the best without TP, {_layout_name(best['layout'])}"
+    return f"{gain:+.0%} over the best without {label}, {_layout_name(best['layout'])}"
+
+
+def _dimension_clause(dim: str, winner: dict, tried: list[dict], fitting: list[dict]) -> str:
+    """ "; TP wins: why" or "; TP does not: ..." (or PP), or nothing when no layout has it."""
+    label, _, cost = _DIMENSIONS[dim]
+    if _degree(winner, dim) > 1:
+        without = [r for r in fitting if _degree(r, dim) == 1]
+        tried_without = [r for r in tried if _degree(r, dim) == 1]
+        return f"; {label} wins: " + _why_it_wins(dim, winner, without, tried_without)
+    with_it = [r for r in fitting if _degree(r, dim) > 1]
+    if not with_it:
+        return ""
+    best = max(with_it, key=_throughput)
+    return (
+        f"; {label} does not: the best with {label}, {_layout_name(best['layout'])}, reaches "
+        f"{_throughput(best):,.0f} ({_throughput(best) / _throughput(winner) - 1:+.0%}), {cost(best['step_time'])}"
+    )
 
 
 def _sweep_verdicts(results: list[dict]) -> list[str]:
     """One line per world size: which layout wins (the most tokens/s per GPU among those that
-    fit) and whether TP wins, and why."""
+    fit), whether TP and whether PP win, and why."""
     lines = []
     for world_size in dict.fromkeys(r["layout"]["world_size"] for r in results):
         tried = [r for r in results if r["layout"]["world_size"] == world_size]
@@ -283,24 +416,11 @@ def _sweep_verdicts(results: list[dict]) -> list[str]:
             lines.append(f"{world_size} GPUs: no layout fits")
             continue
         winner = max(fitting, key=_throughput)
-        with_tp = [r for r in fitting if r["layout"]["tp"] > 1]
-        without_tp = [r for r in fitting if r["layout"]["tp"] == 1]
         line = (
             f"{world_size} GPUs: {_layout_name(winner['layout'])} wins, {_throughput(winner):,.0f} tokens/s/GPU "
             f"(MFU {winner['step_time']['mfu_percent']:.1f}%)"
         )
-        if winner["layout"]["tp"] > 1:
-            tried_without_tp = [r for r in tried if r["layout"]["tp"] == 1]
-            line += "; TP wins: " + _why_tp_wins(winner, without_tp, tried_without_tp)
-        elif with_tp:
-            best = max(with_tp, key=_throughput)
-            timing = best["step_time"]
-            line += (
-                f"; TP does not: the best with TP, {_layout_name(best['layout'])}, reaches "
-                f"{_throughput(best):,.0f} ({_throughput(best) / _throughput(winner) - 1:+.0%}), its collectives "
-                f"adding {timing['tp_s'] * 1e3:,.0f} ms a step over {timing['tp_link']}"
-            )
-        lines.append(line)
+        lines.append(line + "".join(_dimension_clause(dim, winner, tried, fitting) for dim in _DIMENSIONS))
     return lines
 
 
@@ -331,38 +451,77 @@ def _sweep_layouts(world_size: int, gpus_per_node: int, tp_degrees: list[int]) -
     return layouts
 
 
+def _positive_ints(option: str, text: str, what: str) -> list[int]:
+    """A comma-separated list of positive integers, or one ValueError line naming the option."""
+    try:
+        values = [int(value) for value in text.split(",") if value.strip()]
+    except ValueError:
+        raise ValueError(f"{option} {text!r}: expected {what}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{option} {text!r}: expected positive {what.split(' like ')[0]}")
+    return values
+
+
 def _sweep_sizes(options) -> list[int]:
     if options.sweep_sizes is None:
         return list(SWEEP_SIZES)
-    try:
-        sizes = [int(size) for size in options.sweep_sizes.split(",") if size.strip()]
-    except ValueError:
-        raise ValueError(f"--sweep_sizes {options.sweep_sizes!r}: expected GPU counts like 8,64") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--sweep_sizes {options.sweep_sizes!r}: expected positive GPU counts")
-    return sizes
+    return _positive_ints("--sweep_sizes", options.sweep_sizes, "GPU counts like 8,64")
+
+
+def _sweep_pipelines(options) -> list[tuple[int, str | None]]:
+    """(pp degree, schedule) pairs the sweep tries: no pipeline (always: the layouts PP is
+    measured against), then each degree above 1 of --sweep_pp with each schedule of
+    --sweep_schedules."""
+    from titanlite.config.job_config import PIPELINE_SCHEDULES, canonical_schedule
+
+    degrees = _positive_ints("--sweep_pp", options.sweep_pp, "pipeline degrees like 1,2,4,8")
+    schedules = []
+    for name in (name.strip() for name in options.sweep_schedules.split(",") if name.strip()):
+        if canonical_schedule(name) is None:
+            raise ValueError(
+                f"--sweep_schedules: unknown schedule {name!r} (choose from {', '.join(PIPELINE_SCHEDULES)})"
+            )
+        schedules.append(canonical_schedule(name))
+    if not schedules and max(degrees) > 1:
+        raise ValueError("--sweep_schedules is empty: name at least one schedule (e.g. 1F1B)")
+    return [(1, None)] + [(pp, schedule) for pp in sorted(set(degrees) - {1}) for schedule in schedules]
 
 
 def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
     """Every layout of the sweep that holds the global batch, estimated; and a line for each
-    layout left out because its data-parallel ranks do not split the global batch."""
+    layout left out: its data-parallel ranks do not split the global batch, or its pipeline
+    cannot run (too few blocks for the stages, micro-batches that do not fill the rounds)."""
+    from titanlite.config import ConfigError
+
     results, skipped, cache = [], [], {}
     training = job_config.training
+    pipelines = _sweep_pipelines(options)
     for world_size in _sweep_sizes(options):
         global_batch = training.global_batch_size
         if global_batch == -1:
             global_batch = training.local_batch_size * world_size
         tp_degrees = _tensor_parallel_degrees(job_config, world_size, hardware.gpus_per_node)
-        for replicate, shard, tp in _sweep_layouts(world_size, hardware.gpus_per_node, tp_degrees):
-            data_parallel = replicate * shard
-            if global_batch % data_parallel:
-                skipped.append(
-                    f"skipped {world_size} GPUs {replicate} x {shard} x {tp}: the global batch of {global_batch} "
-                    f"sequences does not split over {data_parallel} data-parallel ranks"
-                )
+        for pp, schedule in pipelines:
+            if world_size % pp:
                 continue
-            layout = _with_layout(job_config, replicate, shard, tp, global_batch // data_parallel)
-            results.append(estimate_one(layout, world_size, hardware, options, cache))
+            stage_ranks = world_size // pp
+            stage_tp = [tp for tp in tp_degrees if stage_ranks % tp == 0]
+            for replicate, shard, tp in _sweep_layouts(stage_ranks, hardware.gpus_per_node, stage_tp):
+                data_parallel = replicate * shard
+                name = (
+                    f"{replicate} x {shard} x {tp}" if pp == 1 else f"{pp} x {replicate} x {shard} x {tp} ({schedule})"
+                )
+                if global_batch % data_parallel:
+                    skipped.append(
+                        f"skipped {world_size} GPUs {name}: the global batch of {global_batch} "
+                        f"sequences does not split over {data_parallel} data-parallel ranks"
+                    )
+                    continue
+                layout = _with_layout(job_config, replicate, shard, tp, global_batch // data_parallel, pp, schedule)
+                try:
+                    results.append(estimate_one(layout, world_size, hardware, options, cache, screen=True))
+                except (ConfigError, ValueError) as error:
+                    skipped.append(f"skipped {world_size} GPUs {name}: {error}")
     return results, skipped
 
 

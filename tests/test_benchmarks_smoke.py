@@ -119,3 +119,14 @@ def test_convert_quick_prints_every_row_and_the_ratios():
 def test_exit_aborts_counts_the_runs_of_an_ending():
     (line,) = _run("exit_aborts.py", "--runs", "1", "--only", "exit_process")
     assert line.startswith("exit_process: 0 aborts in 1 runs (0 other failures), "), line
+
+
+def test_pipeline_quick_prints_each_micro_batch_count_and_the_ratios():
+    lines = _run("pipeline.py", "--quick")
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert [row[0] for row in rows] == ["| 1", "| 2"], lines
+    # The bubble is (p - 1) / (m + p - 1) for p = 2; memory ratios are per stage.
+    assert [row[1] for row in rows] == ["50.0%", "33.3%"], lines
+    assert all(row[5].count(" = ") == 1 and row[6].count(" = ") == 1 for row in rows), lines
+    assert lines[-1].startswith("measured / predicted step time, PP 2 GPipe, m = 1, 2: "), lines
+    [float(ratio) for ratio in lines[-1].split(": ")[1].split(", ")]

@@ -84,7 +84,8 @@ def _layouts(results: list[dict]) -> list[tuple[int, int, int, int]]:
 
 
 def test_sweep_covers_fsdp_and_hsdp_with_every_tp_degree(capsys):
-    results = run_json(capsys, "--job.config_file", DEBUG, "--sweep", "--skip_memory")
+    results = run_json(capsys, "--job.config_file", DEBUG, "--sweep", "--skip_memory", "--sweep_pp", "1")
+    assert all("pp" not in result["layout"] for result in results)
     layouts = _layouts(results)
     assert [layout[:3] for layout in layouts if layout[3] == 1] == [
         (8, 1, 8),
@@ -111,7 +112,7 @@ def test_sweep_covers_fsdp_and_hsdp_with_every_tp_degree(capsys):
 
 
 def test_sweep_says_tp_wins_when_no_layout_without_it_has_a_sequence_per_rank(capsys):
-    argv = ["--job.config_file", DEBUG, "--sweep", "--skip_memory", "--sweep_sizes", "64"]
+    argv = ["--job.config_file", DEBUG, "--sweep", "--skip_memory", "--sweep_sizes", "64", "--sweep_pp", "1"]
     assert estimate.main([*argv, "--training.global_batch_size", "16"]) == 0
     out = capsys.readouterr().out
     # 16 sequences: FSDP 64 and HSDP 8 x 8 have none for some ranks; TP 4 leaves 16 data-parallel ranks.
@@ -125,7 +126,7 @@ def test_sweep_says_tp_wins_when_fsdp_traffic_dominates(capsys):
     # Llama 3 8B, short sequences, in one node whose links are slow (20 GB/s): FSDP's per-rank
     # bytes swamp the compute; TP 4 divides them by 4 for less TP traffic of its own.
     argv = ["--job.config_file", str(REPO / "train_configs" / "llama3_8b.toml"), "--sweep", "--skip_memory"]
-    argv += ["--sweep_sizes", "8", "--intra_node_gbps", "20", "--training.seq_len", "2048"]
+    argv += ["--sweep_sizes", "8", "--intra_node_gbps", "20", "--training.seq_len", "2048", "--sweep_pp", "1"]
     assert estimate.main(argv) == 0
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert verdict.startswith("8 GPUs: FSDP + TP 1x2x4 wins"), verdict
@@ -180,6 +181,12 @@ def test_nodes_give_the_world_size(capsys):
         (["--training.stepz", "3"], "training.stepz"),
         (["--world_size", "8", "--parallelism.tensor_parallel_degree", "3"], "tensor_parallel_degree (3) must divide"),
         (["--sweep", "--sweep_sizes", "8,x"], "--sweep_sizes '8,x': expected GPU counts like 8,64"),
+        (["--sweep", "--sweep_pp", "1,0"], "--sweep_pp '1,0': expected positive pipeline degrees"),
+        (["--sweep", "--sweep_schedules", "1F1B,Zigzag"], "unknown schedule 'Zigzag' (choose from GPipe, 1F1B,"),
+        (
+            ["--world_size", "8", "--parallelism.pipeline_parallel_degree", "3"],
+            "pipeline_parallel_degree (3) must divide",
+        ),
     ],
 )
 def test_bad_input_is_one_line(capsys, argv, expected):

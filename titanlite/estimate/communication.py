@@ -131,18 +131,18 @@ def tensor_parallel_bytes(
     return ring_bytes(whole_activations * activation + logits, tp)
 
 
-def group_spans_nodes(dp_replicate: int, dp_shard: int, tp: int, gpus_per_node: int, dim: str) -> bool:
-    """Whether any group of mesh dimension ``dim`` ("replicate", "shard" or "tp") has ranks on
-    two nodes. Ranks fill the (replicate, shard, tp) mesh row by row, rank = (i x s + j) x t + k,
-    and nodes hold consecutive ranks: a TP group is t consecutive ranks, a shard group has
-    stride t, a replicate group stride s x t. A group spans nodes when its first and last rank
-    sit on different nodes (the ranks between them lie between). One straddling group is
-    enough: a collective waits for its slowest group.
+def group_spans_nodes(dp_replicate: int, dp_shard: int, tp: int, gpus_per_node: int, dim: str, pp: int = 1) -> bool:
+    """Whether any group of mesh dimension ``dim`` ("pp", "replicate", "shard" or "tp") has ranks
+    on two nodes. Ranks fill the (pp, replicate, shard, tp) mesh row by row, rank =
+    ((h x r + i) x s + j) x t + k, and nodes hold consecutive ranks: a TP group is t consecutive
+    ranks, a shard group has stride t, a replicate group stride s x t, a pipeline stride r x s x t.
+    A group spans nodes when its first and last rank sit on different nodes (the ranks between
+    them lie between). One straddling group is enough: a collective waits for its slowest group.
     """
-    size = {"replicate": dp_replicate, "shard": dp_shard, "tp": tp}[dim]
-    stride = {"replicate": dp_shard * tp, "shard": tp, "tp": 1}[dim]
+    size = {"pp": pp, "replicate": dp_replicate, "shard": dp_shard, "tp": tp}[dim]
+    stride = {"pp": dp_replicate * dp_shard * tp, "replicate": dp_shard * tp, "shard": tp, "tp": 1}[dim]
     span = (size - 1) * stride
-    firsts = (rank for rank in range(dp_replicate * dp_shard * tp) if rank // stride % size == 0)
+    firsts = (rank for rank in range(pp * dp_replicate * dp_shard * tp) if rank // stride % size == 0)
     return any(first // gpus_per_node != (first + span) // gpus_per_node for first in firsts)
 
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.parallel.parallel_dims import MESH_DIMS
+from titanlite.parallel.pipeline import prune_to_stage
 from titanlite.plan import RunPlan, meta_model
 
 # The mesh dimension tensor parallelism splits layers over (the last: its ranks are consecutive).
@@ -124,22 +125,70 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:,.1f} GiB" if size < 2**50 else f"{size / 2**30:.2e} GiB"
 
 
+def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tuple[str, dict[str, int]]]:
+    """(whose, floor) for each rank kind: one for the whole model, or with pipeline
+    parallelism one per pp rank, holding its stages' modules (pruned from the model itself)
+    and, on the rank with the last stage, one micro-batch's logits."""
+    training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
+
+    def floor(model: nn.Module, batch_size: int) -> dict[str, int]:
+        return step_floor_bytes(
+            model,
+            model_args.vocab_size,
+            parallel_dims.dp_shard,
+            batch_size,
+            training.seq_len,
+            compute_bytes,
+            training.enable_cpu_offload,
+            parallel_dims.tp,
+            loss_parallel=not job_config.parallelism.disable_loss_parallel,
+        )
+
+    pipeline = plan.pipeline
+    if pipeline is None:
+        return [("", floor(meta_model(job_config, model_args), training.local_batch_size))]
+    floors = []
+    for pp_rank in range(pipeline.pp):
+        stages = pipeline.rank_stages(pp_rank)
+        model = meta_model(job_config, model_args)
+        prune_to_stage(model, tuple(name for stage in stages for name in pipeline.stage_modules[stage]))
+        holds_logits = pipeline.num_stages - 1 in stages
+        logits_batch = job_config.parallelism.pipeline_parallel_microbatch_size if holds_logits else 0
+        whose = f"pp rank {pp_rank} (stage(s) {', '.join(map(str, stages))}) of "
+        rank_floor = floor(model, logits_batch)
+        rank_floor["unsharded stage weights and gradients"] = _unsharded_stage_bytes(job_config, plan, model)
+        floors.append((whose, rank_floor))
+    return floors
+
+
+def _unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
+    """What FSDP surely holds unsharded on a pp rank with several micro-batches per step: as
+    torch.distributed.pipelining runs FSDP, every micro-batch's backward but the step's last
+    keeps the stage's gradients unsharded and unreduced (accumulated in the reduce dtype), and
+    titanlite's default reshard policy under PP keeps the gathered weights (in the parameter
+    dtype) for the whole step; each is the stage's parameters over the TP degree."""
+    parallel_dims, training = plan.parallel_dims, job_config.training
+    if not parallel_dims.fsdp_applied or plan.pipeline.microbatches < 2:
+        return 0
+    params = sum(param.numel() for param in stage.parameters()) // parallel_dims.tp
+    gathered = job_config.parallelism.fsdp_reshard_after_forward != "always"
+    weight_bytes = DTYPES[training.mixed_precision_param].itemsize if gathered else 0
+    return params * (weight_bytes + DTYPES[training.mixed_precision_reduce].itemsize)
+
+
+def fullest_floor(job_config: JobConfig, plan: RunPlan) -> tuple[str, dict[str, int]]:
+    """(whose, floor) of the rank with the highest floor: with pipeline parallelism the
+    fullest pp rank ("pp rank 1 (stage(s) 1) of "), else any rank ("")."""
+    compute_bytes = torch.empty((), dtype=DTYPES[job_config.training.mixed_precision_param]).element_size()
+    return max(_floors(job_config, plan, compute_bytes), key=lambda entry: sum(entry[1].values()))
+
+
 def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
     """Refuse a run whose rank surely cannot fit in this machine's device (the host's memory
-    on CPU): told in one line before start-up, instead of by the out-of-memory killer."""
-    training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
-    compute_bytes = torch.empty((), dtype=DTYPES[training.mixed_precision_param]).element_size()
-    floor = step_floor_bytes(
-        meta_model(job_config, model_args),
-        model_args.vocab_size,
-        parallel_dims.dp_shard,
-        training.local_batch_size,
-        training.seq_len,
-        compute_bytes,
-        training.enable_cpu_offload,
-        parallel_dims.tp,
-        loss_parallel=not job_config.parallelism.disable_loss_parallel,
-    )
+    on CPU): told in one line before start-up, instead of by the out-of-memory killer. With
+    pipeline parallelism every pp rank is checked (its stages only); the fullest must fit."""
+    training, parallel_dims = job_config.training, plan.parallel_dims
+    whose, floor = fullest_floor(job_config, plan)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
     available, what = device_memory_bytes(device_type, ranks_per_node)
@@ -147,15 +196,18 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
     if needed <= available:
         return
     parts = ", ".join(f"{name} {_gib(size)}" for name, size in floor.items())
+    pipelined = parallel_dims.pp > 1
     if floor["logits"] >= floor["weights and Adam state"]:
-        key = f"training.local_batch_size {training.local_batch_size} (x seq_len {training.seq_len})"
-        fix = "lower training.local_batch_size (training.global_batch_size keeps the batch through accumulation)"
+        batch = "parallelism.pipeline_parallel_microbatch_size" if pipelined else "training.local_batch_size"
+        size = job_config.parallelism.pipeline_parallel_microbatch_size if pipelined else training.local_batch_size
+        key = f"{batch} {size} (x seq_len {training.seq_len})"
+        fix = f"lower {batch} (training.global_batch_size keeps the batch through accumulation)"
     else:
         tp = f" x {parallel_dims.tp} tensor-parallel rank(s)" if parallel_dims.tp > 1 else ""
-        key = f"model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s){tp}"
+        key = f"{whose}model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s){tp}"
         fix = (
-            "shard over more ranks (parallelism.data_parallel_shard_degree, parallelism.tensor_parallel_degree) "
-            "or offload (training.enable_cpu_offload)"
+            "shard over more ranks (parallelism.data_parallel_shard_degree, parallelism.tensor_parallel_degree, "
+            "parallelism.pipeline_parallel_degree) or offload (training.enable_cpu_offload)"
         )
     raise ConfigError(
         f"{key}: one rank needs at least {_gib(needed)} ({parts}), more than {what} holds "

@@ -32,6 +32,11 @@ What each figure means (bytes on one rank):
   activations during backward ("Temp"), and the optimizer step's scratch tensors.
 * ``other``: buffers (the RoPE tables), the input batch and, when enabled, the EMA copy.
 
+Under pipeline parallelism every pp rank is estimated: each of its stages is built as the
+trainer builds it and simulated for two micro-batches, and the activations of the further
+micro-batches its schedule keeps in flight are added (estimate.pipeline, docs/estimate.md);
+the figures above are then the fullest pp rank's, and ``MemoryEstimate.pipeline`` lists all.
+
 The measured step is a steady-state one: the optimizer state is created before tracking
 starts (a step on zero gradients), because from the second step on it stays resident
 during forward and backward; a first step alone would miss it.
@@ -69,16 +74,46 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import ConfigError, JobConfig
+from titanlite.dtypes import DTYPES
 from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes
-from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_step
+from titanlite.estimate.pipeline import in_flight_microbatches
+from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_stage_step, tracked_step
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import ParallelDims, compute_context, loss_context
 from titanlite.plan import build_model, plan_run, tokenizer_for_estimate
+from titanlite.registry import get_model_spec
 
 
 class EstimateError(RuntimeError):
     """The estimate cannot run in this process (e.g. a real process group is already up)."""
+
+
+@dataclass
+class StageMemory:
+    """One pp rank's memory under pipeline parallelism, bytes: its stages' model state and
+    the activations of the micro-batches it holds at once (estimate.pipeline)."""
+
+    pp_rank: int
+    stages: tuple[int, ...]
+    modules: tuple[str, str]  # the first and the last module its stages hold
+    num_params: int
+    in_flight: int  # chunks (micro-batch x stage) whose activations it holds at its peak
+    microbatch_activations: int  # the largest activation footprint of one micro-batch through one of its stages
+    peak: dict[str, int]  # CATEGORIES and "total"
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.peak["total"]
+
+    def line(self) -> str:
+        gib = 2**30
+        stages = ", ".join(str(stage) for stage in self.stages)
+        return (
+            f"  pp rank {self.pp_rank} (stage {stages}: {self.modules[0]} .. {self.modules[1]}, "
+            f"{self.num_params / 1e9:.2f} B params): peak {self.peak_bytes / gib:.2f} GiB, {self.in_flight} "
+            f"micro-batch(es) in flight x {self.microbatch_activations / gib:.2f} GiB of activations"
+        )
 
 
 @dataclass
@@ -105,18 +140,27 @@ class MemoryEstimate:
     num_params: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    # With pipeline parallelism: every pp rank's figures; the fields above are the worst rank's.
+    pipeline: list[StageMemory] = field(default_factory=list)
 
     @property
     def peak_bytes(self) -> int:
         return self.peak["total"]
 
+    @property
+    def worst_stage(self) -> StageMemory | None:
+        """The pp rank with the highest peak (None without pipeline parallelism)."""
+        return max(self.pipeline, key=lambda rank: rank.peak_bytes) if self.pipeline else None
+
     def lines(self) -> list[str]:
         """A short human-readable report, one line per figure."""
         gib = 2**30
+        worst = self.worst_stage
+        where = "" if worst is None else f" on pp rank {worst.pp_rank}, the fullest of {len(self.pipeline)}"
         out = [
             f"memory per rank ({self.strategy}, {self.world_size} rank(s), {self.dp_shard} shard(s) x tp {self.tp}, "
             f"batch {self.local_batch_size} x {self.seq_len}, {self.num_params / 1e9:.2f} B params): "
-            f"peak {self.peak_bytes / gib:.2f} GiB",
+            f"peak {self.peak_bytes / gib:.2f} GiB{where}",
         ]
         for name in CATEGORIES:
             out.append(f"  {name:<16} {self.peak[name] / gib:8.2f} GiB at the peak")
@@ -126,6 +170,7 @@ class MemoryEstimate:
                 f"  {name:<16} tracked {getattr(self.measured, name) / gib:.3f} GiB, "
                 f"arithmetic {getattr(self.exact, name) / gib:.3f} GiB"
             )
+        out.extend(rank.line() for rank in self.pipeline)
         out.extend(f"  note: {note}" for note in self.notes)
         return out
 
@@ -192,59 +237,196 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     notes += [note] if note else []
     plan = plan_run(job_config, world_size, tokenizer)
     parallel_dims, accumulation, training = plan.parallel_dims, plan.grad_accum_steps, job_config.training
-    global_tokens = plan.global_batch_size * training.seq_len
     if accumulation > 1:
         notes.append(
             f"{accumulation} micro-batches per step: measured the last, with the earlier ones' gradients resident"
         )
 
+    if plan.pipeline is not None:
+        return _estimate_pipeline(job_config, plan, world_size, device_type, rank, notes, start)
     with _fake_process_group(world_size, rank):
         # The mesh is a CPU one: the fake backend serves any device, and CPU fake tensors
         # need no accelerator in this process. Byte counts do not depend on the device.
-        mesh = parallel_dims.build_mesh("cpu")
-        model = build_model(job_config, plan, mesh)  # left on meta, materialised as fake tensors below
-        # allow_non_fake_inputs: to_empty reads the meta parameters, which are not fake.
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")  # no init_weights: fake tensors have no values
-            optimizer = build_optimizer(model.parameters(), job_config.optimizer)
-            prime_optimizer(model, optimizer, keep_gradients=accumulation > 1)
-            ema_bytes = _ema_bytes(model, job_config)
-            batch = tuple(
-                torch.randint(0, plan.model_args.vocab_size, (training.local_batch_size, training.seq_len))
-                for _ in range(2)
-            )
-            context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
-            losses = partial(loss_context, parallel_dims, job_config)
-            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
-        # The gradients as the step leaves them, in their parameters' layout. The tracker's own
-        # figure is their peak, which under TP alone holds the vocabulary-split embedding's
-        # gradient whole (DTensor's embedding backward has no vocabulary-split rule) until
-        # clipping slices it; that transient is in the peak, not in the resident state.
-        gradient_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
-        # The arithmetic reads which parameters TP split from the model's own placements.
-        shard_rank, tp_rank = _mesh_coordinates(mesh)
-        exact = exact_model_state_bytes(model, parallel_dims.dp_shard, job_config.optimizer.name, shard_rank, tp_rank)
-        num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
+        run = _simulate(job_config, plan, parallel_dims.build_mesh("cpu"))
+    _add_untracked(run.peak, run.ema_bytes, training.enable_cpu_offload, notes)
+    figures = {"peak": run.peak, "activations": run.activations, "measured": run.measured, "exact": run.exact}
+    return _estimate(job_config, plan, device_type, start, notes, num_params=run.num_params, **figures)
 
-    peak, measured, activations = fold_step(step)
-    measured = dataclasses.replace(measured, gradients=gradient_bytes)
-    _add_untracked(peak, ema_bytes, training.enable_cpu_offload, notes)
+
+def _estimate(job_config: JobConfig, plan, device_type: str, start: float, notes: list[str], **figures):
+    """A MemoryEstimate of ``figures`` (peak, activations, ...) with the layout's own fields."""
+    training, parallel_dims = job_config.training, plan.parallel_dims
     return MemoryEstimate(
-        world_size=world_size,
+        world_size=parallel_dims.world_size,
         strategy=parallel_dims.strategy,
         dp_shard=parallel_dims.dp_shard,
         tp=parallel_dims.tp,
         device_type=device_type,
         local_batch_size=training.local_batch_size,
         seq_len=training.seq_len,
-        peak=peak,
-        activations=activations,
-        measured=measured,
-        exact=exact,
-        num_params=num_params,
         seconds=time.perf_counter() - start,
         notes=notes,
+        **figures,
     )
+
+
+@dataclass
+class _Simulated:
+    """What one simulated step (a whole model's, or one pipeline stage's) gave, bytes."""
+
+    peak: dict[str, int]
+    activations: int
+    measured: ModelStateBytes
+    exact: ModelStateBytes
+    num_params: int
+    ema_bytes: int
+
+
+def _simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] | None = None) -> _Simulated:
+    """Build the run's model (or, with ``stage_modules``, that pipeline stage's part) on
+    ``mesh`` as fake tensors and run one tracked steady-state step: the whole local batch, or
+    for a stage two of its micro-batches (one without the pipeline's per-micro-batch
+    settings' effects would miss the gathered parameters and unreduced gradients they keep)."""
+    training, parallel_dims = job_config.training, plan.parallel_dims
+    global_tokens = plan.global_batch_size * training.seq_len
+    model = build_model(job_config, plan, mesh, stage_modules=stage_modules)  # materialised as fake tensors below
+    # allow_non_fake_inputs: to_empty reads the meta parameters, which are not fake.
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")  # no init_weights: fake tensors have no values
+        optimizer = build_optimizer(model.parameters(), job_config.optimizer)
+        prime_optimizer(model, optimizer, keep_gradients=plan.grad_accum_steps > 1)
+        ema_bytes = _ema_bytes(model, job_config)
+        context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
+        losses = partial(loss_context, parallel_dims, job_config)
+        if stage_modules is None:
+            batch = _fake_batch(plan, training.local_batch_size, training.seq_len, has_first=True, has_last=True)
+            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
+        else:
+            microbatches = [
+                _stage_batch(job_config, plan, stage_modules) for _ in range(min(2, plan.pipeline.microbatches))
+            ]
+            step = tracked_stage_step(model, optimizer, microbatches, global_tokens, training.max_norm, context, losses)
+    # The gradients as the step leaves them, in their parameters' layout. The tracker's own
+    # figure is their peak, which under TP alone holds the vocabulary-split embedding's
+    # gradient whole (DTensor's embedding backward has no vocabulary-split rule) until
+    # clipping slices it; that transient is in the peak, not in the resident state.
+    gradient_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    # The arithmetic reads which parameters TP split from the model's own placements.
+    shard_rank, tp_rank = _mesh_coordinates(mesh)
+    exact = exact_model_state_bytes(model, parallel_dims.dp_shard, job_config.optimizer.name, shard_rank, tp_rank)
+    num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
+    peak, measured, activations = fold_step(step)
+    measured = dataclasses.replace(measured, gradients=gradient_bytes)
+    return _Simulated(peak, activations, measured, exact, num_params, ema_bytes)
+
+
+def _fake_batch(plan, batch_size: int, seq_len: int, has_first: bool, has_last: bool, hidden=None) -> tuple:
+    """(inputs, labels) of fake tensors: token ids for the first stage (or a whole model), else
+    ``hidden`` = (shape, dtype) of the previous stage's output, requiring its gradient; labels
+    for the last stage only."""
+    vocab = plan.model_args.vocab_size
+    if has_first:
+        inputs = torch.randint(0, vocab, (batch_size, seq_len))
+    else:
+        shape, dtype = hidden
+        inputs = torch.empty(shape, dtype=dtype, requires_grad=True)
+    return inputs, torch.randint(0, vocab, (batch_size, seq_len)) if has_last else None
+
+
+def _stage_batch(job_config: JobConfig, plan, stage_modules: tuple[str, ...]) -> tuple:
+    """One pipeline micro-batch for the stage holding ``stage_modules``. Between stages the
+    residual stream travels as each rank's local piece: [micro-batch, seq / tp, dim] with
+    sequence parallel, whole without, in the parameter dtype."""
+    training, parallelism = job_config.training, job_config.parallelism
+    has_first, has_last = _stage_ends(job_config, stage_modules)
+    tp, microbatch = plan.parallel_dims.tp, parallelism.pipeline_parallel_microbatch_size
+    seq = training.seq_len // tp if tp > 1 and parallelism.enable_sequence_parallel else training.seq_len
+    hidden = ((microbatch, seq, plan.model_args.dim), DTYPES[training.mixed_precision_param])
+    return _fake_batch(plan, microbatch, training.seq_len, has_first, has_last, hidden)
+
+
+def _stage_ends(job_config: JobConfig, stage_modules: tuple[str, ...]) -> tuple[bool, bool]:
+    """(whether the stage takes the tokens, whether it makes the logits): the model class
+    names the modules before and after its blocks."""
+    model_cls = get_model_spec(job_config.model.name).model_cls
+    return model_cls.pipeline_first[0] in stage_modules, model_cls.pipeline_last[-1] in stage_modules
+
+
+def _estimate_pipeline(
+    job_config: JobConfig, plan, world_size: int, device_type: str, rank: int, notes: list[str], start: float
+) -> MemoryEstimate:
+    """Every pp rank's memory (at ``rank``'s place among its stage's ranks); the estimate's
+    figures are the fullest rank's. Each distinct stage (its block count, and whether it holds
+    the embedding or the output) is simulated once, on a rank of the fake process group that
+    runs it."""
+    pipeline, training, parallel_dims = plan.pipeline, job_config.training, plan.parallel_dims
+    stride = world_size // pipeline.pp  # ranks per stage: pp is the outermost mesh dimension
+    simulated: dict[tuple, _Simulated] = {}
+    ranks: list[tuple[StageMemory, list[_Simulated], list[str]]] = []
+    for pp_rank in range(pipeline.pp):
+        stages = pipeline.rank_stages(pp_rank)
+        kinds = [_stage_kind(job_config, pipeline.stage_modules[stage]) for stage in stages]
+        if any(kind not in simulated for kind in kinds):
+            with _fake_process_group(world_size, pp_rank * stride + rank % stride):
+                mesh = parallel_dims.build_mesh("cpu")
+                for stage, kind in zip(stages, kinds, strict=True):
+                    if kind not in simulated:
+                        simulated[kind] = _simulate(job_config, plan, mesh, pipeline.stage_modules[stage])
+        runs, rank_notes = [simulated[kind] for kind in kinds], []
+        ranks.append((_rank_memory(pipeline, pp_rank, runs, training.enable_cpu_offload, rank_notes), runs, rank_notes))
+    worst, runs, worst_notes = max(ranks, key=lambda entry: entry[0].peak_bytes)
+    notes.extend(worst_notes)
+    notes.append(
+        f"pipeline {pipeline.schedule}, {pipeline.microbatches} micro-batch(es) of "
+        f"{job_config.parallelism.pipeline_parallel_microbatch_size} sequence(s) per accumulation step: "
+        "each pp rank holds its stages' state and its in-flight micro-batches' activations"
+    )
+    return _estimate(
+        job_config,
+        plan,
+        device_type,
+        start,
+        notes,
+        peak=worst.peak,
+        activations=worst.in_flight * worst.microbatch_activations,
+        measured=_summed(run.measured for run in runs),
+        exact=_summed(run.exact for run in runs),
+        num_params=sum(stage.num_params for stage, _, _ in ranks),
+        pipeline=[stage for stage, _, _ in ranks],
+    )
+
+
+def _rank_memory(pipeline, pp_rank: int, runs: list[_Simulated], cpu_offload: bool, notes: list[str]) -> StageMemory:
+    """One pp rank's peak from its stages' simulated steps (each of one micro-batch in flight):
+    their breakdowns at their peaks added up, as if every stage peaked at once (exact for one
+    stage per rank, an upper bound for several), plus the activations of the further
+    micro-batches the schedule keeps in flight, each as large as the rank's largest stage's."""
+    in_flight = in_flight_microbatches(pipeline, pp_rank)
+    per_microbatch = max(run.activations for run in runs)
+    peak = {name: sum(run.peak[name] for run in runs) for name in CATEGORIES}
+    peak["activations"] += max(0, in_flight - len(runs)) * per_microbatch
+    peak["total"] = sum(peak[name] for name in CATEGORIES)
+    _add_untracked(peak, sum(run.ema_bytes for run in runs), cpu_offload, notes)
+    stages = pipeline.rank_stages(pp_rank)
+    return StageMemory(
+        pp_rank=pp_rank,
+        stages=tuple(stages),
+        modules=(pipeline.stage_modules[stages[0]][0], pipeline.stage_modules[stages[-1]][-1]),
+        num_params=sum(run.num_params for run in runs),
+        in_flight=in_flight,
+        microbatch_activations=per_microbatch,
+        peak=peak,
+    )
+
+
+def _summed(states) -> ModelStateBytes:
+    states = list(states)
+    return ModelStateBytes(*(sum(getattr(state, name) for state in states) for name in ModelStateBytes.__annotations__))
+
+
+def _stage_kind(job_config: JobConfig, stage_modules: tuple[str, ...]) -> tuple:
+    """What a stage's memory depends on: its block count and whether it holds either end."""
+    return (sum(name.startswith("layers.") for name in stage_modules), *_stage_ends(job_config, stage_modules))
 
 
 def _mesh_coordinates(mesh) -> tuple[int, int]:

@@ -30,11 +30,25 @@ Assumptions (each is also stated where it is used):
     overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
     TP groups are consecutive ranks, inside a node whenever t divides the GPUs per node.
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
+  * Pipeline parallelism over p ranks (the outermost mesh dimension, so across nodes once a
+    stage's ranks fill a node): each rank computes its stages only, and the step is the
+    busiest rank's compute stretched by the pipeline bubble b (PipelinePlan.bubble):
+
+        pipelined = compute / (1 - b),   b = (p - 1) / (m + p - 1) / (stages per rank)
+
+    i.e. (m + p - 1) micro-batch slots for m micro-batches' work. The activations sent between
+    stages overlap compute except while the pipeline fills and drains (one activation per
+    stage boundary each way, per accumulation step). FSDP under PP gathers each stage's
+    parameters once per accumulation step and reduce-scatters once (titanlite's default keeps
+    them gathered across micro-batches).
 """
 
+import functools
 import math
 import typing
 from dataclasses import dataclass, replace
+
+import torch
 
 from titanlite.config import Training
 from titanlite.dtypes import DTYPES
@@ -48,10 +62,19 @@ from titanlite.estimate.communication import (
     tensor_parallel_bytes,
 )
 from titanlite.estimate.hardware import Hardware, get_hardware
-from titanlite.metrics.flops import count_params, flops_per_token, mfu, param_counts
+from titanlite.estimate.pipeline import (
+    boundary_activation_bytes,
+    rank_send_bytes,
+    rank_totals,
+    schedule_problem,
+    stage_params,
+)
+from titanlite.metrics.flops import attention_flops_per_token, flops_per_token, mfu, param_counts
+from titanlite.models.llama import Transformer
 from titanlite.models.llama.args import LlamaArgs
 from titanlite.parallel import tensor_parallel_problem
 from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.pipeline import PipelinePlan
 
 # Fraction of the peak a well-tuned bf16 transformer step reaches on its matmuls
 # (attention and elementwise kernels included). Llama pretraining on H100/A100 with
@@ -76,7 +99,7 @@ class StepTimeEstimate:
     efficiency: float
     # compute
     flops_per_token: int  # model FLOPs (forward + backward), what MFU counts
-    recompute_flops_per_token: float  # forward FLOPs redone by activation checkpointing
+    recompute_flops_per_token: float  # forward FLOPs redone by activation checkpointing (the busiest pp rank's)
     tokens_per_device_per_micro_batch: float  # the data-parallel rank's tokens / tp
     tokens_per_device_per_step: float
     compute_s: float
@@ -98,6 +121,15 @@ class StepTimeEstimate:
     sequence_parallel: bool
     loss_parallel: bool
     async_tp: bool
+    # pipeline parallelism (pp 1: no pipeline, every figure below zero or None)
+    pp: int
+    schedule: str | None  # the pipeline schedule, None without PP
+    microbatches: int  # pipeline micro-batches per accumulation step (1 without PP)
+    bubble: float  # idle fraction of the pipelined compute (PipelinePlan.bubble)
+    pp_bytes: float  # activations and their gradients the busiest rank sends to other stages
+    pp_link: str
+    pp_s: float
+    pp_exposed_s: float  # the sends while the pipeline fills and drains, which nothing hides
     step_s: float
     # verdict
     verdict: str  # "compute-bound" or "communication-bound"
@@ -111,9 +143,18 @@ class StepTimeEstimate:
         hw = self.hardware
         threshold = "n/a" if self.threshold_tokens_per_device is None else f"{self.threshold_tokens_per_device:,.0f}"
         tp = f" x {self.tp} TP" if self.tp > 1 else ""
+        pp = f"PP {self.pp} ({self.schedule}, {self.microbatches} micro-batches) x " if self.pp > 1 else ""
+        pipeline = (
+            [
+                f"pipeline bubble {self.bubble:.1%}; {self.pp_bytes / 1e9:.2f} GB sent between stages over "
+                f"{self.pp_link} -> {self.pp_s * 1e3:.1f} ms ({self.pp_exposed_s * 1e3:.1f} ms exposed)"
+            ]
+            if self.pp > 1
+            else []
+        )
         return "\n".join(
             [
-                f"{self.strategy}: {self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
+                f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
                 f"on {self.world_size} {hw.name}",
                 f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
                 f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
@@ -122,6 +163,7 @@ class StepTimeEstimate:
                 f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
                 f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms; "
                 f"TP {self.tp_bytes / 1e9:.2f} GB over {self.tp_link} -> {self.tp_s * 1e3:.1f} ms",
+                *pipeline,
                 f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch vs "
                 f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
                 f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
@@ -214,6 +256,57 @@ def break_even_tokens(
     return comm_s / micro_batches * peak_flops * efficiency / flops_per_token_done
 
 
+def pipelined_seconds(critical_s: float, bubble: float, sends_s: float, exposed_sends_s: float) -> float:
+    """One rank's compute (and what waits inside it) with pipeline parallelism:
+
+        max(critical / (1 - bubble), sends) + exposed sends
+
+    m micro-batches take m + p - 1 slots (p - 1 of them idle) on every rank, i.e. the
+    compute divided by 1 - bubble; the sends to other stages run beside the compute except
+    while the pipeline fills and drains. Without PP, bubble and sends are 0."""
+    return max(critical_s / (1 - bubble), sends_s) + exposed_sends_s
+
+
+@dataclass(frozen=True)
+class RankWork:
+    """What the busiest pp rank does per token (the whole model without PP)."""
+
+    flops: float  # model FLOPs per token of its stages (forward + backward)
+    recompute_flops: float  # forward FLOPs activation checkpointing redoes in them
+    params: int  # parameters of its stages
+    blocks: int  # transformer blocks of its stages
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_params(args: LlamaArgs, plan: PipelinePlan):
+    with torch.device("meta"):
+        return stage_params(Transformer(args), plan)
+
+
+def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan | None) -> RankWork:
+    """The busiest rank's share of the model, each stage counted on the model itself: per token,
+
+        FLOPs      = 6 x (stage parameters - embedding) + attention per block x blocks
+        recompute  = fraction x (6 x block parameters + attention per block x blocks) / 3
+
+    summed over the rank's stages; the busiest rank has the most FLOPs. Without a pipeline
+    the whole model (metrics.flops.flops_per_token, recompute_flops)."""
+    model_flops = flops_per_token(args, seq_len)
+    if plan is None:
+        params = param_counts(args)
+        return RankWork(model_flops, recompute_flops(args, model_flops, fraction), params.total, args.n_layers)
+    attention_per_block = attention_flops_per_token(args, seq_len) / args.n_layers
+    stages = _stage_params(args, plan)
+    flops = rank_totals(plan, [6 * (st.total - st.embedding) + attention_per_block * st.blocks for st in stages])
+    recompute = rank_totals(
+        plan, [fraction * (6 * st.block_params + attention_per_block * st.blocks) / 3 for st in stages]
+    )
+    busiest = max(range(plan.pp), key=lambda rank: flops[rank] + recompute[rank])
+    params = rank_totals(plan, [st.total for st in stages])
+    blocks = rank_totals(plan, [st.blocks for st in stages])
+    return RankWork(flops[busiest], recompute[busiest], int(max(params)), int(max(blocks)))
+
+
 # --- validation -----------------------------------------------------------------------------
 
 
@@ -222,22 +315,23 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1) -> ParallelDims:
+def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1, pp: int = 1) -> ParallelDims:
     """Degrees to ParallelDims: the data-parallel ones positive or -1 (at most one -1, which
-    needs world_size), tp positive; ParallelDims.resolve reports a product that does not match
-    the world size."""
+    needs world_size), tp and pp positive; ParallelDims.resolve reports a product that does not
+    match the world size."""
     for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
         if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and degree != -1):
             raise ValueError(f"{name} must be a positive integer or -1, got {degree!r}")
     _positive_int("tp", tp)
+    _positive_int("pp", pp)
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError("dp_replicate and dp_shard cannot both be -1; set one of them")
     if world_size is None:
         if -1 in (dp_replicate, dp_shard):
             raise ValueError("a degree of -1 (take the ranks left over) needs world_size")
-        world_size = dp_replicate * dp_shard * tp
+        world_size = dp_replicate * dp_shard * tp * pp
     _positive_int("world_size", world_size)
-    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp)
+    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp, pp)
 
 
 def _precision_choices(field_name: str) -> tuple[str, ...]:
@@ -294,15 +388,17 @@ def estimate_step_time(
     async_tp: bool = False,
     efficiency: float = DEFAULT_EFFICIENCY,
     gpus_per_node: int | None = None,
+    pipeline: PipelinePlan | None = None,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
     fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
-    sequence parallel and loss parallel on, async TP off).
+    sequence parallel and loss parallel on, async TP off; no pipeline).
 
     local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp
-    ranks of its group see. hardware: a Hardware or a table name ("h100"). gpus_per_node
-    overrides the hardware's. world_size may be left out when neither degree is -1.
-    Raises ValueError with a one-line message for any inconsistent input.
+    ranks of its group (and, with ``pipeline``, all pp ranks of its pipeline) see; the
+    pipeline splits it into pipeline.microbatches micro-batches. hardware: a Hardware or a
+    table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
+    when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input.
     """
     for name, value in (
         ("seq_len", seq_len),
@@ -315,43 +411,70 @@ def estimate_step_time(
     if gpus_per_node is not None:
         _positive_int("gpus_per_node", gpus_per_node)
         hw = replace(hw, gpus_per_node=gpus_per_node)
-    dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp)
+    pp = 1 if pipeline is None else pipeline.pp
+    dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp, pp)
     r, s, t = dims.dp_replicate, dims.dp_shard, dims.tp
     problem = tensor_parallel_problem(model_args, t)
     if problem is not None:
         raise ValueError(problem)
 
     # compute: a TP group shares its data-parallel rank's tokens, each device 1/t of the FLOPs
+    # of its pipeline rank's stages (the whole model without PP); the busiest rank sets the pace
     model_flops = flops_per_token(model_args, seq_len)
     fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
-    recompute = recompute_flops(model_args, model_flops, fraction)
+    work = rank_work(model_args, seq_len, fraction, pipeline)
     micro_tokens = local_batch_size * seq_len  # per data-parallel rank
-    device_tokens = micro_tokens * grad_accum_steps / t
-    compute_s = compute_seconds(model_flops + recompute, device_tokens, hw.peak_flops, efficiency)
+    stage_tokens = micro_tokens * grad_accum_steps / t  # through each device's stages
+    compute_s = compute_seconds(work.flops + work.recompute_flops, stage_tokens, hw.peak_flops, efficiency)
 
-    # communication: FSDP and the replicas move each device's 1/t of the weights
-    params = count_params(model_args, include_embedding=True)
-    regathered = regathered_params(model_args, reshard_after_forward)
+    # communication: FSDP and the replicas move each device's 1/t of its stages' weights
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
-    gather_b, scatter_b = fsdp_bytes(params / t, regathered / t, p_bytes, g_bytes, s, grad_accum_steps)
-    reduce_b = replicate_all_reduce_bytes(params / t, g_bytes, s, r)
-    recomputed_blocks = recomputed_collective_blocks(model_args.n_layers, ac_mode, selective_ac_option)
+    if pipeline is None:
+        regathered, gathers = regathered_params(model_args, reshard_after_forward), grad_accum_steps
+    else:  # gathered once per accumulation step, unless "always" frees them after each forward
+        always = reshard_after_forward == "always"
+        regathered = work.params if always else 0
+        gathers = grad_accum_steps * (pipeline.microbatches if always else 1)
+    gather_b, _ = fsdp_bytes(work.params / t, regathered / t, p_bytes, g_bytes, s, gathers)
+    _, scatter_b = fsdp_bytes(work.params / t, 0, p_bytes, g_bytes, s, grad_accum_steps)
+    reduce_b = replicate_all_reduce_bytes(work.params / t, g_bytes, s, r)
+    recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
     tp_b = grad_accum_steps * tensor_parallel_bytes(
-        model_args, micro_tokens, p_bytes, t, sequence_parallel, loss_parallel, recomputed_blocks
+        replace(model_args, n_layers=work.blocks),
+        micro_tokens,
+        p_bytes,
+        t,
+        sequence_parallel,
+        loss_parallel,
+        recomputed_blocks,
     )
-    shard_link, shard_bw = link(hw, s, group_spans_nodes(r, s, t, hw.gpus_per_node, "shard"))
-    replicate_link, replicate_bw = link(hw, r, group_spans_nodes(r, s, t, hw.gpus_per_node, "replicate"))
-    tp_link, tp_bw = link(hw, t, group_spans_nodes(r, s, t, hw.gpus_per_node, "tp"))
+    spans = functools.partial(group_spans_nodes, r, s, t, hw.gpus_per_node, pp=pp)
+    shard_link, shard_bw = link(hw, s, spans("shard"))
+    replicate_link, replicate_bw = link(hw, r, spans("replicate"))
+    tp_link, tp_bw = link(hw, t, spans("tp"))
+    pp_link, pp_bw = link(hw, pp, spans("pp"))
     # Shard- and replicate-group collectives are added, not overlapped with each other:
     # FSDP issues the all-reduce after each unit's reduce-scatter, and when both groups
     # are inter-node they share the same network cards.
     gather_s, scatter_s, reduce_s = gather_b / shard_bw, scatter_b / shard_bw, reduce_b / replicate_bw
     data_parallel_s, tp_s = gather_s + scatter_s + reduce_s, tp_b / tp_bw
-    comm_s = data_parallel_s + tp_s
+    bubble, pp_b, pp_exposed_b = 0.0, 0.0, 0.0
+    if pipeline is not None:
+        bubble = pipeline.bubble
+        microbatch_size = local_batch_size // pipeline.microbatches
+        boundary = boundary_activation_bytes(microbatch_size, seq_len, model_args.dim, t, sequence_parallel, p_bytes)
+        pp_b = max(rank_send_bytes(pipeline, rank, boundary, grad_accum_steps) for rank in range(pp))
+        # filling and draining: one activation forward and one gradient back per boundary
+        pp_exposed_b = 2 * (pipeline.num_stages - 1) * boundary * grad_accum_steps
+    pp_s, pp_exposed_s = pp_b / pp_bw, pp_exposed_b / pp_bw
+    comm_s = data_parallel_s + tp_s + pp_s
 
-    # TP's collectives wait between matmuls (unless async TP hides them); FSDP's overlap both.
+    # TP's collectives wait between matmuls (unless async TP hides them); the pipeline's bubble
+    # stretches them with the compute; FSDP's communication overlaps all of it.
     critical_s = max(compute_s, tp_s) if async_tp else compute_s + tp_s
-    step_s, exposed_s = overlapped_step_seconds(critical_s, data_parallel_s, model_args.n_layers + 1)
+    pipelined_s = pipelined_seconds(critical_s, bubble, pp_s, pp_exposed_s)
+    step_s, exposed_s = overlapped_step_seconds(pipelined_s, data_parallel_s, work.blocks + 1)
+    device_tokens = stage_tokens / pp  # the tokens a device's share of the model processes
     tokens_per_s = device_tokens / step_s
     # The threshold C / W uses the link that carries the heavy data-parallel traffic: the FSDP
     # shard group, or the replicate group for pure DDP.
@@ -365,7 +488,7 @@ def estimate_step_time(
         hardware=hw,
         efficiency=efficiency,
         flops_per_token=model_flops,
-        recompute_flops_per_token=recompute,
+        recompute_flops_per_token=work.recompute_flops,
         tokens_per_device_per_micro_batch=micro_tokens / t,
         tokens_per_device_per_step=device_tokens,
         compute_s=compute_s,
@@ -381,19 +504,27 @@ def estimate_step_time(
         all_reduce_s=reduce_s,
         tp_s=tp_s,
         comm_s=comm_s,
-        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s),
+        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s,
         overlapped=True,
         step_s=step_s,
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         async_tp=async_tp,
+        pp=pp,
+        schedule=None if pipeline is None else pipeline.schedule,
+        microbatches=1 if pipeline is None else pipeline.microbatches,
+        bubble=bubble,
+        pp_bytes=pp_b,
+        pp_link=pp_link,
+        pp_s=pp_s,
+        pp_exposed_s=pp_exposed_s,
         # Compute-bound when the compute time exceeds the communication time.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         threshold_tokens_per_device=(
             None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)
         ),
         break_even_tokens_per_device=break_even_tokens(
-            data_parallel_s, grad_accum_steps, model_flops + recompute, hw.peak_flops, efficiency
+            data_parallel_s, grad_accum_steps, work.flops + work.recompute_flops, hw.peak_flops, efficiency
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
@@ -409,10 +540,14 @@ def estimate_for_job_config(
 ) -> StepTimeEstimate:
     """estimate_step_time with every input read from a JobConfig: model flavor, seq_len,
     local and global batch (hence the accumulation steps), degrees (TP's with its sequence,
-    loss and async options), mixed precision, reshard policy and activation checkpointing.
+    loss and async options, the pipeline's stages and schedule), mixed precision, reshard policy
+    and activation checkpointing.
     world_size is the number of GPUs the run would have; a layout that does not multiply to
     it is a ValueError."""
-    from titanlite.plan import run_model_args, tokenizer_for_estimate  # the registry behind it pulls in every model
+    # The registry behind these pulls in every model.
+    from titanlite.parallel.pipeline import plan_pipeline
+    from titanlite.plan import run_model_args, tokenizer_for_estimate
+    from titanlite.registry import get_model_spec
 
     training, parallelism, ac = job_config.training, job_config.parallelism, job_config.activation_checkpoint
     dims = _resolve_layout(
@@ -420,11 +555,19 @@ def estimate_for_job_config(
         parallelism.data_parallel_shard_degree,
         world_size,
         parallelism.tensor_parallel_degree,
+        parallelism.pipeline_parallel_degree,
     )
     _positive_int("training.local_batch_size", training.local_batch_size)
     _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
+    model_args = run_model_args(job_config, tokenizer_for_estimate(job_config)[0])
+    pipeline = None
+    if dims.pp > 1:
+        model_cls = get_model_spec(job_config.model.name).model_cls
+        pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
+        if schedule_problem(pipeline) is not None:
+            raise ValueError(schedule_problem(pipeline))
     return estimate_step_time(
-        run_model_args(job_config, tokenizer_for_estimate(job_config)[0]),
+        model_args,
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
         hardware=hardware,
@@ -443,4 +586,5 @@ def estimate_for_job_config(
         async_tp=parallelism.enable_async_tensor_parallel,
         efficiency=efficiency,
         gpus_per_node=gpus_per_node,
+        pipeline=pipeline,
     )

@@ -110,6 +110,15 @@ class _PlainTracker(_CategoryPeaks, MemTracker):
         self._setup_extras()
         self.track_external(model, optimizer)
 
+    def _pre_fw_hook(self, module: nn.Module, inputs) -> None:
+        # A pipeline schedule calls its stage once per micro-batch, each forward before the
+        # earlier ones' backward; the tracker's per-module figures (unused here) allow one
+        # call per module, so a further call only files its inputs.
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            self.memory_tracking[module].input_mem = self._track_inputs_or_outputs(inputs)
+            return
+        super()._pre_fw_hook(module, inputs)
+
 
 @dataclass
 class StepMemory:
@@ -145,6 +154,30 @@ def _without_garbage_collection():
         gc.enable()
 
 
+@contextlib.contextmanager
+def _tracking(model, optimizer, inputs):
+    """The memory tracker over ``model`` and ``optimizer`` (``inputs`` filed as inputs), with
+    the shape-inference tensors ignored and the garbage collector off; yields (tracker, the
+    snapshot taken as tracking starts)."""
+    tracker_cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
+    tracker = tracker_cls(model, optimizer)
+    if isinstance(tracker, FSDPMemTracker):
+        tracker.track_inputs(inputs)
+    with tracker.ignoring_shape_inference(), tracker, _without_garbage_collection():
+        yield tracker, _snapshot_totals(tracker.get_tracker_snapshot())
+
+
+def _finish(tracker, at_start: dict[str, int], model, optimizer, max_norm: float) -> StepMemory:
+    """Clip and step as the trainer does, still tracked; the step's figures."""
+    clip_grad_norm_(model.parameters(), max_norm)
+    optimizer.step()
+    return _figures(tracker, at_start)
+
+
+def _figures(tracker, at_start: dict[str, int]) -> StepMemory:
+    return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)
+
+
 def tracked_step(
     model, optimizer, batch, global_tokens: int, max_norm: float, context, loss_context=contextlib.nullcontext
 ) -> StepMemory:
@@ -153,21 +186,51 @@ def tracked_step(
     under (loss parallel under TP). The gradients are left in place so that the caller can
     look at them."""
     inputs, labels = batch
-    tracker_cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
-    tracker = tracker_cls(model, optimizer)
-    if isinstance(tracker, FSDPMemTracker):
-        tracker.track_inputs(batch)
-    with tracker.ignoring_shape_inference(), tracker, _without_garbage_collection():
-        at_start = _snapshot_totals(tracker.get_tracker_snapshot())
+    with _tracking(model, optimizer, batch) as (tracker, at_start):
         with loss_context():
             with context:
                 logits = model(inputs)
                 loss = cross_entropy_sum(logits, labels) / global_tokens
             del logits
             loss.backward()
-        clip_grad_norm_(model.parameters(), max_norm)
-        optimizer.step()
-    return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)
+        return _finish(tracker, at_start, model, optimizer, max_norm)
+
+
+def tracked_stage_step(
+    model, optimizer, microbatches, global_tokens: int, max_norm: float, context, loss_context=contextlib.nullcontext
+) -> StepMemory:
+    """One pipeline stage's step under the memory tracker: ``microbatches`` is a list of
+    (inputs, labels), the inputs tokens for the first stage and the previous stage's output
+    (requiring grad) for the others, the labels None except on the last stage, whose loss
+    is backpropagated; the others backpropagate a gradient shaped like their output. As
+    torch.distributed.pipelining does with FSDP, every micro-batch but the last keeps the
+    parameters gathered and accumulates unsharded gradients without reducing them; the last
+    reduces (the schedule reduces after the last backward)."""
+    with _tracking(model, optimizer, microbatches) as (tracker, at_start):
+        for index, (inputs, labels) in enumerate(microbatches):
+            last = index == len(microbatches) - 1
+            # Its per-module figures (unused here) allow one call per module; the peaks stay.
+            tracker.reset_mod_stats()
+            if isinstance(model, FSDPModule):
+                model.set_is_last_backward(last)
+                model.set_reshard_after_backward(last)
+                model.set_requires_gradient_sync(last)
+            with loss_context():
+                with context:
+                    output = model(inputs)
+                    if labels is not None:  # the last stage: the loss, its logits freed
+                        output = cross_entropy_sum(output, labels) / global_tokens
+                output.backward(None if labels is not None else torch.ones_like(output))
+            del output
+        return _finish(tracker, at_start, model, optimizer, max_norm)
+
+
+def tracked_call(model, optimizer, step) -> StepMemory:
+    """``step()``, whatever it runs (e.g. a real pipeline step with its optimizer step),
+    under the memory tracker over ``model`` and ``optimizer``."""
+    with _tracking(model, optimizer, ()) as (tracker, at_start):
+        step()
+        return _figures(tracker, at_start)
 
 
 def fold_step(step: StepMemory) -> tuple[dict[str, int], ModelStateBytes, int]:

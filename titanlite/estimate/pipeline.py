@@ -105,18 +105,3 @@ def rank_send_bytes(plan: PipelinePlan, pp_rank: int, boundary_bytes: int, accum
     last = plan.num_stages - 1
     sends = sum((stage != last) + (stage != 0) for stage in plan.rank_stages(pp_rank))
     return sends * plan.microbatches * accumulation * boundary_bytes
-
-
-# Schedules torch refuses to build with fewer micro-batches than stages (torch 2.13).
-NEED_A_MICROBATCH_PER_STAGE = ("1F1B", "DualPipeV")
-
-
-def schedule_problem(plan: PipelinePlan) -> str | None:
-    """Why torch cannot build ``plan``'s schedule, or None: 1F1B and DualPipeV need at least
-    one micro-batch per stage (checked only when the schedule is built)."""
-    if plan.schedule in NEED_A_MICROBATCH_PER_STAGE and plan.microbatches < plan.num_stages:
-        return (
-            f"{plan.schedule} needs at least as many micro-batches as stages: {plan.microbatches} micro-batch(es) "
-            f"(training.local_batch_size / parallelism.pipeline_parallel_microbatch_size) for {plan.num_stages} stages"
-        )
-    return None

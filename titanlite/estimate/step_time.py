@@ -66,7 +66,6 @@ from titanlite.estimate.pipeline import (
     boundary_activation_bytes,
     rank_send_bytes,
     rank_totals,
-    schedule_problem,
     stage_params,
 )
 from titanlite.metrics.flops import attention_flops_per_token, flops_per_token, mfu, param_counts
@@ -564,8 +563,6 @@ def estimate_for_job_config(
     if dims.pp > 1:
         model_cls = get_model_spec(job_config.model.name).model_cls
         pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
-        if schedule_problem(pipeline) is not None:
-            raise ValueError(schedule_problem(pipeline))
     return estimate_step_time(
         model_args,
         seq_len=training.seq_len,

@@ -189,7 +189,9 @@ def test_stage_boundaries_send_one_activation_and_its_gradient_per_micro_batch(t
 
 def test_a_schedule_torch_refuses_is_an_error_the_sweep_skips(capsys):
     argv = [*TINY_PP, "--training.local_batch_size=1"]
-    with pytest.raises(ValueError, match=r"^1F1B needs at least one micro-batch per stage: .* = 1 is below the 2 stages"):
+    with pytest.raises(
+        ValueError, match=r"^1F1B needs at least one micro-batch per stage: .* = 1 is below the 2 stages"
+    ):
         estimate_for_job_config(parse_args(argv), 2, "h100")
     gpipe = parse_args([*argv, "--parallelism.pipeline_parallel_schedule=GPipe"])
     assert estimate_for_job_config(gpipe, 2, "h100").bubble == 0.5
@@ -269,14 +271,27 @@ def test_the_floor_is_per_stage_and_the_fullest_must_fit(monkeypatch):
         p.numel() for name in plan.pipeline.stage_modules[1] for p in model.get_submodule(name).parameters()
     )
     assert sharded["unsharded stage weights and gradients"] == stage_params * (4 + 4)
-    one = parse_args([*TINY_PP, "--parallelism.pipeline_parallel_microbatch_size=4"])
+    one = parse_args(
+        [
+            *TINY_PP,
+            "--parallelism.pipeline_parallel_microbatch_size=4",
+            "--parallelism.pipeline_parallel_schedule=GPipe",
+        ]
+    )
     assert fullest_floor(one, plan_run(one, 4))[1]["unsharded stage weights and gradients"] == 0
     monkeypatch.setattr("titanlite.estimate.floor.device_memory_bytes", lambda *_: (1, "a 1-byte test device"))
     with pytest.raises(ConfigError, match=r"^pp rank 1 \(stage\(s\) 1\) of model llama3 tiny on 1 shard\(s\)") as error:
         check_memory_floor(config, plan)
     assert "parallelism.pipeline_parallel_degree" in str(error.value)
     # Logits larger than the weights: the micro-batch size is the key to lower.
-    long = parse_args([*TINY_PP, "--training.seq_len=1024", "--parallelism.pipeline_parallel_microbatch_size=4"])
+    long = parse_args(
+        [
+            *TINY_PP,
+            "--training.seq_len=1024",
+            "--parallelism.pipeline_parallel_microbatch_size=4",
+            "--parallelism.pipeline_parallel_schedule=GPipe",
+        ]
+    )
     with pytest.raises(ConfigError, match=r"^parallelism.pipeline_parallel_microbatch_size 4 \(x seq_len 1024\)"):
         check_memory_floor(long, plan_run(long, 2))
 

@@ -172,6 +172,23 @@ def test_command_line_torchtitan_options():
         parse_args(["--parallelism.context_parallel_degree", "2"])
 
 
+@pytest.mark.parametrize("written", ["1F1B", "1f1b", "interleaved1f1b", "ZBVZEROBUBBLE", "DualPipeV"])
+def test_pipeline_schedules_by_torchtitans_names_in_any_case(written):
+    config = parse_args(["--parallelism.pipeline_parallel_schedule", written])
+    assert config.parallelism.pipeline_parallel_schedule == written  # kept as written, matched when planned
+
+
+@pytest.mark.parametrize(
+    "misspelt, meant", [("gpipee", "GPipe"), ("1FB1", "1F1B"), ("interleaved1f1bb", "Interleaved1F1B")]
+)
+def test_an_unknown_pipeline_schedule_gets_a_did_you_mean(misspelt, meant):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--parallelism.pipeline_parallel_schedule", misspelt])
+    message = str(error.value)
+    assert "parallelism.pipeline_parallel_schedule" in message and f"'{misspelt}' is not known" in message
+    assert message.endswith(f"did you mean '{meant}'?"), message
+
+
 def test_warnings_come_from_rank_zero_only(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     parse_args(["--job.print_args"])

@@ -106,7 +106,9 @@ def _check_load_step(config: JobConfig) -> None:
 def _check_pipeline_schedule(config: JobConfig) -> None:
     schedule = config.parallelism.pipeline_parallel_schedule
     if canonical_schedule(schedule) is None:
-        raise ConfigError(unknown_name("parallelism.pipeline_parallel_schedule", schedule, PIPELINE_SCHEDULES))
+        # Matched without regard to case, so the hint is too.
+        key = "parallelism.pipeline_parallel_schedule"
+        raise ConfigError(unknown_name(key, schedule, PIPELINE_SCHEDULES, ignore_case=True))
 
 
 # Run in this order after the ranges; the first broken rule is the one reported.

@@ -5,7 +5,7 @@ Every run trains test_parity's tiny model from the same seed on the same global 
 1e-5 in every step's loss and grad norm and in the final weights: PP 2 with each of torch's
 schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
 micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2, TP 2
-(with and without sequence and loss parallel) and DDP 2.
+(with and without sequence and loss parallel) and DDP 2, and with compiled blocks.
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
 norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
@@ -23,6 +23,7 @@ from tests.helpers import full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import (
     BASE_ARGS,
+    COMPILE,
     FULL_AC,
     NO_LP,
     NO_SP,
@@ -112,18 +113,28 @@ COMPOSED = {
 }
 
 
-def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict) -> None:
+# Compiled blocks (and loss) inside the stages: compile per block under PP, checked like
+# test_parity's compiled layouts (to 1e-4: the compiled kernels round differently).
+COMPILED = {"compiled_pp2_interleaved1f1b_m2_accum2": pp_args("Interleaved1F1B", 4, 2, *COMPILE)}
+
+
+def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict, rtol: float = 1e-5) -> None:
     everyones = {name: value for run in rank_runs for name, value in run["params"].items()}
     for run in rank_runs:  # every rank must agree, not only rank 0
         # Only its stages' weights: a rank holding the whole model would not be pipelining.
         assert 0 < len(run["params"]) < len(ref["params"])
         # Its own weights, completed by the other stages' ranks' to the whole model's names.
-        assert_same_training({**run, "params": {**everyones, **run["params"]}}, ref, rtol=1e-5)
+        assert_same_training({**run, "params": {**everyones, **run["params"]}}, ref, rtol=rtol)
 
 
 @pytest.mark.parametrize("layout", [*PIPELINES, *COMPOSED])
 def test_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0])
+
+
+@pytest.mark.parametrize("layout", COMPILED)
+def test_compiled_pipeline_matches_single_process(runs, layout):
+    assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0], rtol=1e-4)
 
 
 def test_v_schedules_hold_the_embedding_and_the_output_on_rank_zero(runs):
@@ -200,7 +211,7 @@ RUNS = {
     **{name: Job(4, train_pipeline, (args,)) for name, args in COMPOSED.items()},
     "stuck peer": Job(4, stuck_peer, (pp_args("GPipe", 2, 1, *REPLICATE2),)),
     "reference": REFERENCE,
-    **{name: Job(2, train_pipeline, (args,)) for name, args in PIPELINES.items()},
+    **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED}.items()},
 }
 
 

@@ -80,6 +80,15 @@ def local_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
 
+def mode_reports(modes: dict[int, HostSyncs]) -> dict:
+    """Per step: the syncs counted, where they were made, and the other operators seen."""
+    return {
+        "syncs": {step: dict(mode.syncs) for step, mode in modes.items()},
+        "where": {step: mode.report() for step, mode in modes.items()},
+        "ops": {step: dict(mode.other_ops) for step, mode in modes.items()},
+    }
+
+
 def quiet_steps_report(dump: str) -> dict:
     trainer = Trainer(parse_args([*ARGS, f"--job.dump_folder={dump}"]))
     modes = {step: HostSyncs() for step in (*QUIET, PLANTED_STEP)}
@@ -128,9 +137,7 @@ def quiet_steps_report(dump: str) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return {
-        "syncs": {step: dict(mode.syncs) for step, mode in modes.items()},
-        "where": {step: mode.report() for step, mode in modes.items()},
-        "ops": {step: dict(mode.other_ops) for step, mode in modes.items()},
+        **mode_reports(modes),
         "snapshots": snapshots,
         "validated": validated,
         "saved": saved,
@@ -180,11 +187,7 @@ def pipeline_quiet_steps_report() -> dict:
     trainer.train()
     if dist.is_initialized():
         dist.destroy_process_group()
-    return {
-        "syncs": {step: dict(mode.syncs) for step, mode in modes.items()},
-        "where": {step: mode.report() for step, mode in modes.items()},
-        "ops": {step: dict(mode.other_ops) for step, mode in modes.items()},
-    }
+    return mode_reports(modes)
 
 
 @pytest.fixture(scope="module")

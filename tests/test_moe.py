@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from tests.host_syncs import HostSyncs
 from titanlite.models.moe import (
@@ -145,6 +146,9 @@ def test_load_counts_add_up_over_training_forwards_only():
     torch.testing.assert_close(moe.load_imbalance(), expected.max() / expected.float().mean())
     moe.reset_load()
     assert moe.tokens_per_expert.abs().sum() == 0
+    # Activation checkpointing runs the forward again during backward: counted once.
+    checkpoint(moe.train(), x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(moe.tokens_per_expert, expected // 2)
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

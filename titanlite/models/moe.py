@@ -156,6 +156,13 @@ class GroupedExperts(nn.Module):
         fill_trunc_normal_(self.w3, std=out_std, generator=generator)
 
 
+def _recomputing() -> bool:
+    """Whether autograd is running a backward pass now, the only time a module's forward runs
+    inside one being activation checkpointing's recomputation. Inside a compiled graph the
+    recomputation is part of the compiled backward, which does not run the forward's code."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
 # --- The layer ----------------------------------------------------------------------
 
 
@@ -204,8 +211,10 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def _record(self, routing: Routing, counts: torch.Tensor, n_tokens: int) -> None:
-        """Keep what the load balancing and the metrics read later."""
-        if self.training:
+        """Keep what the load balancing and the metrics read later. A forward that activation
+        checkpointing runs again during the backward pass routes the same tokens again and is
+        not counted twice."""
+        if self.training and not _recomputing():
             with torch.no_grad():
                 self.tokens_per_expert += counts
         if self.args.router_aux_loss_coef > 0:

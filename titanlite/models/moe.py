@@ -213,8 +213,10 @@ class MoE(nn.Module):
     def _record(self, routing: Routing, counts: torch.Tensor, n_tokens: int) -> None:
         """Keep what the load balancing and the metrics read later. A forward that activation
         checkpointing runs again during the backward pass routes the same tokens again and is
-        not counted twice."""
-        if self.training and not _recomputing():
+        not counted twice, nor does it replace the kept stats."""
+        if _recomputing():
+            return
+        if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += counts
         if self.args.router_aux_loss_coef > 0:

@@ -1,0 +1,221 @@
+"""The mixture-of-experts layer (titanlite/models/moe.py) on its own: routing, grouped GEMM
+against the loop over experts, dropless routing, both ways of load balancing, and parity
+with transformers' Qwen3-MoE block."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from tests.host_syncs import HostSyncs
+from titanlite.models.moe import (
+    MoE,
+    MoEArgs,
+    expert_linear,
+    load_balancing_loss,
+    route,
+    stack_hf_experts,
+    unstack_hf_experts,
+)
+
+ARGS = MoEArgs(dim=16, n_experts=8, top_k=2, hidden_dim=24)
+
+
+def make_moe(args: MoEArgs = ARGS, seed: int = 0, dtype: torch.dtype = torch.float32) -> MoE:
+    moe = MoE(args)
+    moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # larger weights than the init's, so that differences show
+        for param in moe.parameters():
+            param.mul_(10)
+    return moe.to(dtype)
+
+
+def reference_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The layer computed token by token, expert by expert, straight from the definition."""
+    args = moe.args
+    bias = moe.expert_bias if args.bias_update_rate > 0 else None
+    out = torch.zeros_like(x)
+    for t, token in enumerate(x.reshape(-1, args.dim)):
+        probs = torch.softmax(moe.gate.weight @ token, dim=-1)
+        chosen = torch.topk(probs if bias is None else probs + bias, args.top_k).indices
+        weights = probs[chosen] / (probs[chosen].sum() if args.norm_topk_prob else 1)
+        for e, weight in zip(chosen.tolist(), weights, strict=True):
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            out.view(-1, args.dim)[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
+    return out
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.grad.clone() for name, param in module.named_parameters()}
+
+
+def test_loop_over_experts_equals_the_per_token_reference_in_float32():
+    for norm_topk_prob in (True, False):
+        args = MoEArgs(dim=16, n_experts=8, top_k=3, hidden_dim=24, norm_topk_prob=norm_topk_prob)
+        moe = make_moe(args)
+        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+        moe(x).pow(2).sum().backward()
+        layer_out, layer_grads = moe(x), grads(moe)
+        moe.zero_grad()
+        expected = reference_forward(moe, x)
+        expected.pow(2).sum().backward()
+        torch.testing.assert_close(layer_out, expected, rtol=0, atol=1e-6)
+        for name, grad in grads(moe).items():
+            torch.testing.assert_close(layer_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_grouped_gemm_equals_the_loop_in_bfloat16_without_host_syncs():
+    moe = make_moe(dtype=torch.bfloat16)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    results = {}
+    for grouped in (True, False):
+        moe.experts.use_grouped_mm = None if grouped else False
+        moe.zero_grad()
+        with HostSyncs() as syncs:
+            out = moe(x)
+            out.float().pow(2).sum().backward()
+        results[grouped] = (out, grads(moe), syncs)
+    (grouped_out, grouped_grads, grouped_syncs), (loop_out, loop_grads, loop_syncs) = results[True], results[False]
+    assert grouped_syncs.other_ops["aten._grouped_mm"] > 0 and loop_syncs.other_ops["aten._grouped_mm"] == 0
+    assert not grouped_syncs.syncs, grouped_syncs.report()
+    assert loop_syncs.syncs  # the loop reads the counts on the host: the counter sees syncs
+    assert moe.tokens_per_expert.dtype == torch.int64  # integer counts survive the cast to bf16
+    torch.testing.assert_close(grouped_out, loop_out, rtol=1.6e-2, atol=1e-2)
+    for name, grad in loop_grads.items():
+        torch.testing.assert_close(grouped_grads[name], grad, rtol=1.6e-2, atol=2e-2, msg=name)
+
+
+def test_expert_linear_paths_agree_with_empty_experts():
+    # Rows for experts 1 and 3 only: the others get none, which both paths must allow.
+    x = torch.randn(7, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
+    weight = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
+    counts = torch.tensor([0, 3, 0, 4])
+    expected = torch.cat([x[:3] @ weight[1].T, x[3:] @ weight[3].T])
+    for grouped in (True, False):
+        torch.testing.assert_close(expert_linear(x, weight, counts, grouped), expected, rtol=1.6e-2, atol=1e-2)
+
+
+def test_dropless_when_the_router_sends_every_token_to_one_expert():
+    for top_k in (1, 2):
+        args = MoEArgs(dim=16, n_experts=4, top_k=top_k, hidden_dim=24, bias_update_rate=1e-3)
+        moe = make_moe(args).train()
+        moe.expert_bias[2] = 100.0  # expert 2 wins every token's choice
+        x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(5))
+        out = moe(x)
+        routing = route(x.reshape(-1, 16), moe.gate.weight, top_k, True, moe.expert_bias)
+        assert (routing.experts == 2).any(dim=-1).all() and routing.experts.shape == (21, top_k)
+        assert moe.tokens_per_expert[2] == 21 and moe.tokens_per_expert.sum() == 21 * top_k
+        torch.testing.assert_close(out, reference_forward(moe, x), rtol=0, atol=1e-6)
+
+
+def test_expert_bias_chooses_experts_but_never_weights_them():
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(6))
+    gate = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
+    bias = torch.randn(8, generator=torch.Generator().manual_seed(8))
+    plain, biased = route(x, gate, 2, True, None), route(x, gate, 2, True, bias)
+    assert not torch.equal(plain.experts, biased.experts)
+    chosen = biased.probs.gather(-1, biased.experts)
+    torch.testing.assert_close(biased.weights, chosen / chosen.sum(-1, keepdim=True))
+    torch.testing.assert_close(biased.probs, plain.probs)
+
+
+def test_bias_update_raises_the_idle_experts_centred_and_on_the_device():
+    moe = make_moe(MoEArgs(dim=16, n_experts=4, top_k=1, hidden_dim=24, bias_update_rate=0.01))
+    counts = torch.tensor([10, 0, 2, 4])  # mean 4: expert 3 is exactly at it
+    with HostSyncs() as syncs:
+        moe.update_expert_bias(counts)
+    assert not syncs.syncs, syncs.report()
+    # signs (-1, +1, +1, 0), mean 0.25, centred: (-1.25, 0.75, 0.75, -0.25) x 0.01
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-1.25, 0.75, 0.75, -0.25]) * 0.01)
+    assert moe.gate.weight.grad is None
+
+
+def test_load_counts_add_up_over_training_forwards_only():
+    moe = make_moe()
+    x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(9))
+    moe.train()
+    moe(x)
+    moe(x)
+    moe.eval()
+    moe(x)
+    once = route(x.reshape(-1, 16), moe.gate.weight, 2, True).experts
+    expected = 2 * torch.bincount(once.reshape(-1), minlength=8)
+    torch.testing.assert_close(moe.tokens_per_expert, expected)
+    torch.testing.assert_close(moe.load_imbalance(), expected.max() / expected.float().mean())
+    moe.reset_load()
+    assert moe.tokens_per_expert.abs().sum() == 0
+    # Activation checkpointing runs the forward again during backward: counted once.
+    checkpoint(moe.train(), x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(moe.tokens_per_expert, expected // 2)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_equal_to_transformers_qwen3_moe_block(norm_topk_prob):
+    qwen3_moe = pytest.importorskip("transformers.models.qwen3_moe.modeling_qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=ARGS.dim,
+        moe_intermediate_size=ARGS.hidden_dim,
+        num_experts=ARGS.n_experts,
+        num_experts_per_tok=ARGS.top_k,
+        norm_topk_prob=norm_topk_prob,
+        router_aux_loss_coef=0.01,
+    )
+    torch.manual_seed(10)
+    theirs = qwen3_moe.Qwen3MoeSparseMoeBlock(config)
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.normal_(0.0, 0.5)
+    # transformers checkpoints hold one tensor per expert and projection; its loader
+    # concatenates gate and up along dim 1 into gate_up_proj, and stacks down_proj.
+    saved = {"mlp.gate.weight": theirs.gate.weight.detach()}
+    for e in range(8):
+        gate, up = theirs.experts.gate_up_proj[e].detach().chunk(2, dim=0)
+        saved |= {f"mlp.experts.{e}.gate_proj.weight": gate, f"mlp.experts.{e}.up_proj.weight": up}
+        saved[f"mlp.experts.{e}.down_proj.weight"] = theirs.experts.down_proj[e].detach()
+
+    ours = MoE(replace(ARGS, norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.01))
+    ours.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(0))
+    stacked = stack_hf_experts(saved, "mlp.experts", n_experts=8)
+    with torch.no_grad():
+        ours.gate.weight.copy_(saved["mlp.gate.weight"])
+        for name, tensor in stacked.items():
+            getattr(ours.experts, name).copy_(tensor)
+    back = unstack_hf_experts({name: getattr(ours.experts, name) for name in stacked}, "mlp.experts")
+    assert back.keys() == saved.keys() - {"mlp.gate.weight"}
+    assert all(torch.equal(tensor, saved[key]) for key, tensor in back.items())
+
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(11))
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=1e-5)
+    router_logits = theirs.gate(x.reshape(-1, 16))[0]
+    their_loss = qwen3_moe.load_balancing_loss_func((router_logits,), 8, 2)
+    torch.testing.assert_close(load_balancing_loss([ours.last_router_stats]), their_loss, rtol=1e-6, atol=0)
+    # Pooled over two "layers" (the same one twice, a second input) as transformers pools them.
+    y = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(12))
+    first = ours.last_router_stats
+    ours(y)
+    both = qwen3_moe.load_balancing_loss_func((router_logits, theirs.gate(y.reshape(-1, 16))[0]), 8, 2)
+    torch.testing.assert_close(load_balancing_loss([first, ours.last_router_stats]), both, rtol=1e-6, atol=0)
+
+
+def test_missing_expert_weight_is_named():
+    saved = {f"mlp.experts.{e}.{p}.weight": torch.zeros(2, 2) for e in range(2) for p in ("gate_proj", "up_proj")}
+    with pytest.raises(KeyError, match=r"'mlp.experts.0.down_proj.weight' is missing \(2 experts expected"):
+        stack_hf_experts(saved, "mlp.experts", n_experts=2)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"top_k": 9}, r"MoEArgs.top_k \(9\) must not exceed n_experts \(8\)"),
+        ({"n_experts": 0, "top_k": 0}, "MoEArgs.n_experts must be at least 1, got 0"),
+        ({"bias_update_rate": -1.0}, "MoEArgs.bias_update_rate must be 0 or more, got -1.0"),
+    ],
+)
+def test_bad_args_are_refused_in_one_line(changes, message):
+    fields = {"dim": 16, "n_experts": 8, "top_k": 2, "hidden_dim": 24} | changes
+    with pytest.raises(ValueError, match=message):
+        MoEArgs(**fields)

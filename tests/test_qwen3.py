@@ -6,6 +6,7 @@ are drawn away from 1, so that a q_norm/k_norm permuted the wrong way (or not at
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.helpers import hf_tensors, load_script, tiny_args, train_tiny
+from tests.helpers import TINY_RUN_STEPS, full_weights, hf_tensors, load_script, tiny_args, train_tiny
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import REFERENCE, TP2, assert_same_training, train_and_report
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
@@ -34,6 +35,9 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
 TOKENS = torch.randint(0, 258, (2, 16), generator=torch.Generator().manual_seed(5))
 PROMPT, NEW_TOKENS = [3, 141, 59, 26], 10
+QWEN3 = ["--model.name=qwen3"]
+PP2 = ["--parallelism.pipeline_parallel_degree=2"]
+TIED, UNTIED = [*QWEN3, "--model.flavor=tiny_tied"], [*QWEN3, "--model.flavor=tiny"]
 
 
 def hf_qwen3(folder: Path, tied: bool) -> tuple[Path, transformers.Qwen3ForCausalLM]:
@@ -108,7 +112,7 @@ def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_model, tmp_path):
 @pytest.fixture(scope="module")
 def trained_tied(tmp_path_factory):
     """The tied tiny Qwen3 trained a few steps in this process, with checkpoints."""
-    return train_tiny(tmp_path_factory.mktemp("qwen3_run"), ["--model.name=qwen3", "--model.flavor=tiny_tied"])
+    return train_tiny(tmp_path_factory.mktemp("qwen3_run"), TIED)
 
 
 def test_a_trained_checkpoint_exports_to_transformers(trained_tied, tmp_path):
@@ -123,6 +127,25 @@ def test_a_trained_checkpoint_exports_to_transformers(trained_tied, tmp_path):
     assert (trained_tied.logits - expected).abs().max().item() <= 1e-5
     ours, _ = load_model(trained_tied.step_dir)
     assert generate(ours, PROMPT, NEW_TOKENS) == hf_greedy(theirs, PROMPT, NEW_TOKENS)
+
+
+def test_a_tied_checkpoint_resumes_with_one_parameter(trained_tied, tmp_path):
+    """The state dict holds the tied matrix once: a resumed run gets it back into both
+    modules as one parameter, with its Adam state, and trains on."""
+    shutil.copytree(trained_tied.step_dir.parent.parent, tmp_path, dirs_exist_ok=True)
+    overrides = {"training.steps": TINY_RUN_STEPS + 1, "optimizer.lr": 3e-3, "checkpoint.enable": True}
+    args = tiny_args(overrides) + [*TIED, "--job.dump_folder", str(tmp_path)]
+    trainer = Trainer(parse_args(args))
+    assert trainer.step == TINY_RUN_STEPS
+    assert trainer.model.output.weight is trainer.model.tok_embeddings.weight
+    resumed = full_weights(trainer.model)
+    assert resumed.keys() == trained_tied.weights.keys()
+    for name, value in trained_tied.weights.items():
+        assert torch.equal(resumed[name], value), name
+    adam = trainer.optimizer.state_dict()["state"]
+    assert len(adam) == len(list(trainer.model.parameters()))
+    assert {int(state["step"]) for state in adam.values()} == {TINY_RUN_STEPS}
+    assert [record.step for record in trainer.train()] == [TINY_RUN_STEPS + 1]
 
 
 def test_a_run_seeds_from_a_transformers_folder(hf_model, tmp_path):
@@ -183,9 +206,6 @@ def tp_plan_of_the_tied_model() -> dict:
         dist.destroy_process_group()
 
 
-QWEN3 = ["--model.name=qwen3"]
-PP2 = ["--parallelism.pipeline_parallel_degree=2"]
-TIED, UNTIED = [*QWEN3, "--model.flavor=tiny_tied"], [*QWEN3, "--model.flavor=tiny"]
 JOBS = {
     "reference tied": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *TIED],)),
     "reference untied": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *UNTIED],)),

@@ -23,6 +23,7 @@ from titanlite import train
 from titanlite.checkpoint import read_model_description
 from titanlite.checkpoint.load import load_model
 from titanlite.config import ConfigError, parse_args
+from titanlite.data.tokenizer import ByteTokenizer
 from titanlite.estimate import floor
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import Qwen3Transformer, args_to_hf_config
@@ -115,7 +116,7 @@ def trained_tied(tmp_path_factory):
     return train_tiny(tmp_path_factory.mktemp("qwen3_run"), TIED)
 
 
-def test_a_trained_checkpoint_exports_to_transformers(trained_tied, tmp_path):
+def test_a_trained_checkpoint_exports_to_transformers(trained_tied, tmp_path, capsys):
     assert load_script(SCRIPTS / "convert_dcp_to_hf.py").main([str(trained_tied.step_dir), str(tmp_path / "hf")]) == 0
     assert "output.weight" not in trained_tied.weights  # saved once, under the embedding's name
     assert "lm_head.weight" not in hf_tensors(tmp_path / "hf")
@@ -125,8 +126,13 @@ def test_a_trained_checkpoint_exports_to_transformers(trained_tied, tmp_path):
     with torch.no_grad():
         expected = theirs.eval()(trained_tied.tokens).logits
     assert (trained_tied.logits - expected).abs().max().item() <= 1e-5
-    ours, _ = load_model(trained_tied.step_dir)
-    assert generate(ours, PROMPT, NEW_TOKENS) == hf_greedy(theirs, PROMPT, NEW_TOKENS)
+    # scripts/generate.py on the checkpoint continues a prompt as transformers does.
+    prompt, tokenizer = "def main():", ByteTokenizer()
+    continued = hf_greedy(theirs, [tokenizer.bos_id, *tokenizer.encode(prompt)], NEW_TOKENS)
+    argv = ["--checkpoint", str(trained_tied.step_dir), "--prompt", prompt, "--max_new_tokens", str(NEW_TOKENS)]
+    capsys.readouterr()  # the export's lines
+    assert load_script(SCRIPTS / "generate.py").main(argv) == 0
+    assert capsys.readouterr().out == prompt + tokenizer.decode(continued) + "\n"
 
 
 def test_a_tied_checkpoint_resumes_with_one_parameter(trained_tied, tmp_path):

@@ -13,15 +13,7 @@ from torch import nn
 
 from titanlite.config import ConfigError
 from titanlite.errors import unknown_name
-from titanlite.models.llama import (
-    LLAMA2_FLAVORS,
-    LLAMA3_FLAVORS,
-    LlamaArgs,
-    LlamaStateDictAdapter,
-    Transformer,
-    hf_config_to_args,
-    hf_model_name,
-)
+from titanlite.models import llama, qwen3
 from titanlite.parallel import parallelize_decoder, tensor_parallel_problem
 
 
@@ -36,11 +28,26 @@ class ModelSpec:
     tensor_parallel_problem: Callable  # (args, tp degree) -> why the TP plan cannot split them, or None
 
 
+_LLAMA = dict(
+    model_cls=llama.Transformer,
+    parallelize_fn=parallelize_decoder,
+    state_dict_adapter=llama.LlamaStateDictAdapter,
+    args_cls=llama.LlamaArgs,
+    tensor_parallel_problem=tensor_parallel_problem,
+)
 MODELS = {
-    name: ModelSpec(
-        name, Transformer, flavors, parallelize_decoder, LlamaStateDictAdapter, LlamaArgs, tensor_parallel_problem
-    )
-    for name, flavors in (("llama2", LLAMA2_FLAVORS), ("llama3", LLAMA3_FLAVORS))
+    "llama2": ModelSpec("llama2", flavors=llama.LLAMA2_FLAVORS, **_LLAMA),
+    "llama3": ModelSpec("llama3", flavors=llama.LLAMA3_FLAVORS, **_LLAMA),
+    # Llama's decoder with per-head query/key norms: Llama's TP plan, FSDP, AC and compile apply.
+    "qwen3": ModelSpec(
+        "qwen3",
+        model_cls=qwen3.Qwen3Transformer,
+        flavors=qwen3.QWEN3_FLAVORS,
+        parallelize_fn=parallelize_decoder,
+        state_dict_adapter=qwen3.Qwen3StateDictAdapter,
+        args_cls=qwen3.Qwen3Args,
+        tensor_parallel_problem=tensor_parallel_problem,
+    ),
 }
 
 
@@ -71,6 +78,9 @@ def get_model_args(name: str, flavor: str):
 
 def model_from_hf_config(config: dict, where: str = "config.json") -> tuple[str, object]:
     """(registry name, model args) for a Hugging Face config.json; ValueError naming `where`
-    for a model no registered class builds. Llama is the one family read from Hugging Face."""
-    args = hf_config_to_args(config, where)
-    return hf_model_name(args), args
+    for a model no registered class builds. Its model_type picks the family: Qwen3's, or
+    Llama's (which refuses every other type)."""
+    if config.get("model_type") == qwen3.MODEL_TYPE:
+        return "qwen3", qwen3.hf_config_to_args(config, where)
+    args = llama.hf_config_to_args(config, where)
+    return llama.hf_model_name(args), args

@@ -71,7 +71,7 @@ class ModelDescription:
             # DCP stores no key for an empty dict: a model without hyper-parameters has no "args".
             args = _dataclass_from_dict(args_cls, state.get("args", {}))
         except TypeError as error:
-            raise ValueError(f"{where}: model_args do not describe a Llama model ({error})") from None
+            raise ValueError(f"{where}: model_args do not describe a {state['name']} model ({error})") from None
         return cls(state["name"], state["flavor"], args, state.get("tokenizer_path"), state.get("tokenizer_vocab_size"))
 
     def differences(self, other: "ModelDescription") -> list[str]:

@@ -1,4 +1,4 @@
-"""Reading Hugging Face Llama folders, and what the checkpoint tools share.
+"""Reading Hugging Face model folders (Llama, Qwen3), and what the checkpoint tools share.
 
 Import reads a Hugging Face folder (one ``model.safetensors`` or a sharded index) and
 writes a DCP checkpoint ``step-0`` holding the weights under titanlite's names and a
@@ -194,7 +194,7 @@ class HFWeights:
 
 def open_hf_folder(hf_dir: str | Path, adapter_cls=None) -> tuple[ModelDescription, HFWeights]:
     """The model a Hugging Face folder holds and a reader of its weights; raises
-    ValueError, one line naming the path, for anything that is not a Llama folder."""
+    ValueError, one line naming the path, for anything no registered family reads."""
     hf_dir = Path(hf_dir)
     config, description = read_hf_config(hf_dir)
     adapter = (adapter_cls or get_model_spec(description.name).state_dict_adapter)(description.args)
@@ -276,7 +276,7 @@ def padded_description(description: ModelDescription) -> ModelDescription:
 
 
 def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write out_dir/step-0, a DCP checkpoint of a Hugging Face Llama folder, keeping the
+    """Write out_dir/step-0, a DCP checkpoint of a Hugging Face model folder, keeping the
     folder's dtype. Returns step-0."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     description, weights = open_hf_folder(hf_dir)

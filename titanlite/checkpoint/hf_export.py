@@ -170,7 +170,8 @@ def export_to_hf(
     use_ema: bool = False,
     tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write a Hugging Face LlamaForCausalLM folder from a titanlite step-N checkpoint.
+    """Write a Hugging Face folder (LlamaForCausalLM or Qwen3ForCausalLM, as the checkpoint
+    records) from a titanlite step-N checkpoint.
 
     dtype is the dtype of the written weights; max_shard_size (e.g. "5GB") splits them
     into model-0000i-of-0000n.safetensors files and an index when they do not fit one;

@@ -105,7 +105,7 @@ class Job:
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family in the registry: llama2 or llama3."""
+    """Model family in the registry: llama2, llama3 or qwen3."""
 
     flavor: str = "debugmodel"
     """Size preset of the model family, e.g. debugmodel, 7B, 8B, 70B."""

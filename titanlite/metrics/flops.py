@@ -13,27 +13,24 @@ from dataclasses import dataclass
 import torch
 
 from titanlite.models.llama import LlamaArgs, Transformer
+from titanlite.models.qwen3 import Qwen3Args, Qwen3Transformer
 
 # --- parameter counts ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of titanlite's Llama Transformer, by the parts FSDP shards as units."""
+    """Parameters of titanlite's decoder (Llama's or Qwen3's), by the parts FSDP shards as units."""
 
-    total: int
+    total: int  # every parameter once: a tied output projection is the embedding's matrix
     embedding: int  # the token embedding table
     blocks: tuple[int, ...]  # each transformer block's, in order
+    head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
 
     @property
     def root(self) -> int:
         """The root unit's: the embedding, the final norm and the output projection."""
         return self.total - sum(self.blocks)
-
-    @property
-    def head(self) -> int:
-        """The final norm's and the output projection's (the root without the embedding)."""
-        return self.root - self.embedding
 
 
 def _numel(module: torch.nn.Module) -> int:
@@ -41,19 +38,25 @@ def _numel(module: torch.nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def param_counts(args: LlamaArgs) -> ParamCounts:
+def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
     """Counted on the model itself, built on the meta device (shapes only, no memory), so
     the counts follow the model's layout wherever it changes."""
     with torch.device("meta"):
-        model = Transformer(args)
-    return ParamCounts(_numel(model), _numel(model.tok_embeddings), tuple(_numel(b) for b in model.layers.values()))
+        model = Qwen3Transformer(args) if isinstance(args, Qwen3Args) else Transformer(args)
+    return ParamCounts(
+        _numel(model),
+        _numel(model.tok_embeddings),
+        tuple(_numel(b) for b in model.layers.values()),
+        _numel(model.norm) + model.output.weight.numel(),
+    )
 
 
-def count_params(args: LlamaArgs, include_embedding: bool = True) -> int:
-    """Parameters of titanlite's Llama Transformer. The output projection is not tied to the
-    embedding, so it counts even when the embedding table is left out."""
+def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) -> int:
+    """Parameters of titanlite's decoder, each once. Without the embedding table: the weights
+    a token's matmuls meet, the output projection included even when it is tied to the
+    embedding (its matmul is work; the lookup is not)."""
     counts = param_counts(args)
-    return counts.total if include_embedding else counts.total - counts.embedding
+    return counts.total if include_embedding else sum(counts.blocks) + counts.head
 
 
 def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True) -> int:

@@ -63,6 +63,10 @@ _SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default} | {
 # sequence, the one after a reduce-scatter back to it.
 
 
+# Norms over each query/key head's features, inside attention (Qwen3's), where a model has them.
+_PER_HEAD_NORMS = ("q_norm", "k_norm")
+
+
 def tensor_parallel_problem(args, tp: int) -> str | None:
     """Why the Llama TP plan cannot split ``args`` over ``tp`` ranks (one line naming the
     key), or None. Each rank must get whole query heads, whole key/value heads (so a query
@@ -99,7 +103,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         replicate_over(model.norm, tp_mesh)
     # A pipeline stage holds some of the outer modules only (the others are None).
     outer_plan = {name: style for name, style in outer_plan.items() if getattr(model, name) is not None}
+    tied = model.output is not None and model.tok_embeddings is not None
+    tied = tied and model.output.weight is model.tok_embeddings.weight
     parallelize_module(model, tp_mesh, outer_plan)
+    if tied:
+        # Tied embeddings (Qwen3's small flavors): each module got a DTensor of its own. Both
+        # split the [vocab, dim] matrix by rows (Shard(0)), so the output takes the
+        # embedding's and the two stay one parameter.
+        model.output.weight = model.tok_embeddings.weight
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_collective)
     for block in model.layers.values():
@@ -117,6 +128,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
+        for norm in _PER_HEAD_NORMS:
+            if hasattr(block.attention, norm):
+                # A norm over each head's features sees this rank's heads only: its input is
+                # split by heads (dimension 2), its gain held whole and its gradient summed.
+                block_plan[f"attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()
             block_plan["ffn_norm"] = SequenceParallel()

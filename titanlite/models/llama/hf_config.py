@@ -60,7 +60,7 @@ def _check_supported(config: dict, where: str) -> None:
         raise ValueError(f"{where}: hidden_act '{config['hidden_act']}' is not supported (only silu)")
 
 
-def _rope(config: dict, where: str) -> tuple[float, RopeScaling | None]:
+def rope_settings(config: dict, where: str) -> tuple[float, RopeScaling | None]:
     """rope_theta and the llama3 frequency scaling, if any."""
     # Newer transformers keep rope_theta and the scaling under rope_parameters.
     rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
@@ -92,7 +92,7 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
     dim, n_heads = need("hidden_size"), need("num_attention_heads")
     if config.get("head_dim") not in (None, dim // n_heads):
         raise ValueError(f"{where}: head_dim {config['head_dim']} differs from hidden_size / num_attention_heads")
-    rope_theta, rope_scaling = _rope(config, where)
+    rope_theta, rope_scaling = rope_settings(config, where)
     multiple_of, multiplier = ffn_sizing(dim, need("intermediate_size"))
     kv_heads = config.get("num_key_value_heads") or n_heads
     return LlamaArgs(

@@ -107,13 +107,19 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values of x, each [batch, seq, heads, head_dim], before RoPE."""
         batch, seq_len, _ = x.shape
         # Heads are counted from the projections' outputs (-1), not from the args: under
         # tensor parallelism each rank holds only its share of the query and key/value heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        q, k, v = self.project_heads(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Attention wants [batch, heads, seq, head_dim].
         out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -153,10 +159,12 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(.))."""
 
+    attention_cls = Attention  # a family whose attention differs names its own here
+
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = self.attention_cls(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
         # Deeper blocks start with smaller output projections so that the residual
@@ -180,6 +188,7 @@ class Transformer(nn.Module):
     # the other stages' blocks removed and their outer modules None (forward skips them).
     pipeline_first = ("tok_embeddings",)
     pipeline_last = ("norm", "output")
+    block_cls = TransformerBlock  # a family whose blocks differ names its own here
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -187,7 +196,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed "0", "1", ... rather than a list keeps parameter names stable
         # when blocks are wrapped or removed.
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): self.block_cls(i, args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from the args, never trained: non-persistent, so checkpoints do not

@@ -28,7 +28,6 @@ _TO_HF = {
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_FROM_HF = {hf: ours for ours, hf in _TO_HF.items()}
 # The names later torchtitan versions store some weights under, where torchtitan 0.2 stores
 # them under titanlite's: main of 2026-08 keeps the projections in a qkv_linear module and
 # calls the output projection lm_head. These names only, nothing guessed beyond them.
@@ -62,9 +61,12 @@ def _halves_to_pairs(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 class LlamaStateDictAdapter:
     # titanlite's tensors whose rows are the token ids: a padded vocabulary pads these.
     vocab_rows = ("tok_embeddings.weight", "output.weight")
+    # The names both ways; a family that adds weights extends this table.
+    hf_names = _TO_HF
 
     def __init__(self, args: LlamaArgs):
         self.args = args
+        self._from_hf = {hf: ours for ours, hf in self.hf_names.items()}
 
     def _heads_of(self, name: str) -> int | None:
         """How many RoPE heads a projection holds, or None if it is not rotated."""
@@ -75,10 +77,10 @@ class LlamaStateDictAdapter:
         return None
 
     def to_hf_name(self, name: str) -> str:
-        return _rename(name, _TO_HF)
+        return _rename(name, self.hf_names)
 
     def from_hf_name(self, name: str) -> str:
-        return _rename(name, _FROM_HF)
+        return _rename(name, self._from_hf)
 
     def torchtitan_names(self, name: str) -> tuple[str, ...]:
         """The other names torchtitan checkpoints may hold titanlite's weight `name` under."""

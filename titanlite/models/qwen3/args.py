@@ -1,0 +1,85 @@
+"""Qwen3 (dense) hyper-parameters and the published sizes ("flavors")."""
+
+from dataclasses import asdict, dataclass, replace
+
+
+@dataclass(frozen=True)
+class Qwen3Args:
+    dim: int = 4096
+    """Width of the residual stream (hidden_size)."""
+    n_layers: int = 36
+    """Number of transformer blocks."""
+    n_heads: int = 32
+    """Query heads per block."""
+    n_kv_heads: int = 8
+    """Key/value heads per block; each is shared by n_heads / n_kv_heads query heads."""
+    head_dim: int = 128
+    """Width of one head. Unlike Llama's it is not dim / n_heads: Qwen3 0.6B has 16 heads of
+    128 in a 1024-wide stream, so attention is wider than the stream."""
+    ffn_hidden_dim: int = 12288
+    """Hidden size of the SwiGLU feed-forward (intermediate_size), given as it is."""
+    vocab_size: int = 151936
+    """Rows of the token embedding (and of the output projection)."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm, the per-head query/key norms included."""
+    rope_theta: float = 1_000_000.0
+    """RoPE base: pair i of a head turns by position * rope_theta^(-2i/head_dim)."""
+    max_seq_len: int = 4096
+    """Length of the precomputed RoPE tables."""
+    tie_word_embeddings: bool = False
+    """Whether the output projection is the token embedding (one matrix, one parameter)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def rope_scaling(self) -> None:
+        """Qwen3 rotates at its base frequencies at every length: no long-context scaling."""
+        return None
+
+    def architecture(self) -> dict:
+        """The hyper-parameters that decide what the model computes, for telling whether two
+        args describe the same model. max_seq_len is left out: it only sizes the RoPE tables,
+        so weights carry over to any length."""
+        return {name: value for name, value in asdict(self).items() if name != "max_seq_len"}
+
+    def with_seq_len(self, seq_len: int) -> "Qwen3Args":
+        return replace(self, max_seq_len=seq_len)
+
+
+# What the published sizes share (their config.json files): the 151,936-id vocabulary,
+# 128-wide heads, 8 key/value heads, RoPE base 1,000,000 and RMSNorm epsilon 1e-6. The three
+# small ones tie their output projection to the embedding.
+_PUBLISHED = dict(vocab_size=151936, head_dim=128, n_kv_heads=8, rope_theta=1_000_000.0, norm_eps=1e-6)
+
+_TINY = Qwen3Args(
+    dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=32, ffn_hidden_dim=96, vocab_size=258, rope_theta=10000.0
+)
+
+QWEN3_FLAVORS = {
+    # Small enough to train on one CPU core, with what makes Qwen3 differ from Llama: heads
+    # wider than dim / n_heads (8 x 64 in a 256-wide stream), per-head query/key norms and
+    # tied embeddings. Its vocabulary is the built-in byte tokenizer's (256 bytes + BOS + EOS).
+    "debugmodel": Qwen3Args(
+        dim=256,
+        n_layers=6,
+        n_heads=8,
+        n_kv_heads=4,
+        head_dim=64,
+        ffn_hidden_dim=768,
+        vocab_size=258,
+        tie_word_embeddings=True,
+    ),
+    # The test suite's models: 3 blocks, grouped-query attention, heads wider than
+    # dim / n_heads; untied (which pipeline parallelism can split) and tied like the published
+    # small sizes (what FSDP and TP must keep one parameter).
+    "tiny": _TINY,
+    "tiny_tied": replace(_TINY, tie_word_embeddings=True),
+    "0.6B": Qwen3Args(dim=1024, n_layers=28, n_heads=16, ffn_hidden_dim=3072, tie_word_embeddings=True, **_PUBLISHED),
+    "1.7B": Qwen3Args(dim=2048, n_layers=28, n_heads=16, ffn_hidden_dim=6144, tie_word_embeddings=True, **_PUBLISHED),
+    "4B": Qwen3Args(dim=2560, n_layers=36, n_heads=32, ffn_hidden_dim=9728, tie_word_embeddings=True, **_PUBLISHED),
+    "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, ffn_hidden_dim=12288, **_PUBLISHED),
+    "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, ffn_hidden_dim=17408, **_PUBLISHED),
+    "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, ffn_hidden_dim=25600, **_PUBLISHED),
+}

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,3 +131,31 @@ def test_pipeline_quick_prints_each_micro_batch_count_and_the_ratios():
     assert all(row[5].count(" = ") == 1 and row[6].count(" = ") == 1 for row in rows), lines
     assert lines[-1].startswith("measured / predicted step time, PP 2 GPipe, m = 1, 2: "), lines
     [float(ratio) for ratio in lines[-1].split(": ")[1].split(", ")]
+
+
+def test_moe_quick_checks_both_paths_and_prints_the_ratio():
+    lines = _run("moe.py", "--quick")
+    (row,) = [line.rstrip(" |").split(" | ") for line in lines if line.startswith("| 8 | 2 | 64 | 64 | 256 |")]
+    assert float(row[-1]) <= 2e-2, row  # the check's largest grouped-vs-loop difference
+    assert lines[-1].startswith("loop / grouped forward+backward time, bf16: "), lines
+    assert lines[-1].endswith(" (experts/top-k/dim/hidden/tokens: 8/2/64/64/256)"), lines
+    assert float(lines[-1].split(": ")[1].split()[0]) == float(row[-2]), lines
+
+
+def test_moe_check_rejects_a_wrong_grouped_kernel(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import moe as moe_benchmark
+
+    real_grouped_mm = torch._grouped_mm
+
+    def rows_shifted_by_one(*args, **kwargs):  # as fast as the real kernel, but wrong
+        return real_grouped_mm(*args, **kwargs).roll(1, dims=0)
+
+    monkeypatch.setattr(torch, "_grouped_mm", rows_shifted_by_one)
+    shape = moe_benchmark.parse_shape("8,2,64,64,256")
+    with pytest.raises(SystemExit) as exit_info:
+        moe_benchmark.check(*moe_benchmark.build(shape), shape)
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err.startswith(
+        "moe benchmark: check failed: shape 8/2/64/64/256: output differs between grouped and loop by "
+    )

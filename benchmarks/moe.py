@@ -1,0 +1,227 @@
+"""The MoE layer's grouped GEMM against its loop over experts: forward and backward time of
+titanlite/models/moe.py in bfloat16, per shape, with both paths checked equal first.
+
+    python benchmarks/moe.py                 # 4 shapes, 3 timed passes each (about 2 minutes on 2 vCPUs)
+    python benchmarks/moe.py --quick         # one tiny shape, one timed pass (seconds)
+    python benchmarks/moe.py --shape 64,8,1024,512,1024 --repeats 5
+
+A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). Per shape
+one bf16 MoE layer (the init's weights, seed 0; no load balancing) takes one batch of random
+tokens, both ways, switched by GroupedExperts.use_grouped_mm:
+  grouped  torch._grouped_mm, one call per projection for all experts (no host sync);
+  loop     one matmul per expert, the exact fallback where grouped GEMM does not fit (it
+           reads the token counts on the host).
+Routing, sorting and un-sorting the rows are the same code in both, so the ratio is the
+layer's, not the bare GEMMs'.
+
+Checked in one untimed pass of each path, before any timing of the shape: the grouped
+forward ran torch._grouped_mm for its 3 projections and the loop forward never did (their
+autograd graphs say so: the figure compares what it says it compares), and the output and
+the gradients of the tokens and of every parameter agree between the two within bfloat16
+tolerance (largest |grouped - loop| / largest |loop| at most 2e-2), so a fast but wrong
+kernel cannot pass. A failed check prints one line naming the shape and the tensor and
+exits 1.
+
+Timed: the forward, then the backward of sum(out²) (in float32), as one pass; each repeat
+runs both paths, so load from other work falls on both; each figure is the median over the
+repeats. Printed: a row per shape (forward and forward+backward milliseconds of each path,
+loop / grouped for both, the largest difference of the check); the last line is
+
+    loop / grouped forward+backward time, bf16: r1, r2, ... (experts/top-k/dim/hidden/tokens: ...)
+
+Not built yet — all-to-all bytes against the estimator: the issue's second half of this
+benchmark, the bytes that expert parallelism's all-to-all sends per step on gloo ranks
+against the estimator's all-to-all volume. It needs expert parallelism and the estimator's
+MoE terms, neither of which exists yet, and is added with them.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from titanlite.models.moe import MoE, MoEArgs, grouped_mm_fits  # noqa: E402
+
+# Largest |grouped - loop| / largest |loop| of any checked tensor: a few bfloat16 roundings
+# (2^-8 each) where the two sum in different orders; a wrong expert or row is of order 1.
+TOLERANCE = 2e-2
+SHAPES = ("8,2,256,512,8192", "8,2,1024,2048,2048", "32,8,512,256,4096", "64,8,512,256,2048")
+QUICK_SHAPE = "8,2,64,64,256"
+
+
+@dataclass(frozen=True)
+class Shape:
+    experts: int
+    top_k: int
+    dim: int
+    hidden: int
+    tokens: int
+
+    def label(self) -> str:
+        return f"{self.experts}/{self.top_k}/{self.dim}/{self.hidden}/{self.tokens}"
+
+
+def grouped_gemms(out: torch.Tensor) -> int:
+    """How many grouped GEMMs the forward that made ``out`` ran: the GroupedMmBackward0 nodes
+    of its autograd graph (walking the graph is free, where a dispatch mode counting the
+    operators would slow every one of them)."""
+    seen, pending = set(), [out.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            pending.extend(parent for parent, _ in node.next_functions)
+    return sum(type(node).__name__ == "GroupedMmBackward0" for node in seen)
+
+
+def build(shape: Shape) -> tuple[MoE, torch.Tensor]:
+    moe = MoE(MoEArgs(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, hidden_dim=shape.hidden))
+    moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(0))
+    tokens = torch.randn(shape.tokens, shape.dim, generator=torch.Generator().manual_seed(1))
+    return moe.to(torch.bfloat16), tokens.to(torch.bfloat16).requires_grad_()
+
+
+def one_pass(moe: MoE, tokens: torch.Tensor, grouped: bool) -> tuple[float, float, torch.Tensor]:
+    """Forward seconds, forward+backward seconds, and the output (its graph kept)."""
+    moe.experts.use_grouped_mm = None if grouped else False
+    moe.zero_grad(set_to_none=True)
+    tokens.grad = None
+    start = time.perf_counter()
+    out = moe(tokens)
+    forward = time.perf_counter() - start
+    out.float().pow(2).sum().backward()
+    return forward, time.perf_counter() - start, out
+
+
+def checked_tensors(moe: MoE, tokens: torch.Tensor, grouped: bool) -> tuple[dict[str, torch.Tensor], int]:
+    """The output and every gradient of one pass, and the grouped GEMMs its forward ran."""
+    _, _, out = one_pass(moe, tokens, grouped)
+    tensors = {"output": out.detach(), "tokens.grad": tokens.grad.clone()}
+    tensors.update({f"{name}.grad": param.grad.clone() for name, param in moe.named_parameters()})
+    return tensors, grouped_gemms(out)
+
+
+def check(moe: MoE, tokens: torch.Tensor, shape: Shape) -> float:
+    """The largest relative difference between the paths; exits 1 on a failed check."""
+    grouped, grouped_calls = checked_tensors(moe, tokens, grouped=True)
+    loop, loop_calls = checked_tensors(moe, tokens, grouped=False)
+    if grouped_calls != 3 or loop_calls != 0:
+        fail(
+            f"shape {shape.label()}: the forward ran {grouped_calls} grouped GEMMs in the grouped pass and "
+            f"{loop_calls} in the loop pass (expected 3, one per projection, and 0)"
+        )
+    worst = 0.0
+    for name, expected in loop.items():
+        difference = (grouped[name].float() - expected.float()).abs().max().item()
+        relative = difference / max(expected.float().abs().max().item(), 1e-30)
+        if not relative <= TOLERANCE:  # NaN fails too
+            fail(
+                f"shape {shape.label()}: {name} differs between grouped and loop by {relative:.3g} "
+                f"(at most {TOLERANCE})"
+            )
+        worst = max(worst, relative)
+    return worst
+
+
+def fail(message: str) -> None:
+    print(f"moe benchmark: check failed: {message}", file=sys.stderr)
+    sys.exit(1)
+
+
+def measure(shape: Shape, repeats: int) -> dict:
+    moe, tokens = build(shape)
+    difference = check(moe, tokens, shape)  # also the warm-up of both paths
+    times = {True: [], False: []}
+    for _ in range(repeats):
+        for grouped in (True, False):
+            forward, total, _ = one_pass(moe, tokens, grouped)
+            times[grouped].append((forward, total))
+    median = {
+        grouped: [statistics.median(run[i] for run in runs) * 1e3 for i in (0, 1)] for grouped, runs in times.items()
+    }
+    return {"grouped_ms": median[True], "loop_ms": median[False], "difference": difference}
+
+
+def parse_shape(text: str) -> Shape:
+    """A Shape from experts,top-k,dim,hidden,tokens; ValueError says what is wrong."""
+    fields = text.split(",")
+    if len(fields) != 5 or not all(field.strip().isdigit() for field in fields):
+        raise ValueError("expected five positive integers experts,top-k,dim,hidden,tokens")
+    shape = Shape(*map(int, fields))
+    MoEArgs(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, hidden_dim=shape.hidden)  # its own checks
+    if shape.tokens < 1:
+        raise ValueError("tokens must be at least 1")
+    # The layer's own test: its tokens against w1, which fitting means w2 and w3 fit too.
+    rows = torch.empty(0, shape.dim, dtype=torch.bfloat16)
+    if not grouped_mm_fits(rows, torch.empty(shape.experts, shape.hidden, shape.dim, dtype=torch.bfloat16)):
+        raise ValueError("the layer would not take the grouped path: dim and hidden must be multiples of 8")
+    return shape
+
+
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"shape {QUICK_SHAPE} only, 1 timed pass (seconds)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        help=f"experts,top-k,dim,hidden,tokens; repeat for more (default {' '.join(SHAPES)})",
+    )
+    parser.add_argument("--repeats", type=int, help="timed passes of each path per shape (default 3; quick 1)")
+    options = parser.parse_args(argv)
+    texts = options.shape or ([QUICK_SHAPE] if options.quick else list(SHAPES))
+    options.shapes = []
+    for text in texts:
+        try:
+            options.shapes.append(parse_shape(text))
+        except ValueError as error:
+            parser.error(f"--shape {text}: {error}")
+    options.repeats = options.repeats if options.repeats is not None else 1 if options.quick else 3
+    if options.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {options.repeats}")
+    return options
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parse_options(argv)
+    print(
+        f"titanlite MoE grouped GEMM benchmark, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads on {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before"
+    )
+    print(f"bf16, forward + backward of sum(out²), median of {options.repeats} timed passes after a checked one")
+    print()
+    print(
+        "| experts | top-k | dim | hidden | tokens | grouped fwd ms | grouped fwd+bwd ms | loop fwd ms | "
+        "loop fwd+bwd ms | loop / grouped fwd | loop / grouped fwd+bwd | largest difference |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios = []
+    for shape in options.shapes:
+        result = measure(shape, options.repeats)
+        (grouped_fwd, grouped_total), (loop_fwd, loop_total) = result["grouped_ms"], result["loop_ms"]
+        ratios.append(loop_total / grouped_total)
+        print(
+            f"| {shape.experts} | {shape.top_k} | {shape.dim} | {shape.hidden} | {shape.tokens} | {grouped_fwd:.1f} | "
+            f"{grouped_total:.1f} | {loop_fwd:.1f} | {loop_total:.1f} | {loop_fwd / grouped_fwd:.2f} | "
+            f"{ratios[-1]:.2f} | {result['difference']:.2g} |",
+            flush=True,
+        )
+    print(f"\nload average {os.getloadavg()[0]:.2f} after")
+    print(
+        "loop / grouped forward+backward time, bf16: "
+        + ", ".join(f"{ratio:.2f}" for ratio in ratios)
+        + " (experts/top-k/dim/hidden/tokens: "
+        + ", ".join(shape.label() for shape in options.shapes)
+        + ")"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

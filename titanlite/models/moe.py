@@ -128,7 +128,9 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, g
         offsets = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     rows = x.split(counts.tolist())
-    return torch.cat([F.linear(expert_rows, weight[e]) for e, expert_rows in enumerate(rows)])
+    # unbind, not weight[e]: each index's backward fills a zero tensor the size of the whole
+    # stacked weight (cost growing with the square of the expert count); unbind's stacks once.
+    return torch.cat([F.linear(expert_rows, w) for w, expert_rows in zip(weight.unbind(0), rows, strict=True)])
 
 
 class GroupedExperts(nn.Module):

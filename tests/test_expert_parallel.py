@@ -79,8 +79,19 @@ def expert_parallel_cases() -> dict:
         name: torch.equal(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor, whole_state[name])
         for name, tensor in moe.state_dict().items()
     }
+    # Initialised after sharding, from the same seed: the same weights as without EP.
+    results["init"] = _same_init_with_and_without_ep(mesh)
     results["errors"] = [_error(make_moe(replace(ARGS, n_experts=3, top_k=1)), mesh), _error(moe, mesh)]
     return results
+
+
+def _same_init_with_and_without_ep(mesh) -> bool:
+    whole, sharded = MoE(ARGS), MoE(ARGS)
+    apply_expert_parallel(sharded, mesh)
+    for moe in (whole, sharded):
+        moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(7))
+    gathered = {name: sharded.experts.get_parameter(name).full_tensor() for name in WEIGHTS}
+    return all(torch.equal(gathered[name], getattr(whole.experts, name)) for name in WEIGHTS)
 
 
 def _error(moe: MoE, mesh) -> str:
@@ -129,6 +140,7 @@ def test_grouped_gemm_under_expert_parallelism_syncs_only_for_the_split_sizes(ru
 def test_sharded_experts_keep_the_whole_weights_and_names(runs):
     for result in runs:
         assert result["state"] and all(result["state"].values()), result["state"]
+        assert result["init"], "experts initialised after sharding differ from the unsharded init"
 
 
 def test_bad_expert_parallel_use_is_refused_in_one_line(runs):

@@ -79,15 +79,19 @@ def expert_parallel_cases() -> dict:
         name: torch.equal(tensor.full_tensor() if isinstance(tensor, DTensor) else tensor, whole_state[name])
         for name, tensor in moe.state_dict().items()
     }
-    # Initialised after sharding, from the same seed: the same weights as without EP.
+    # Sharded on the meta device, then initialised from the same seed: the same weights as without EP.
     results["init"] = _same_init_with_and_without_ep(mesh)
     results["errors"] = [_error(make_moe(replace(ARGS, n_experts=3, top_k=1)), mesh), _error(moe, mesh)]
     return results
 
 
 def _same_init_with_and_without_ep(mesh) -> bool:
-    whole, sharded = MoE(ARGS), MoE(ARGS)
+    """Built on the meta device and sharded first, as parallelize_decoder builds models."""
+    whole = MoE(ARGS)
+    with torch.device("meta"):
+        sharded = MoE(ARGS)
     apply_expert_parallel(sharded, mesh)
+    sharded.to_empty(device="cpu")
     for moe in (whole, sharded):
         moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(7))
     gathered = {name: sharded.experts.get_parameter(name).full_tensor() for name in WEIGHTS}

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
 
 from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
@@ -22,16 +23,19 @@ EP = 2
 WEIGHTS = ("w1", "w2", "w3")
 
 
-def forward_backward(moe: MoE, x: torch.Tensor, probe: torch.Tensor) -> dict:
-    """Output, input gradient and parameter gradients (local blocks for sharded experts)."""
+def forward_backward(moe: MoE, x: torch.Tensor, probe: torch.Tensor, checkpointed: bool = False) -> dict:
+    """Output, input gradient and parameter gradients (local blocks for sharded experts);
+    ``checkpointed``: the forward runs again in the backward (activation checkpointing)."""
     x = x.clone().requires_grad_(True)
-    out = moe(x)
+    out = checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
     (out.float() * probe).sum().backward()
     grads = {name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for name, p in moe.named_parameters()}
     return {"out": out.detach(), "x_grad": x.grad, "grads": grads}
 
 
-def compare_with_whole_layer(moe: MoE, batch_shape: tuple[int, int], mesh, syncs: bool = False) -> dict:
+def compare_with_whole_layer(
+    moe: MoE, batch_shape: tuple[int, int], mesh, syncs: bool = False, checkpointed: bool = False
+) -> dict:
     """This rank's EP run and the whole layer's on the same tokens: {"ep": ..., "whole": ...},
     the whole layer's expert gradients summed over the ranks and cut to this rank's experts."""
     rank = dist.get_rank()
@@ -48,7 +52,7 @@ def compare_with_whole_layer(moe: MoE, batch_shape: tuple[int, int], mesh, syncs
     moe.reset_load()
     apply_expert_parallel(moe, mesh)
     with HostSyncs() as counted:
-        ep = forward_backward(moe, x, probe)
+        ep = forward_backward(moe, x, probe, checkpointed)
     ep["counts"] = moe.tokens_per_expert.tolist()
     ep["syncs"] = len(counted.syncs) if syncs else None
     ep["placements"] = [moe.experts.get_parameter(name).grad.placements for name in WEIGHTS] == [(Shard(0),)] * 3
@@ -69,6 +73,10 @@ def expert_parallel_cases() -> dict:
     one = make_moe(MoEArgs(dim=16, n_experts=4, top_k=1, hidden_dim=24, bias_update_rate=1e-3)).train()
     one.expert_bias[3] = 100.0
     results["one_expert"] = compare_with_whole_layer(one, (3, 4), mesh)
+    # Activation checkpointing: the all-to-alls run again in the backward, and the tokens are
+    # still counted once.
+    checkpointed = make_moe(replace(ARGS, n_experts=4)).train()
+    results["checkpointed"] = compare_with_whole_layer(checkpointed, (2, 5), mesh, checkpointed=True)
     # bfloat16 through the grouped GEMM: the split sizes are the only host sync.
     results["grouped"] = compare_with_whole_layer(make_moe(dtype=torch.bfloat16), (2, 8), mesh, syncs=True)
     # The sharded weights are the whole ones, cut by expert, under the same names.
@@ -123,7 +131,7 @@ def assert_ep_equals_whole(ranks: list[dict], case: str, tol: float) -> None:
             torch.testing.assert_close(ep["grads"][name], grad, rtol=tol, atol=tol, msg=f"{where}: {name} grad")
 
 
-@pytest.mark.parametrize("case", ["even", "uneven", "one_expert"])
+@pytest.mark.parametrize("case", ["even", "uneven", "one_expert", "checkpointed"])
 def test_expert_parallel_equals_the_whole_layer_in_float32(runs, case):
     assert_ep_equals_whole(runs, case, tol=1e-6)
 
@@ -139,6 +147,11 @@ def test_dropless_when_every_token_goes_to_one_experts_rank(runs):
 def test_grouped_gemm_under_expert_parallelism_syncs_only_for_the_split_sizes(runs):
     assert_ep_equals_whole(runs, "grouped", tol=2e-2)
     assert [result["grouped"]["ep"]["syncs"] for result in runs] == [1, 1]
+
+
+def test_checkpointed_forward_counts_its_tokens_once(runs):
+    for result in runs:  # 10 tokens, 2 experts each
+        assert sum(result["checkpointed"]["ep"]["counts"]) == 20
 
 
 def test_sharded_experts_keep_the_whole_weights_and_names(runs):

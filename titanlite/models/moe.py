@@ -133,6 +133,23 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, g
     return torch.cat([F.linear(expert_rows, w) for w, expert_rows in zip(weight.unbind(0), rows, strict=True)])
 
 
+def swiglu_experts(
+    x: torch.Tensor,
+    counts: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    use_grouped_mm: bool | None,
+) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows of x [rows, dim] (sorted by expert, counts[e] rows for
+    expert e, of the len(counts) experts whose weights are stacked in w1, w2, w3): [rows, dim].
+    ``use_grouped_mm`` None: grouped GEMM wherever it fits; False: always the loop."""
+    # w1 fitting means dim and hidden_dim both do, and so w2 and w3 fit too.
+    grouped = use_grouped_mm is not False and grouped_mm_fits(x, w1)
+    hidden = F.silu(expert_linear(x, w1, counts, grouped)) * expert_linear(x, w3, counts, grouped)
+    return expert_linear(hidden, w2, counts, grouped)
+
+
 class GroupedExperts(nn.Module):
     """n_experts SwiGLU feed-forwards, w2(silu(w1 x) * w3 x), their weights stacked: w1 and
     w3 [n_experts, hidden_dim, dim], w2 [n_experts, dim, hidden_dim] ([out, in] per expert,
@@ -147,10 +164,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [rows, dim] sorted by expert, counts [n_experts] rows per expert -> [rows, dim]."""
-        # w1 fitting means dim and hidden_dim both do, and so w2 and w3 fit too.
-        grouped = self.use_grouped_mm is not False and grouped_mm_fits(x, self.w1)
-        hidden = F.silu(expert_linear(x, self.w1, counts, grouped)) * expert_linear(x, self.w3, counts, grouped)
-        return expert_linear(hidden, self.w2, counts, grouped)
+        return swiglu_experts(x, counts, self.w1, self.w2, self.w3, self.use_grouped_mm)
 
     def init_weights(self, out_std: float, generator: torch.Generator) -> None:
         fill_trunc_normal_(self.w1, std=0.02, generator=generator)

@@ -1,0 +1,132 @@
+"""Qwen3-MoE: a tiny random transformers Qwen3MoeForCausalLM read into titanlite's qwen3
+model gives its logits and greedy tokens, and titanlite's weights written back are
+transformers' own; the published shapes, active-parameter FLOPs, and the refusals.
+
+The transformers model is built in this process (no Hub) and drawn as test_qwen3's are.
+"""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
+from titanlite import train
+from titanlite.estimate import floor
+from titanlite.metrics.flops import active_params, count_params, flops_per_token
+from titanlite.models.generate import generate
+from titanlite.models.qwen3 import args_to_hf_config
+from titanlite.registry import get_model_args, get_model_spec, model_from_hf_config
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory) -> tuple[dict, dict, transformers.Qwen3MoeForCausalLM]:
+    """(config.json, the saved tensors, the model) of a random Qwen3MoeForCausalLM of
+    tiny_moe's shape."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        **TINY_HF_SHAPE,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config)
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    save_random(model, folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    return json.loads((folder / "config.json").read_text()), saved, model
+
+
+def import_hf(config: dict, saved: dict):
+    name, args = model_from_hf_config(config)
+    spec = get_model_spec(name)
+    model = spec.model_cls(args)
+    model.init_buffers(torch.device("cpu"))
+    model.load_state_dict(spec.state_dict_adapter(args).from_hf(saved), strict=True)
+    return name, args, model.eval()
+
+
+def test_a_transformers_qwen3_moe_imports_with_its_logits_and_greedy_tokens(hf_moe):
+    config, saved, theirs = hf_moe
+    name, args, ours = import_hf(config, saved)
+    assert name == "qwen3" and args == get_model_args("qwen3", "tiny_moe").with_seq_len(64)
+    assert any(".mlp.experts.3.down_proj.weight" in key for key in saved)  # per-expert on disk
+    with torch.no_grad():
+        expected, got = theirs(TOKENS).logits, ours(TOKENS)
+    assert expected.abs().max() > 1.0
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert generate(ours, PROMPT, NEW_TOKENS) == hf_greedy(theirs, PROMPT, NEW_TOKENS)
+
+
+def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp_path):
+    """Export direction: the stacked experts split per expert, the expert bias dropped, and
+    transformers reads the result (with the config titanlite writes) into the same logits."""
+    config, saved, theirs = hf_moe
+    _, args, ours = import_hf(config, saved)
+    adapter = get_model_spec("qwen3").state_dict_adapter(args)
+    exported = adapter.to_hf(ours.state_dict())
+    assert exported.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(exported[key], tensor), key
+    hf_config = transformers.Qwen3MoeConfig(**adapter.hf_config())
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        None, config=hf_config, state_dict={k: v.clone() for k, v in exported.items()}
+    ).eval()
+    with torch.no_grad():
+        assert (reloaded(TOKENS).logits - theirs(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+def test_the_published_moe_shapes_and_their_active_parameters():
+    """Qwen3-30B-A3B and Qwen3-235B-A22B: 30.5 B and 235 B parameters, of which a token's
+    matmuls meet 3.3 B and 22 B with the embedding (the names' "A3B" and "A22B"); FLOPs count
+    those, and a dense model's active parameters are all of them."""
+    small, large = get_model_args("qwen3", "30B-A3B"), get_model_args("qwen3", "235B-A22B")
+    assert round(count_params(small) / 1e9, 1) == 30.5 and round(count_params(large) / 1e9) == 235
+    embedding = small.vocab_size * small.dim
+    assert round((active_params(small) + embedding) / 1e9, 1) == 3.4
+    assert round((active_params(large) + large.vocab_size * large.dim) / 1e9) == 22
+    assert flops_per_token(small, 1) < 7 * active_params(small)
+    dense = get_model_args("qwen3", "8B")
+    assert active_params(dense) == count_params(dense, include_embedding=False)
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"decoder_sparse_step": 2}, "only all-MoE blocks"),
+        ({"mlp_only_layers": [0]}, "only all-MoE blocks"),
+        ({"output_router_logits": True}, "auxiliary load-balancing loss"),
+    ],
+)
+def test_unsupported_qwen3_moe_configs_are_refused_in_one_line(change, expected):
+    config = {**args_to_hf_config(get_model_args("qwen3", "30B-A3B")), **change}
+    with pytest.raises(ValueError, match=expected) as error:
+        model_from_hf_config(config, "x/config.json")
+    assert "\n" not in str(error.value) and str(error.value).startswith("x/config.json")
+
+
+def test_the_published_config_reads_back_as_the_flavor():
+    for flavor in ("30B-A3B", "235B-A22B", "tiny_moe"):
+        args = get_model_args("qwen3", flavor)
+        assert model_from_hf_config(args_to_hf_config(args)) == ("qwen3", args)
+
+
+def test_tensor_parallelism_of_an_moe_flavor_is_refused_and_dense_is_not():
+    problem = get_model_spec("qwen3").tensor_parallel_problem
+    assert "MoE feed-forward is not built" in problem(get_model_args("qwen3", "tiny_moe"), 2)
+    assert problem(get_model_args("qwen3", "tiny_moe"), 1) is None
+    assert problem(get_model_args("qwen3", "tiny"), 2) is None
+
+
+def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
+    """As on its 8-GPU node of 80 GB GPUs: --job.validate_only passes, memory floor included."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(floor, "device_memory_bytes", lambda device_type, ranks: (80 * 2**30, "an 80 GB GPU"))
+    config_file = str(REPO / "train_configs" / "qwen3_30b_a3b.toml")
+    assert train.main(["--job.config_file", config_file, "--job.validate_only"]) == 0
+    assert "titanlite: config ok: FSDP over 8 rank(s)" in capsys.readouterr().out

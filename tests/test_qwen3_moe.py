@@ -12,7 +12,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
+from tests.helpers import hf_tensors, load_script, train_tiny
+from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
 from titanlite.estimate import floor
 from titanlite.metrics.flops import active_params, count_params, flops_per_token
@@ -79,6 +80,22 @@ def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp
     ).eval()
     with torch.no_grad():
         assert (reloaded(TOKENS).logits - theirs(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+def test_a_trained_qwen3_moe_checkpoint_exports_to_transformers_with_its_logits(tmp_path):
+    """convert_dcp_to_hf.py on a titanlite-trained tiny_moe, split into many files so that one
+    stacked tensor's experts land in different ones: transformers loads the folder (through
+    its own per-expert reading) and computes titanlite's logits; no expert bias is written."""
+    run = train_tiny(tmp_path / "run", ["--model.name=qwen3", "--model.flavor=tiny_moe"])
+    out = tmp_path / "hf"
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    assert export.main([str(run.step_dir), str(out), "--max-shard-size", "100KB"]) == 0
+    assert len(list(out.glob("*.safetensors"))) > 3
+    assert not any("bias" in name for name in hf_tensors(out))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs) is transformers.Qwen3MoeForCausalLM
+    with torch.no_grad():
+        assert (theirs(run.tokens).logits - run.logits).abs().max().item() <= 1e-5
 
 
 def test_the_published_moe_shapes_and_their_active_parameters():

@@ -9,8 +9,8 @@ written under lm_head.weight (as Hugging Face saves a tied model).
 
 Qwen3-MoE: the router is renamed like any weight; each block's stacked experts (w1, w2, w3
 [n_experts, ...]) are one titanlite tensor each but n_experts Hugging Face tensors each
-(model.layers.N.mlp.experts.E.{gate,down,up}_proj.weight), so whole state dicts are
-translated by to_hf / from_hf, which split and stack them. The expert bias is not a
+(model.layers.N.mlp.experts.E.{gate,down,up}_proj.weight): hf_parts lists them for export
+(one slice of the stacked tensor each), and from_hf stacks them. The expert bias is not a
 Hugging Face weight: it is dropped on the way out and starts at 0 on the way in.
 """
 
@@ -19,7 +19,7 @@ import re
 import torch
 
 from titanlite.models.llama.state_dict_adapter import LlamaStateDictAdapter
-from titanlite.models.moe import stack_hf_experts, unstack_hf_experts
+from titanlite.models.moe import HF_EXPERT_NAMES, stack_hf_experts
 from titanlite.models.qwen3.hf_config import args_to_hf_config
 
 _PER_HEAD_NORMS = {
@@ -41,20 +41,15 @@ class Qwen3StateDictAdapter(LlamaStateDictAdapter):
             return 1
         return super()._heads_of(name)
 
-    def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        experts: dict[str, dict[str, torch.Tensor]] = {}  # layer -> {"w1": stacked, ...}
-        hf_state = {}
-        for name, tensor in state_dict.items():
-            if _EXPERT_BIAS.fullmatch(name):
-                continue
-            stacked = _OUR_EXPERTS.fullmatch(name)
-            if stacked:
-                experts.setdefault(stacked.group(1), {})[stacked.group(2)] = tensor
-            else:
-                hf_state[self.to_hf_name(name)] = self.to_hf_tensor(name, tensor)
-        for layer, weights in experts.items():
-            hf_state.update(unstack_hf_experts(weights, f"model.layers.{layer}.mlp.experts"))
-        return hf_state
+    def hf_parts(self, name: str) -> dict[str, int | None]:
+        if _EXPERT_BIAS.fullmatch(name):
+            return {}
+        stacked = _OUR_EXPERTS.fullmatch(name)
+        if stacked is None:
+            return super().hf_parts(name)
+        layer, ours = stacked.groups()
+        prefix = f"model.layers.{layer}.mlp.experts"
+        return {f"{prefix}.{e}.{HF_EXPERT_NAMES[ours]}.weight": e for e in range(self.args.n_experts)}
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         layers = set()

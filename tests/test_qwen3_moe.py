@@ -13,6 +13,9 @@ import transformers
 from safetensors.torch import load_file
 
 from tests.helpers import hf_tensors, load_script, train_tiny
+from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_parity import REFERENCE, assert_same_training, train_and_report
+from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
 from titanlite.estimate import floor
@@ -147,3 +150,33 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
     config_file = str(REPO / "train_configs" / "qwen3_30b_a3b.toml")
     assert train.main(["--job.config_file", config_file, "--job.validate_only"]) == 0
     assert "titanlite: config ok: FSDP over 8 rank(s)" in capsys.readouterr().out
+
+
+# --- one process vs FSDP 2 and PP 2 ----------------------------------------------------------
+
+MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+JOBS = {
+    "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
+    "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+    "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_jobs_on_ranks(2, JOBS)
+
+
+def test_the_moe_reference_run_learns(runs):
+    reference = runs["reference"][0]
+    assert reference["loss"][-1] < reference["loss"][0] - 0.1
+    assert "layers.0.feed_forward.experts.w1" in reference["params"]
+
+
+def test_moe_under_fsdp_matches_single_process(runs):
+    for rank_run in runs["fsdp2"]:
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+
+
+def test_moe_pipeline_matches_single_process(runs):
+    assert_pipeline_trains_like_one_process(runs["pp2"], runs["reference"][0])

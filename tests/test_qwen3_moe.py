@@ -6,29 +6,34 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
-from tests.helpers import hf_tensors, load_script, train_tiny
+from tests.helpers import hf_tensors, load_script, tiny_args, train_tiny
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import REFERENCE, assert_same_training, train_and_report
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
+from titanlite.checkpoint.load import load_model
+from titanlite.config import parse_args
 from titanlite.estimate import floor
 from titanlite.metrics.flops import active_params, count_params, flops_per_token
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import args_to_hf_config
 from titanlite.registry import get_model_args, get_model_spec, model_from_hf_config
+from titanlite.train import Trainer
 
 
 @pytest.fixture(scope="module")
-def hf_moe(tmp_path_factory) -> tuple[dict, dict, transformers.Qwen3MoeForCausalLM]:
-    """(config.json, the saved tensors, the model) of a random Qwen3MoeForCausalLM of
-    tiny_moe's shape."""
+def hf_moe(tmp_path_factory) -> tuple[Path, dict, dict, transformers.Qwen3MoeForCausalLM]:
+    """(its folder, config.json, the saved tensors, the model) of a random
+    Qwen3MoeForCausalLM of tiny_moe's shape."""
     torch.manual_seed(0)
     config = transformers.Qwen3MoeConfig(
         intermediate_size=96,
@@ -43,7 +48,7 @@ def hf_moe(tmp_path_factory) -> tuple[dict, dict, transformers.Qwen3MoeForCausal
     folder = tmp_path_factory.mktemp("qwen3_moe")
     save_random(model, folder)
     saved = load_file(str(folder / "model.safetensors"))
-    return json.loads((folder / "config.json").read_text()), saved, model
+    return folder, json.loads((folder / "config.json").read_text()), saved, model
 
 
 def import_hf(config: dict, saved: dict):
@@ -56,9 +61,9 @@ def import_hf(config: dict, saved: dict):
 
 
 def test_a_transformers_qwen3_moe_imports_with_its_logits_and_greedy_tokens(hf_moe):
-    config, saved, theirs = hf_moe
-    name, args, ours = import_hf(config, saved)
-    assert name == "qwen3" and args == get_model_args("qwen3", "tiny_moe").with_seq_len(64)
+    folder, _, saved, theirs = hf_moe
+    ours, description = load_model(folder)
+    assert description.name == "qwen3" and description.args == get_model_args("qwen3", "tiny_moe").with_seq_len(64)
     assert any(".mlp.experts.3.down_proj.weight" in key for key in saved)  # per-expert on disk
     with torch.no_grad():
         expected, got = theirs(TOKENS).logits, ours(TOKENS)
@@ -67,10 +72,23 @@ def test_a_transformers_qwen3_moe_imports_with_its_logits_and_greedy_tokens(hf_m
     assert generate(ours, PROMPT, NEW_TOKENS) == hf_greedy(theirs, PROMPT, NEW_TOKENS)
 
 
+def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_moe, tmp_path):
+    """The folder reader stacks each block's experts (and starts the expert bias at 0); the
+    export splits them again."""
+    folder = hf_moe[0]
+    assert load_script(SCRIPTS / "convert_hf_to_dcp.py").main([str(folder), str(tmp_path / "dcp")]) == 0
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    assert export.main([str(tmp_path / "dcp" / "step-0"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(folder), hf_tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+
+
 def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp_path):
     """Export direction: the stacked experts split per expert, the expert bias dropped, and
     transformers reads the result (with the config titanlite writes) into the same logits."""
-    config, saved, theirs = hf_moe
+    _, config, saved, theirs = hf_moe
     _, args, ours = import_hf(config, saved)
     adapter = get_model_spec("qwen3").state_dict_adapter(args)
     exported = adapter.to_hf(ours.state_dict())
@@ -155,16 +173,36 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
 # --- one process vs FSDP 2 and PP 2 ----------------------------------------------------------
 
 MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
-JOBS = {
-    "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
-    "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
-    "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
-}
+
+
+def seeded_logits(folder: str, dump: str) -> torch.Tensor:
+    """The logits of a run seeded from a Hugging Face folder (checkpoint.initial_load_in_hf),
+    before any step: under FSDP 2 each rank reads its own experts' tensors only."""
+    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "training.steps": 1}
+    overrides |= {"checkpoint.initial_load_path": folder, "checkpoint.initial_load_in_hf": True}
+    trainer = Trainer(parse_args(tiny_args(overrides) + ["--job.dump_folder", dump]))
+    with torch.no_grad():
+        logits = trainer.model(TOKENS)
+    dist.destroy_process_group()
+    return logits
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_jobs_on_ranks(2, JOBS)
+def runs(hf_moe, tmp_path_factory):
+    jobs = {
+        "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
+        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+        "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
+        "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
+    }
+    return run_jobs_on_ranks(2, jobs)
+
+
+def test_an_fsdp_run_seeds_from_a_transformers_folder(runs, hf_moe):
+    with torch.no_grad():
+        expected = hf_moe[3](TOKENS).logits
+    for logits in runs["fsdp2 seeded"]:
+        assert (logits - expected).abs().max().item() <= 1e-5
 
 
 def test_the_moe_reference_run_learns(runs):

@@ -9,8 +9,9 @@ written under lm_head.weight (as Hugging Face saves a tied model).
 
 Qwen3-MoE: the router is renamed like any weight; each block's stacked experts (w1, w2, w3
 [n_experts, ...]) are one titanlite tensor each but n_experts Hugging Face tensors each
-(model.layers.N.mlp.experts.E.{gate,down,up}_proj.weight): hf_parts lists them for export
-(one slice of the stacked tensor each), and from_hf stacks them. The expert bias is not a
+(model.layers.N.mlp.experts.E.{gate,down,up}_proj.weight): hf_parts lists them (one slice
+of the stacked tensor each), which export writes and the folder reader stacks (from_hf_name
+names the stacked tensor an expert's goes into), and from_hf stacks a whole state dict. The expert bias is not a
 Hugging Face weight: it is dropped on the way out and starts at 0 on the way in.
 """
 
@@ -28,7 +29,7 @@ _PER_HEAD_NORMS = {
 }
 _ROUTER = {"layers.{}.feed_forward.gate.weight": "model.layers.{}.mlp.gate.weight"}
 _OUR_EXPERTS = re.compile(r"layers\.(\d+)\.feed_forward\.experts\.(w[123])")
-_HF_EXPERTS = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.\w+\.weight")
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.\d+\.(\w+)\.weight")
 _EXPERT_BIAS = re.compile(r"layers\.(\d+)\.feed_forward\.expert_bias")
 
 
@@ -51,11 +52,20 @@ class Qwen3StateDictAdapter(LlamaStateDictAdapter):
         prefix = f"model.layers.{layer}.mlp.experts"
         return {f"{prefix}.{e}.{HF_EXPERT_NAMES[ours]}.weight": e for e in range(self.args.n_experts)}
 
+    def from_hf_name(self, name: str) -> str:
+        """An expert's tensor reads into its block's stacked tensor (at the expert's index)."""
+        expert = _HF_EXPERT.fullmatch(name)
+        if expert is None:
+            return super().from_hf_name(name)
+        layer, theirs = expert.groups()
+        ours = next(w for w, hf in HF_EXPERT_NAMES.items() if hf == theirs)
+        return f"layers.{layer}.feed_forward.experts.{ours}"
+
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         layers = set()
         state = {}
         for hf_name, tensor in hf_state_dict.items():
-            expert = _HF_EXPERTS.fullmatch(hf_name)
+            expert = _HF_EXPERT.fullmatch(hf_name)
             if expert:
                 layers.add(expert.group(1))
             else:

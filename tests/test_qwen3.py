@@ -41,31 +41,39 @@ PP2 = ["--parallelism.pipeline_parallel_degree=2"]
 TIED, UNTIED = [*QWEN3, "--model.flavor=tiny_tied"], [*QWEN3, "--model.flavor=tiny"]
 
 
-def hf_qwen3(folder: Path, tied: bool) -> tuple[Path, transformers.Qwen3ForCausalLM]:
-    """A random Qwen3ForCausalLM of the tiny flavors' shape saved to `folder`: heads wider
-    than hidden / heads (4 x 32 in 64), grouped-query attention, and norm gains that are not
-    all ones."""
-    torch.manual_seed(0)
-    config = transformers.Qwen3Config(
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        vocab_size=258,
-        max_position_embeddings=64,
-        rope_theta=10000.0,
-        tie_word_embeddings=tied,
-    )
-    model = transformers.Qwen3ForCausalLM(config).eval()
+# The tiny flavors' attention as transformers spells it: heads wider than hidden / heads
+# (4 x 32 in 64), grouped-query attention.
+TINY_HF_SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=258,
+    max_position_embeddings=64,
+    rope_theta=10000.0,
+)
+
+
+def save_random(model: transformers.PreTrainedModel, folder: Path) -> None:
+    """Draw `model`'s norm gains away from 1 and scale its other weights so that logits are of
+    order 10, not 0.1 (a close match then means something); save it to `folder`."""
+    model.eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0, 0.5)
             else:
-                param.mul_(10)  # logits of order 10, not 0.1: a close match then means something
+                param.mul_(10)
     model.save_pretrained(folder)
+
+
+def hf_qwen3(folder: Path, tied: bool) -> tuple[Path, transformers.Qwen3ForCausalLM]:
+    """A random Qwen3ForCausalLM of the tiny flavors' shape saved to `folder`."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(intermediate_size=96, tie_word_embeddings=tied, **TINY_HF_SHAPE)
+    model = transformers.Qwen3ForCausalLM(config)
+    save_random(model, folder)
     return folder, model
 
 

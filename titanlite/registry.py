@@ -46,9 +46,20 @@ MODELS = {
         parallelize_fn=parallelize_decoder,
         state_dict_adapter=qwen3.Qwen3StateDictAdapter,
         args_cls=qwen3.Qwen3Args,
-        tensor_parallel_problem=tensor_parallel_problem,
+        tensor_parallel_problem=lambda args, tp: _qwen3_tensor_parallel_problem(args, tp),
     ),
 }
+
+
+def _qwen3_tensor_parallel_problem(args: qwen3.Qwen3Args, tp: int) -> str | None:
+    """Llama's TP plan splits Qwen3 dense; it has no plan for routed experts, so an MoE
+    flavor runs without TP until its experts are split by expert parallelism."""
+    if args.is_moe and tp > 1:
+        return (
+            f"parallelism.tensor_parallel_degree ({tp}) must be 1 for a Qwen3-MoE model "
+            f"({args.n_experts} experts): tensor parallelism of the MoE feed-forward is not built"
+        )
+    return tensor_parallel_problem(args, tp)
 
 
 # A vocabulary sized from a tokenizer is rounded up to a multiple of 128 rows (Megatron-LM's
@@ -78,9 +89,9 @@ def get_model_args(name: str, flavor: str):
 
 def model_from_hf_config(config: dict, where: str = "config.json") -> tuple[str, object]:
     """(registry name, model args) for a Hugging Face config.json; ValueError naming `where`
-    for a model no registered class builds. Its model_type picks the family: Qwen3's, or
+    for a model no registered class builds. Its model_type picks the family: Qwen3's (dense or MoE), or
     Llama's (which refuses every other type)."""
-    if config.get("model_type") == qwen3.MODEL_TYPE:
+    if config.get("model_type") in qwen3.MODEL_TYPES:
         return "qwen3", qwen3.hf_config_to_args(config, where)
     args = llama.hf_config_to_args(config, where)
     return llama.hf_model_name(args), args

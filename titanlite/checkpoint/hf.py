@@ -113,14 +113,28 @@ class HFWeights:
         # titanlite keeps the output projection separate: tied embeddings are read twice.
         self.tied = bool(config.get("tie_word_embeddings")) and adapter.to_hf_name("output.weight") not in self.files
         self.vocab_size = config.get("vocab_size")  # the folder's token ids: a padded model gets zero rows past them
-        missing = [name for name in expected_names if self.hf_name(name) not in self.files]
+        missing = [hf for name in expected_names for hf in self.hf_names_of(name) if hf not in self.files]
         if missing:
-            raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensor(s), e.g. {self.hf_name(missing[0])}")
+            raise ValueError(f"{hf_dir}: the weights lack {len(missing)} tensor(s), e.g. {missing[0]}")
 
     def hf_name(self, name: str) -> str:
         if self.tied and name == "output.weight":
             name = "tok_embeddings.weight"
         return self.adapter.to_hf_name(name)
+
+    def _stacked(self, name: str) -> dict[int, str] | None:
+        """For a titanlite tensor stacked from several Hugging Face tensors (experts), or
+        kept by Hugging Face under none (the expert bias): index along the first dimension ->
+        Hugging Face name. None for a tensor with one counterpart."""
+        parts = self.adapter.hf_parts(name)
+        if list(parts.values()) == [None]:
+            return None
+        return {index: hf_name for hf_name, index in parts.items()}
+
+    def hf_names_of(self, name: str) -> list[str]:
+        """The Hugging Face tensors titanlite's tensor `name` is read from."""
+        stacked = self._stacked(name)
+        return [self.hf_name(name)] if stacked is None else list(stacked.values())
 
     def fingerprint(self) -> str:
         """A digest of config.json and, for every safetensors file, its size, its header
@@ -157,21 +171,18 @@ class HFWeights:
         """The part `box` (default: all) of titanlite's tensor `name`, whose full shape must
         be `shape`, in the file's dtype. Rows of a padded vocabulary past the folder's
         token ids are zeros."""
+        box = box or [(0, size) for size in shape]
+        stacked = self._stacked(name)
+        if stacked is not None:
+            return self._read_stacked(stacked, shape, box)
         hf_name = self.hf_name(name)
         file = self.files[hf_name]
-        box = box or [(0, size) for size in shape]
         columns = tuple(slice(start, stop) for start, stop in box[1:])
         held = self.rows_in_folder(name, shape)
         hf_shape = (held, *shape[1:])
 
         def read_hf_rows(start: int, stop: int) -> torch.Tensor:
-            with safe_open(str(file), framework="pt") as handle:
-                part = handle.get_slice(hf_name)
-                if tuple(part.get_shape()) != hf_shape:
-                    raise ValueError(
-                        f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {hf_shape}"
-                    )
-                return part[(slice(start, stop), *columns)]
+            return _read_slice(file, hf_name, hf_shape, (slice(start, stop), *columns))
 
         (start, stop) = box[0]
         try:
@@ -185,11 +196,34 @@ class HFWeights:
         padding = torch.zeros((stop - max(start, held), *(b - a for a, b in box[1:])), dtype=rows.dtype)
         return torch.cat([rows, padding])
 
+    def _read_stacked(self, stacked: dict[int, str], shape: tuple[int, ...], box: list[tuple[int, int]]):
+        """The part `box` of a tensor whose row i is the Hugging Face tensor stacked[i] (an
+        FSDP shard of the experts reads only its own experts' files); zeros for a tensor
+        Hugging Face does not keep (no rows listed: the expert bias, which starts at 0)."""
+        sizes = [stop - start for start, stop in box]
+        if not stacked:
+            return torch.zeros(sizes)
+        inner = tuple(slice(start, stop) for start, stop in box[1:])
+        rows = [_read_slice(self.files[stacked[i]], stacked[i], tuple(shape[1:]), inner) for i in range(*box[0])]
+        return torch.stack(rows) if rows else torch.zeros(sizes)
+
     def copy_into(self, name: str, target: torch.Tensor) -> None:
         """Fill this rank's part of `target` (a plain tensor or a DTensor shard)."""
         box = local_box(target)
         local = target.to_local() if isinstance(target, DTensor) else target
         local.copy_(self.read(name, tuple(target.shape), box))
+
+
+def _read_slice(file: Path, hf_name: str, expected_shape: tuple[int, ...], where: tuple[slice, ...]) -> torch.Tensor:
+    """The part `where` of tensor `hf_name` of a safetensors file, which must have the shape
+    the model needs."""
+    with safe_open(str(file), framework="pt") as handle:
+        part = handle.get_slice(hf_name)
+        if tuple(part.get_shape()) != expected_shape:
+            raise ValueError(
+                f"{file}: tensor '{hf_name}' has shape {tuple(part.get_shape())}, the model needs {expected_shape}"
+            )
+        return part[where]
 
 
 def open_hf_folder(hf_dir: str | Path, adapter_cls=None) -> tuple[ModelDescription, HFWeights]:

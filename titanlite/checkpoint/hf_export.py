@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -97,8 +98,9 @@ def _tokenizer_file(step_dir: Path, recorded: str | None, override: str | Path |
 
 
 def _weight_sources(step_dir: Path, metadata, adapter, names: list[str], use_ema: bool) -> dict:
-    """Hugging Face name -> (saved key, titanlite name, its metadata), in titanlite's
-    model order (embedding, blocks, norm, output), for every model weight."""
+    """Hugging Face name -> (saved key, titanlite name, its metadata, the index of the Hugging
+    Face tensor in the saved one or None for all of it), in titanlite's model order
+    (embedding, blocks, norm, output), for every model weight Hugging Face keeps."""
     prefix = EMA_PREFIX if use_ema else ""
     saved = metadata.state_dict_metadata
     if use_ema and not any(key.startswith(EMA_PREFIX) for key in saved):
@@ -106,14 +108,23 @@ def _weight_sources(step_dir: Path, metadata, adapter, names: list[str], use_ema
     missing = [prefix + name for name in names if not isinstance(saved.get(prefix + name), TensorStorageMetadata)]
     if missing:
         raise ValueError(f"{step_dir}: the checkpoint lacks {len(missing)} model weight(s), e.g. {missing[0]}")
-    return {adapter.to_hf_name(name): (prefix + name, name, saved[prefix + name]) for name in names}
+    return {
+        hf_name: (prefix + name, name, saved[prefix + name], index)
+        for name in names
+        for hf_name, index in adapter.hf_parts(name).items()
+    }
+
+
+def _part(tensor: torch.Tensor, index: int | None) -> torch.Tensor:
+    """The Hugging Face tensor at `index` of a stacked saved tensor (None: the whole one)."""
+    return tensor if index is None else tensor[index]
 
 
 def _check_shapes(step_dir: Path, sources: dict, description: ModelDescription, expected: dict) -> None:
     """Refuse a checkpoint whose tensors do not have the shapes its own model_args give
     (`expected`, as the model lays them out): the exported config.json would describe a
     different model from the weights."""
-    for key, name, entry in sources.values():
+    for key, name, entry, _ in sources.values():
         if tuple(entry.size) != expected[name]:
             raise ValueError(
                 f"{step_dir}: tensor '{key}' has shape {list(entry.size)} but the checkpoint's "
@@ -126,8 +137,8 @@ def _split(sources: dict, dtype: torch.dtype, limit: int | None, exported_rows) 
     the exported rows (sizes only, no memory). Without a limit everything goes into one
     model.safetensors."""
     placeholders = {
-        hf: exported_rows(name, torch.empty(entry.size, dtype=dtype, device="meta"))
-        for hf, (_, name, entry) in sources.items()
+        hf: _part(exported_rows(name, torch.empty(entry.size, dtype=dtype, device="meta")), index)
+        for hf, (_, name, entry, index) in sources.items()
     }
     if limit is None:
         limit = max(1, sum(t.numel() * t.element_size() for t in placeholders.values()))
@@ -170,8 +181,8 @@ def export_to_hf(
     use_ema: bool = False,
     tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write a Hugging Face folder (LlamaForCausalLM or Qwen3ForCausalLM, as the checkpoint
-    records) from a titanlite step-N checkpoint.
+    """Write a Hugging Face folder (LlamaForCausalLM, Qwen3ForCausalLM or
+    Qwen3MoeForCausalLM, as the checkpoint records) from a titanlite step-N checkpoint.
 
     dtype is the dtype of the written weights; max_shard_size (e.g. "5GB") splits them
     into model-0000i-of-0000n.safetensors files and an index when they do not fit one;
@@ -199,27 +210,38 @@ def export_to_hf(
     split = _split(sources, dtype, limit, exported_rows)
     file_mode = 0o666 & ~_umask()  # what open() gives the JSON and tokenizer files
 
-    def passes_through(name: str, entry: TensorStorageMetadata) -> bool:
-        """Whether the saved tensor is written as it is: same dtype, and the adapter
-        returns it unchanged (asked on a meta tensor, which costs nothing)."""
+    def passes_through(name: str, entry: TensorStorageMetadata, index: int | None) -> bool:
+        """Whether the saved tensor is written as it is: all of it, same dtype, and the
+        adapter returns it unchanged (asked on a meta tensor, which costs nothing)."""
         probe = torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
-        return entry.properties.dtype == dtype and adapter.to_hf_tensor(name, exported_rows(name, probe)) is probe
+        unchanged = adapter.to_hf_tensor(name, exported_rows(name, probe)) is probe
+        return index is None and entry.properties.dtype == dtype and unchanged
+
+    def saved_entries(hf_names: list[str]) -> dict[str, TensorStorageMetadata]:
+        """The saved tensors these Hugging Face tensors come from, each once (a stacked one
+        gives several)."""
+        return {sources[hf][0]: sources[hf][2] for hf in hf_names}
 
     def write_shard(reader: CheckpointReader, folder: Path, file: str, hf_names: list[str]) -> None:
-        loaded = reader.load([(sources[hf][0], sources[hf][2]) for hf in hf_names])
+        loaded = reader.load(list(saved_entries(hf_names).items()))
+        uses = Counter(sources[hf][0] for hf in hf_names)
         shard = {}
         for hf_name in hf_names:
-            key, name, entry = sources[hf_name]
-            # pop: each saved tensor is released as soon as its converted form exists.
-            tensor = loaded.pop(key)
-            if not passes_through(name, entry):
-                tensor = adapter.to_hf_tensor(name, exported_rows(name, tensor)).to(dtype).contiguous()
+            key, name, entry, index = sources[hf_name]
+            tensor = loaded[key]
+            uses[key] -= 1
+            if not uses[key]:  # each saved tensor is released once its last part is converted
+                del loaded[key]
+            if not passes_through(name, entry, index):
+                # clone: a part must not share memory with the stacked tensor (safetensors refuses it).
+                converted = _part(adapter.to_hf_tensor(name, exported_rows(name, tensor)), index).to(dtype)
+                tensor = converted.clone() if index is not None else converted.contiguous()
             shard[hf_name] = tensor
         _save_safetensors(shard, folder / file, file_mode)
 
     def write(folder: Path) -> None:
         largest = max(
-            buffer_bytes([sources[hf][2] for hf in hf_names]) for hf_names in split.filename_to_tensors.values()
+            buffer_bytes(list(saved_entries(hf_names).values())) for hf_names in split.filename_to_tensors.values()
         )
         reader, syncer = CheckpointReader(step_dir, metadata, largest), BackgroundSyncer()
         try:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from titanlite.models.llama import LlamaArgs, Transformer
+from titanlite.models.moe import MoE
 from titanlite.models.qwen3 import Qwen3Args, Qwen3Transformer
 
 # --- parameter counts ----------------------------------------------------------------------
@@ -26,6 +27,7 @@ class ParamCounts:
     embedding: int  # the token embedding table
     blocks: tuple[int, ...]  # each transformer block's, in order
     head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
+    idle_experts: int = 0  # routed experts' weights a token does not meet: all but its top_k in each MoE layer
 
     @property
     def root(self) -> int:
@@ -48,7 +50,14 @@ def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
         _numel(model.tok_embeddings),
         tuple(_numel(b) for b in model.layers.values()),
         _numel(model.norm) + model.output.weight.numel(),
+        sum(_idle_expert_params(module) for module in model.modules() if isinstance(module, MoE)),
     )
+
+
+def _idle_expert_params(moe: MoE) -> int:
+    """Of one MoE layer's stacked experts, the weights of the n_experts - top_k a token skips."""
+    per_expert = _numel(moe.experts) // moe.args.n_experts
+    return (moe.args.n_experts - moe.args.top_k) * per_expert
 
 
 def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) -> int:
@@ -57,6 +66,13 @@ def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) ->
     embedding (its matmul is work; the lookup is not)."""
     counts = param_counts(args)
     return counts.total if include_embedding else sum(counts.blocks) + counts.head
+
+
+def active_params(args: LlamaArgs | Qwen3Args) -> int:
+    """The weights one token's matmuls meet: count_params without the embedding, less the
+    routed experts the token is not sent to (an MoE model's top_k of n_experts per layer).
+    Equal to count_params(args, include_embedding=False) for a dense model."""
+    return count_params(args, include_embedding=False) - param_counts(args).idle_experts
 
 
 def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True) -> int:
@@ -74,11 +90,13 @@ def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True
 def flops_per_token(args: LlamaArgs, seq_len: int, causal_attention: bool = True) -> int:
     """Training FLOPs (forward + backward) per token:
 
-        6 x (parameters without the token embedding) + attention_flops_per_token
+        6 x active_params + attention_flops_per_token
 
     The first term is the usual 2 FLOPs per multiply-add in the forward pass plus 4 in
     the backward, for every weight a token meets; the embedding is a table lookup, not
-    a matmul, so it is left out (the output projection stays in).
+    a matmul, so it is left out (the output projection stays in), and in an MoE model only
+    the token's top_k experts count, not the experts it skips (the router, which every
+    token meets, does).
 
     The second term counts attention causally by default (6 x L x H x Dh x T), the work
     the model needs. ``causal_attention=False`` gives torchtitan's and PaLM's convention
@@ -86,7 +104,7 @@ def flops_per_token(args: LlamaArgs, seq_len: int, causal_attention: bool = True
     higher at long sequence lengths; benchmarks print both so that titanlite's figures
     compare with published ones on the same terms (docs/metrics.md).
     """
-    return 6 * count_params(args, include_embedding=False) + attention_flops_per_token(args, seq_len, causal_attention)
+    return 6 * active_params(args) + attention_flops_per_token(args, seq_len, causal_attention)
 
 
 # --- device peaks ----------------------------------------------------------------------------

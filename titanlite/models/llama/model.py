@@ -166,10 +166,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = self.attention_cls(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = self.make_feed_forward(args)
         # Deeper blocks start with smaller output projections so that the residual
         # stream's variance does not grow with depth.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
+
+    def make_feed_forward(self, args: LlamaArgs) -> nn.Module:
+        """The block's feed-forward; a family whose feed-forward differs returns its own."""
+        return FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)

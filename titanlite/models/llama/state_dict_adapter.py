@@ -110,8 +110,20 @@ class LlamaStateDictAdapter:
         block = _halves_to_pairs(read_hf_rows(first * per_head, last * per_head), last - first)
         return block[start - first * per_head : stop - first * per_head]
 
+    def hf_parts(self, name: str) -> dict[str, int | None]:
+        """The Hugging Face tensors titanlite's weight `name` is written as, each with its
+        index along the first dimension (None: the whole tensor). A Llama weight has one
+        counterpart; a family that stacks several Hugging Face tensors into one (experts)
+        lists each, and one whose tensor Hugging Face does not keep lists none."""
+        return {self.to_hf_name(name): None}
+
     def to_hf(self, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {self.to_hf_name(k): self.to_hf_tensor(k, v) for k, v in state_dict.items()}
+        hf_state = {}
+        for name, tensor in state_dict.items():
+            converted = self.to_hf_tensor(name, tensor)
+            for hf_name, index in self.hf_parts(name).items():
+                hf_state[hf_name] = converted if index is None else converted[index]
+        return hf_state
 
     def from_hf(self, hf_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {self.from_hf_name(k): self.from_hf_tensor(k, v) for k, v in hf_state_dict.items()}

@@ -2,6 +2,8 @@
 
 from dataclasses import asdict, dataclass, replace
 
+from titanlite.models.moe import MoEArgs
+
 
 @dataclass(frozen=True)
 class Qwen3Args:
@@ -28,6 +30,35 @@ class Qwen3Args:
     """Length of the precomputed RoPE tables."""
     tie_word_embeddings: bool = False
     """Whether the output projection is the token embedding (one matrix, one parameter)."""
+    n_experts: int = 0
+    """Routed experts in every block's feed-forward (Qwen3-MoE's num_experts); 0: the dense
+    SwiGLU of ffn_hidden_dim. Every block is MoE when it is set (Qwen3-MoE's published
+    decoder_sparse_step 1, no mlp_only_layers)."""
+    top_k: int = 0
+    """Experts each token is sent to (num_experts_per_tok); used when n_experts is set."""
+    moe_hidden_dim: int = 0
+    """Hidden size of each expert's SwiGLU (moe_intermediate_size); used when n_experts is set."""
+    norm_topk_prob: bool = True
+    """Rescale each token's top_k router probabilities to sum to 1 (Qwen3-MoE does)."""
+
+    def __post_init__(self):
+        if self.n_experts and (self.top_k < 1 or self.moe_hidden_dim < 1):
+            raise ValueError(f"Qwen3Args: an MoE model ({self.n_experts} experts) needs top_k and moe_hidden_dim >= 1")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_experts > 0
+
+    def moe_args(self) -> MoEArgs:
+        """The feed-forward's MoE layer. Load balancing stays off (no auxiliary loss, no
+        expert bias) until the trainer adds the loss and updates the bias."""
+        return MoEArgs(
+            dim=self.dim,
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            hidden_dim=self.moe_hidden_dim,
+            norm_topk_prob=self.norm_topk_prob,
+        )
 
     @property
     def kv_heads(self) -> int:
@@ -83,3 +114,27 @@ QWEN3_FLAVORS = {
     "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, ffn_hidden_dim=17408, **_PUBLISHED),
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, ffn_hidden_dim=25600, **_PUBLISHED),
 }
+
+# What the published Qwen3-MoE sizes share besides _PUBLISHED (their config.json files): 4
+# key/value heads, 128 experts of which each token meets 8, renormalised top-8 weights,
+# untied embeddings. Their ffn_hidden_dim (intermediate_size) is unused: every block is MoE.
+_PUBLISHED_MOE = {**_PUBLISHED, "n_kv_heads": 4, "n_experts": 128, "top_k": 8}
+_TINY_MOE = replace(_TINY, n_experts=4, top_k=2, moe_hidden_dim=32)
+
+QWEN3_FLAVORS.update(
+    {
+        # debugmodel's attention with 8 experts of 256, 2 per token (512 hidden units a token
+        # meets, against the dense 768), untied like the published MoE sizes.
+        "debugmodel_moe": replace(
+            QWEN3_FLAVORS["debugmodel"], n_experts=8, top_k=2, moe_hidden_dim=256, tie_word_embeddings=False
+        ),
+        # The test suite's MoE: tiny's attention, 4 experts of 32, 2 per token, untied.
+        "tiny_moe": _TINY_MOE,
+        "30B-A3B": Qwen3Args(
+            dim=2048, n_layers=48, n_heads=32, ffn_hidden_dim=6144, moe_hidden_dim=768, **_PUBLISHED_MOE
+        ),
+        "235B-A22B": Qwen3Args(
+            dim=4096, n_layers=94, n_heads=64, ffn_hidden_dim=12288, moe_hidden_dim=1536, **_PUBLISHED_MOE
+        ),
+    }
+)

@@ -1,4 +1,4 @@
-"""Hugging Face's Qwen3Config (a config.json) <-> Qwen3Args, in both directions.
+"""Hugging Face's Qwen3Config and Qwen3MoeConfig (a config.json) <-> Qwen3Args, both ways.
 
 The one place that knows how each Qwen3 hyper-parameter is spelled on the Hugging Face
 side; the state-dict adapter beside it renames and permutes the weights.
@@ -8,13 +8,15 @@ from titanlite.models.llama.hf_config import rope_settings
 from titanlite.models.qwen3.args import Qwen3Args
 
 MODEL_TYPE = "qwen3"
+MOE_MODEL_TYPE = "qwen3_moe"
+MODEL_TYPES = (MODEL_TYPE, MOE_MODEL_TYPE)
 # What Qwen3Config (transformers 5) takes when a config.json leaves head_dim out.
 _DEFAULT_HEAD_DIM = 128
 
 
 def args_to_hf_config(args: Qwen3Args) -> dict:
     """The Qwen3Config fields that describe the model `args` builds."""
-    return {
+    config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": MODEL_TYPE,
         "hidden_size": args.dim,
@@ -31,6 +33,48 @@ def args_to_hf_config(args: Qwen3Args) -> dict:
         "tie_word_embeddings": args.tie_word_embeddings,
         "attention_bias": False,
         "use_sliding_window": False,
+    }
+    if args.is_moe:
+        config.update(_moe_fields(args))
+    return config
+
+
+def _moe_fields(args: Qwen3Args) -> dict:
+    """What makes a Qwen3MoeConfig of the same model: every block MoE, no auxiliary loss."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": MOE_MODEL_TYPE,
+        "num_experts": args.n_experts,
+        "num_experts_per_tok": args.top_k,
+        "moe_intermediate_size": args.moe_hidden_dim,
+        "norm_topk_prob": args.norm_topk_prob,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.0,
+    }
+
+
+def _moe_args(config: dict, where: str, need) -> dict:
+    """The Qwen3Args fields of a qwen3_moe config; ValueError for the layouts not built."""
+    step, dense_layers = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    if step != 1 or dense_layers:
+        raise ValueError(
+            f"{where}: only all-MoE blocks are supported (decoder_sparse_step 1 and no mlp_only_layers), "
+            f"got decoder_sparse_step {step} and mlp_only_layers {dense_layers}"
+        )
+    if config.get("output_router_logits"):
+        raise ValueError(
+            f"{where}: output_router_logits asks for the auxiliary load-balancing loss, which training does not add yet"
+        )
+    # Published config.json files spell it num_experts; transformers 5 saves num_local_experts.
+    n_experts = config.get("num_experts") or need("num_local_experts")
+    return {
+        "n_experts": n_experts,
+        "top_k": need("num_experts_per_tok"),
+        "moe_hidden_dim": need("moe_intermediate_size"),
+        # Qwen3MoeConfig's default when the file leaves it out.
+        "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
     }
 
 
@@ -58,6 +102,7 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> Qwen3Args:
     if rope_scaling is not None:
         raise ValueError(f"{where}: RoPE scaling is not supported for Qwen3 (only the default rope type)")
     n_heads = need("num_attention_heads")
+    moe = _moe_args(config, where, need) if config.get("model_type") == MOE_MODEL_TYPE else {}
     return Qwen3Args(
         dim=need("hidden_size"),
         n_layers=need("num_hidden_layers"),
@@ -70,4 +115,5 @@ def hf_config_to_args(config: dict, where: str = "config.json") -> Qwen3Args:
         rope_theta=rope_theta,
         max_seq_len=int(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        **moe,
     )

@@ -10,14 +10,18 @@ differences:
     k_norm, one gain vector shared by all heads) before RoPE turns them;
   - the output projection may be the token embedding itself (tie_word_embeddings): one
     parameter, saved once, under tok_embeddings.weight.
+A Qwen3-MoE model (args.n_experts > 0) has the routed experts of titanlite/models/moe.py
+as every block's feed_forward, under that name.
 Grouped-query attention, RoPE (with Qwen3's base), SwiGLU and the initialisation are
 Llama's. Parameter names are Llama's wherever the meaning is the same, so Llama's tensor
 parallel plan, FSDP, activation checkpointing and compile apply as they are.
 """
 
 import torch
+from torch import nn
 
 from titanlite.models.llama.model import Attention, RMSNorm, Transformer, TransformerBlock
+from titanlite.models.moe import MoE
 from titanlite.models.qwen3.args import Qwen3Args
 
 TIED_OUTPUT = "output.weight"
@@ -45,6 +49,10 @@ class Qwen3Attention(Attention):
 class Qwen3Block(TransformerBlock):
     attention_cls = Qwen3Attention
 
+    def make_feed_forward(self, args: Qwen3Args) -> nn.Module:
+        # Qwen3-MoE: the routed experts take the dense feed-forward's place (and name).
+        return MoE(args.moe_args()) if args.is_moe else super().make_feed_forward(args)
+
 
 class Qwen3Transformer(Transformer):
     block_cls = Qwen3Block
@@ -59,6 +67,13 @@ class Qwen3Transformer(Transformer):
             self.tie_output()
             self._register_state_dict_hook(_drop_tied_output)
             self.register_load_state_dict_pre_hook(_fill_tied_output)
+
+    def init_buffers(self, device: torch.device) -> None:
+        """The RoPE tables, and each MoE layer's token counts (never saved either)."""
+        super().init_buffers(device)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.init_buffers()
 
     def tie_output(self) -> None:
         self.output.weight = self.tok_embeddings.weight

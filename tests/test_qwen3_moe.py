@@ -1,0 +1,220 @@
+"""Qwen3-MoE: a tiny random transformers Qwen3MoeForCausalLM read into titanlite's qwen3
+model gives its logits and greedy tokens, and titanlite's weights written back are
+transformers' own; the published shapes, active-parameter FLOPs, and the refusals.
+
+The transformers model is built in this process (no Hub) and drawn as test_qwen3's are.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from safetensors.torch import load_file
+
+from tests.helpers import hf_tensors, load_script, tiny_args, train_tiny
+from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_parity import REFERENCE, assert_same_training, train_and_report
+from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
+from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
+from titanlite import train
+from titanlite.checkpoint.load import load_model
+from titanlite.config import parse_args
+from titanlite.estimate import floor
+from titanlite.metrics.flops import active_params, count_params, flops_per_token
+from titanlite.models.generate import generate
+from titanlite.models.qwen3 import args_to_hf_config
+from titanlite.registry import get_model_args, get_model_spec, model_from_hf_config
+from titanlite.train import Trainer
+
+
+@pytest.fixture(scope="module")
+def hf_moe(tmp_path_factory) -> tuple[Path, dict, dict, transformers.Qwen3MoeForCausalLM]:
+    """(its folder, config.json, the saved tensors, the model) of a random
+    Qwen3MoeForCausalLM of tiny_moe's shape."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+        **TINY_HF_SHAPE,
+    )
+    model = transformers.Qwen3MoeForCausalLM(config)
+    folder = tmp_path_factory.mktemp("qwen3_moe")
+    save_random(model, folder)
+    saved = load_file(str(folder / "model.safetensors"))
+    return folder, json.loads((folder / "config.json").read_text()), saved, model
+
+
+def import_hf(config: dict, saved: dict):
+    name, args = model_from_hf_config(config)
+    spec = get_model_spec(name)
+    model = spec.model_cls(args)
+    model.init_buffers(torch.device("cpu"))
+    model.load_state_dict(spec.state_dict_adapter(args).from_hf(saved), strict=True)
+    return name, args, model.eval()
+
+
+def test_a_transformers_qwen3_moe_imports_with_its_logits_and_greedy_tokens(hf_moe):
+    folder, _, saved, theirs = hf_moe
+    ours, description = load_model(folder)
+    assert description.name == "qwen3" and description.args == get_model_args("qwen3", "tiny_moe").with_seq_len(64)
+    assert any(".mlp.experts.3.down_proj.weight" in key for key in saved)  # per-expert on disk
+    with torch.no_grad():
+        expected, got = theirs(TOKENS).logits, ours(TOKENS)
+    assert expected.abs().max() > 1.0
+    assert (got - expected).abs().max().item() <= 1e-5
+    assert generate(ours, PROMPT, NEW_TOKENS) == hf_greedy(theirs, PROMPT, NEW_TOKENS)
+
+
+def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_moe, tmp_path):
+    """The folder reader stacks each block's experts (and starts the expert bias at 0); the
+    export splits them again."""
+    folder = hf_moe[0]
+    assert load_script(SCRIPTS / "convert_hf_to_dcp.py").main([str(folder), str(tmp_path / "dcp")]) == 0
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    assert export.main([str(tmp_path / "dcp" / "step-0"), str(tmp_path / "back")]) == 0
+    before, after = hf_tensors(folder), hf_tensors(tmp_path / "back")
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+
+
+def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp_path):
+    """Export direction: the stacked experts split per expert, the expert bias dropped, and
+    transformers reads the result (with the config titanlite writes) into the same logits."""
+    _, config, saved, theirs = hf_moe
+    _, args, ours = import_hf(config, saved)
+    adapter = get_model_spec("qwen3").state_dict_adapter(args)
+    exported = adapter.to_hf(ours.state_dict())
+    assert exported.keys() == saved.keys()
+    for key, tensor in saved.items():
+        assert torch.equal(exported[key], tensor), key
+    hf_config = transformers.Qwen3MoeConfig(**adapter.hf_config())
+    reloaded = transformers.Qwen3MoeForCausalLM.from_pretrained(
+        None, config=hf_config, state_dict={k: v.clone() for k, v in exported.items()}
+    ).eval()
+    with torch.no_grad():
+        assert (reloaded(TOKENS).logits - theirs(TOKENS).logits).abs().max().item() <= 1e-5
+
+
+def test_a_trained_qwen3_moe_checkpoint_exports_to_transformers_with_its_logits(tmp_path):
+    """convert_dcp_to_hf.py on a titanlite-trained tiny_moe, split into many files so that one
+    stacked tensor's experts land in different ones: transformers loads the folder (through
+    its own per-expert reading) and computes titanlite's logits; no expert bias is written."""
+    run = train_tiny(tmp_path / "run", ["--model.name=qwen3", "--model.flavor=tiny_moe"])
+    out = tmp_path / "hf"
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    assert export.main([str(run.step_dir), str(out), "--max-shard-size", "100KB"]) == 0
+    assert len(list(out.glob("*.safetensors"))) > 3
+    assert not any("bias" in name for name in hf_tensors(out))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(theirs) is transformers.Qwen3MoeForCausalLM
+    with torch.no_grad():
+        assert (theirs(run.tokens).logits - run.logits).abs().max().item() <= 1e-5
+
+
+def test_the_published_moe_shapes_and_their_active_parameters():
+    """Qwen3-30B-A3B and Qwen3-235B-A22B: 30.5 B and 235 B parameters, of which a token's
+    matmuls meet 3.3 B and 22 B with the embedding (the names' "A3B" and "A22B"); FLOPs count
+    those, and a dense model's active parameters are all of them."""
+    small, large = get_model_args("qwen3", "30B-A3B"), get_model_args("qwen3", "235B-A22B")
+    assert round(count_params(small) / 1e9, 1) == 30.5 and round(count_params(large) / 1e9) == 235
+    embedding = small.vocab_size * small.dim
+    assert round((active_params(small) + embedding) / 1e9, 1) == 3.4
+    assert round((active_params(large) + large.vocab_size * large.dim) / 1e9) == 22
+    assert flops_per_token(small, 1) < 7 * active_params(small)
+    dense = get_model_args("qwen3", "8B")
+    assert active_params(dense) == count_params(dense, include_embedding=False)
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        ({"decoder_sparse_step": 2}, "only all-MoE blocks"),
+        ({"mlp_only_layers": [0]}, "only all-MoE blocks"),
+        ({"output_router_logits": True}, "auxiliary load-balancing loss"),
+    ],
+)
+def test_unsupported_qwen3_moe_configs_are_refused_in_one_line(change, expected):
+    config = {**args_to_hf_config(get_model_args("qwen3", "30B-A3B")), **change}
+    with pytest.raises(ValueError, match=expected) as error:
+        model_from_hf_config(config, "x/config.json")
+    assert "\n" not in str(error.value) and str(error.value).startswith("x/config.json")
+
+
+def test_the_published_config_reads_back_as_the_flavor():
+    for flavor in ("30B-A3B", "235B-A22B", "tiny_moe"):
+        args = get_model_args("qwen3", flavor)
+        assert model_from_hf_config(args_to_hf_config(args)) == ("qwen3", args)
+
+
+def test_tensor_parallelism_of_an_moe_flavor_is_refused_and_dense_is_not():
+    problem = get_model_spec("qwen3").tensor_parallel_problem
+    assert "MoE feed-forward is not built" in problem(get_model_args("qwen3", "tiny_moe"), 2)
+    assert problem(get_model_args("qwen3", "tiny_moe"), 1) is None
+    assert problem(get_model_args("qwen3", "tiny"), 2) is None
+
+
+def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
+    """As on its 8-GPU node of 80 GB GPUs: --job.validate_only passes, memory floor included."""
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setattr(floor, "device_memory_bytes", lambda device_type, ranks: (80 * 2**30, "an 80 GB GPU"))
+    config_file = str(REPO / "train_configs" / "qwen3_30b_a3b.toml")
+    assert train.main(["--job.config_file", config_file, "--job.validate_only"]) == 0
+    assert "titanlite: config ok: FSDP over 8 rank(s)" in capsys.readouterr().out
+
+
+# --- one process vs FSDP 2 and PP 2 ----------------------------------------------------------
+
+MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+
+
+def seeded_logits(folder: str, dump: str) -> torch.Tensor:
+    """The logits of a run seeded from a Hugging Face folder (checkpoint.initial_load_in_hf),
+    before any step: under FSDP 2 each rank reads its own experts' tensors only."""
+    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "training.steps": 1}
+    overrides |= {"checkpoint.initial_load_path": folder, "checkpoint.initial_load_in_hf": True}
+    trainer = Trainer(parse_args(tiny_args(overrides) + ["--job.dump_folder", dump]))
+    with torch.no_grad():
+        logits = trainer.model(TOKENS)
+    dist.destroy_process_group()
+    return logits
+
+
+@pytest.fixture(scope="module")
+def runs(hf_moe, tmp_path_factory):
+    jobs = {
+        "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
+        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+        "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
+        "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
+    }
+    return run_jobs_on_ranks(2, jobs)
+
+
+def test_an_fsdp_run_seeds_from_a_transformers_folder(runs, hf_moe):
+    with torch.no_grad():
+        expected = hf_moe[3](TOKENS).logits
+    for logits in runs["fsdp2 seeded"]:
+        assert (logits - expected).abs().max().item() <= 1e-5
+
+
+def test_the_moe_reference_run_learns(runs):
+    reference = runs["reference"][0]
+    assert reference["loss"][-1] < reference["loss"][0] - 0.1
+    assert "layers.0.feed_forward.experts.w1" in reference["params"]
+
+
+def test_moe_under_fsdp_matches_single_process(runs):
+    for rank_run in runs["fsdp2"]:
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+
+
+def test_moe_pipeline_matches_single_process(runs):
+    assert_pipeline_trains_like_one_process(runs["pp2"], runs["reference"][0])

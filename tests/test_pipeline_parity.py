@@ -55,9 +55,17 @@ def train_pipeline(extra_args: list[str]) -> dict:
         return step_schedule(*args, **kwargs)
 
     schedule.step = counted_step
+    max_losses, log_step = [], trainer.metrics.log_step
+
+    def logged(step, loss, max_loss, *args, **kwargs):
+        max_losses.append(max_loss)
+        return log_step(step, loss, max_loss, *args, **kwargs)
+
+    trainer.metrics.log_step = logged
     records = trainer.train()
     report = {
         "loss": [r.loss for r in records],
+        "max_loss": max_losses,
         "grad_norm": [r.grad_norm for r in records],
         "params": full_weights(trainer.model),
         "schedule": type(schedule).__name__,
@@ -135,6 +143,19 @@ def test_pipeline_matches_single_process(runs, layout):
 @pytest.mark.parametrize("layout", COMPILED)
 def test_compiled_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0], rtol=1e-4)
+
+
+def test_the_largest_data_parallel_loss_counts_the_stage_that_holds_the_loss(runs):
+    # PP alone has one data-parallel rank: its mean loss is the loss. Only the last stage's
+    # ranks hold a share, so counting every pp rank as a data-parallel rank would double it.
+    for name in PIPELINES:
+        for run in runs[name]:
+            assert run["max_loss"] == pytest.approx(run["loss"], rel=1e-6), name
+    # With 2 data-parallel ranks the largest of their means is at least the global mean and
+    # below twice it.
+    for run in runs["pp2_fsdp2_interleaved1f1b_m2_accum2"]:
+        for loss, largest in zip(run["loss"], run["max_loss"], strict=True):
+            assert loss <= largest * (1 + 1e-6) and largest < 2 * loss
 
 
 def test_v_schedules_hold_the_embedding_and_the_output_on_rank_zero(runs):

@@ -284,6 +284,7 @@ def _save_as_fsdp_rank(rank: int, step_dir: str, size_gb: float, store_path: str
     from torch.distributed.fsdp import fully_shard
 
     from titanlite.models.llama import Transformer
+    from titanlite.parallel import destroy_distributed, exit_process
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, FSDP_RANKS), rank=rank, world_size=FSDP_RANKS)
     args = _model_args(size_gb)
@@ -307,7 +308,10 @@ def _save_as_fsdp_rank(rank: int, step_dir: str, size_gb: float, store_path: str
         params = sum(p.numel() for p in model.parameters())
         report = {"params": params, "n_layers": args.n_layers, "weight_bytes": params * 4, "save_seconds": save_seconds}
         Path(report_path).write_text(json.dumps(report))
-    dist.destroy_process_group()
+    # As train.py's ranks end: an interpreter teardown racing gloo's threads can abort the
+    # process (SIGABRT) after a successful save, failing the whole benchmark at random.
+    destroy_distributed()
+    exit_process(0)
 
 
 def build_checkpoint(step_dir: Path, size_gb: float) -> dict:

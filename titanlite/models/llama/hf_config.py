@@ -79,14 +79,21 @@ def rope_settings(config: dict, where: str) -> tuple[float, RopeScaling | None]:
     return float(rope_theta), None
 
 
-def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
-    """The LlamaArgs a config.json describes; ValueError naming `where` for what titanlite
-    cannot build."""
+def key_reader(config: dict, where: str):
+    """need(key): config[key], or a ValueError naming `where` and the missing key."""
 
     def need(key):
         if key not in config:
             raise ValueError(f"{where}: no '{key}'")
         return config[key]
+
+    return need
+
+
+def hf_config_to_args(config: dict, where: str = "config.json") -> LlamaArgs:
+    """The LlamaArgs a config.json describes; ValueError naming `where` for what titanlite
+    cannot build."""
+    need = key_reader(config, where)
 
     _check_supported(config, where)
     dim, n_heads = need("hidden_size"), need("num_attention_heads")

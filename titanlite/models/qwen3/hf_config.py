@@ -4,7 +4,7 @@ The one place that knows how each Qwen3 hyper-parameter is spelled on the Huggin
 side; the state-dict adapter beside it renames and permutes the weights.
 """
 
-from titanlite.models.llama.hf_config import rope_settings
+from titanlite.models.llama.hf_config import key_reader, rope_settings
 from titanlite.models.qwen3.args import Qwen3Args
 
 MODEL_TYPE = "qwen3"
@@ -91,11 +91,7 @@ def _check_supported(config: dict, where: str) -> None:
 def hf_config_to_args(config: dict, where: str = "config.json") -> Qwen3Args:
     """The Qwen3Args a config.json describes; ValueError naming `where` for what titanlite
     cannot build."""
-
-    def need(key):
-        if key not in config:
-            raise ValueError(f"{where}: no '{key}'")
-        return config[key]
+    need = key_reader(config, where)
 
     _check_supported(config, where)
     rope_theta, rope_scaling = rope_settings(config, where)

@@ -151,3 +151,11 @@ def test_the_trainer_prints_the_warning_at_start_up(capsys, monkeypatch):
     monkeypatch.setenv("RANK", "1")  # one line for the job: rank 0's
     assert main(argv) == 0
     assert "mixed_precision_reduce" not in capsys.readouterr().err
+
+
+def test_expert_parallel_borrows_the_shard_ranks():
+    dims = ParallelDims.resolve(1, -1, 8, tp=2, ep=2)
+    assert (dims.dp_shard, dims.ep, dims.strategy) == (4, 2, "FSDP + EP + TP")
+    message = r"expert_parallel_degree \(4\) must divide .*data_parallel_shard_degree \(2\)"
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.resolve(2, -1, 4, ep=4)

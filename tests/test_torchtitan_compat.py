@@ -406,7 +406,6 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
         "use_for_integration_test",
         "converters",
         "context_parallel_degree",
-        "expert_parallel_degree",
         "expert_tensor_parallel_degree",
         "enable_fsdp_float8_all_gather",
         "precompute_float8_dynamic_scale_for_fsdp",

@@ -96,6 +96,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             world_size,
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
+            ep=parallelism.expert_parallel_degree,
         )
         pipeline = None
         if parallel_dims.pp > 1:

@@ -254,6 +254,12 @@ class Parallelism:
     """Overlap TP's collectives with its matmuls inside compiled blocks (micro-pipelined TP); needs CUDA,
     tensor_parallel_degree > 1 and compile.enable with the model compiled."""
 
+    expert_parallel_degree: int = ranged(at_least(1), default=1)
+    """Ranks each mixture-of-experts layer's experts are split over (expert parallelism): each keeps n_experts / it
+    experts and tokens travel to them by all-to-all. It borrows the FSDP ranks (it must divide the data-parallel shard
+    degree and the model's experts); FSDP shards the experts over the ranks it leaves. 1: every rank holds all
+    experts."""
+
     pipeline_parallel_degree: int = ranged(at_least(1), default=1)
     """Pipeline stages the layers are split over, one group of ranks per stage (pipeline parallelism, the outermost
     mesh dimension: across nodes). Data and tensor parallelism take the ranks left over."""

@@ -126,9 +126,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "parallelism.context_parallel_degree": _only_default(1, NO_CP),
     "parallelism.context_parallel_load_balancer": _ignore("headtail"),
     "parallelism.context_parallel_rotate_method": _ignore("allgather"),
-    "parallelism.expert_parallel_degree": _only_default(
-        1, "titanlite has no mixture-of-experts models or expert parallelism; remove it"
-    ),
     "parallelism.expert_tensor_parallel_degree": _ignore(1),
     "parallelism.expert_parallel_comm_backend": _ignore("standard"),
     # [checkpoint]
@@ -226,7 +223,7 @@ SHARED_KEYS = (
     "parallelism.pipeline_parallel_degree", "parallelism.pipeline_parallel_schedule",
     "parallelism.pipeline_parallel_microbatch_size", "parallelism.pipeline_parallel_layers_per_stage",
     "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
-    "parallelism.module_fqns_per_model_part",
+    "parallelism.module_fqns_per_model_part", "parallelism.expert_parallel_degree",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval",
     "checkpoint.initial_load_path", "checkpoint.initial_load_model_only",
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_model_only",

@@ -32,11 +32,15 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallelism: a split of the dp_shard ranks, not a dimension of its own
 
     @classmethod
-    def resolve(cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1) -> "ParallelDims":
+    def resolve(
+        cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1
+    ) -> "ParallelDims":
         """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
-        ValueError naming the key when the degrees do not multiply to the world size."""
+        ValueError naming the key when the degrees do not multiply to the world size or the
+        expert-parallel degree does not divide the shard degree it borrows its ranks from."""
         names = (
             "parallelism.data_parallel_replicate_degree",
             "parallelism.data_parallel_shard_degree",
@@ -60,7 +64,12 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        return cls(dp_replicate, dp_shard, world_size, tp, pp)
+        if dp_shard % ep != 0:
+            raise ValueError(
+                f"parallelism.expert_parallel_degree ({ep}) must divide {names[1]} ({dp_shard}): "
+                "expert parallelism borrows the FSDP ranks"
+            )
+        return cls(dp_replicate, dp_shard, world_size, tp, pp, ep)
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -96,7 +105,8 @@ class ParallelDims:
             data_parallel = "FSDP"
         else:
             data_parallel = "DDP" if self.dp_shard == 1 else "HSDP"
-        parts = [name for name, present in (("PP", self.pp > 1), (data_parallel, True), ("TP", self.tp > 1)) if present]
+        present = (("PP", self.pp > 1), (data_parallel, True), ("EP", self.ep > 1), ("TP", self.tp > 1))
+        parts = [name for name, wanted in present if wanted]
         return " + ".join(part for part in parts if part)
 
     def build_mesh(self, device_type: str) -> DeviceMesh | None:

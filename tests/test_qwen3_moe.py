@@ -6,6 +6,8 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 """
 
 import json
+import os
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -220,14 +222,35 @@ TP_LAYOUTS = {
 }
 
 
+# The "tp2" run also saves its checkpoint after step 4 (and 8), for FSDP 2 to resume.
+SAVE_AT = 4
+
+
+def resume_from(step_folder: str, dump: str, extra_args: list[str]) -> dict:
+    """train_and_report, resumed from a copy of ``step_folder``. Rank 0 copies it before the
+    process group forms, so every rank loads after the copy."""
+    if os.environ["RANK"] == "0":
+        shutil.copytree(step_folder, Path(dump) / "checkpoint" / Path(step_folder).name)
+    return train_and_report([*extra_args, "--checkpoint.enable", f"--job.dump_folder={dump}"])
+
+
 @pytest.fixture(scope="module")
 def runs(hf_moe, tmp_path_factory):
+    tp2_dump, resumed_dump = tmp_path_factory.mktemp("tp2"), tmp_path_factory.mktemp("resumed")
+    saving = {"tp2": ["--checkpoint.enable", f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={tp2_dump}"]}
+    step_folder = str(tp2_dump / "checkpoint" / f"step-{SAVE_AT}")
+    fsdp2 = ["--training.local_batch_size=4", *MOE]
     jobs = {
         "reference": MOE_REFERENCE,
-        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+        "fsdp2": Job(2, train_and_report, (fsdp2,)),
         "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
-    } | {f"layout {name}": Job(2, train_and_report, (args,)) for name, args in TP_LAYOUTS.items()}
+    } | {
+        f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
+        for name, args in TP_LAYOUTS.items()
+    }
+    # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
+    jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
     return run_jobs_on_ranks(2, jobs)
 
 
@@ -257,3 +280,16 @@ def test_moe_pipeline_matches_single_process(runs):
 def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
     for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+
+
+def test_a_tp2_checkpoint_resumes_under_fsdp(runs):
+    """TP 2 saves the MoE's weights (DTensors held whole on the tp mesh) and their Adam state
+    whole: resumed from step 4 under FSDP 2, the last steps and the final weights are the
+    uninterrupted run's."""
+    reference = runs["reference"][0]
+    for rank_run in runs["tp2 resumed under fsdp2"]:
+        assert len(rank_run["loss"]) == len(reference["loss"]) - SAVE_AT  # it did resume
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(rank_run[key], reference[key][SAVE_AT:], rtol=1e-5, atol=0)
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(rank_run["params"][name], value, rtol=0, atol=1e-5, msg=name)

@@ -120,6 +120,19 @@ def test_layout_matches_single_process(runs, layout):
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
 
 
+# Qwen3-MoE's attention split over 2 TP ranks, its MoE feed-forward held whole on every TP
+# rank, FSDP over the other 2 (the 2-rank TP cases are in test_qwen3_moe's launch).
+TINY_MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+MOE_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *TINY_MOE],))
+MOE_LAYOUTS = {"tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE])}
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_layout_matches_single_process(runs, layout):
+    for rank_run in runs[f"moe layout {layout}"]:
+        assert_same_training(rank_run, runs["moe reference"][0], rtol=1e-5)
+
+
 COMPILED_LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size=4"]),
     # The compiled blocks hold TP's collectives and DTensor code; loss parallel's too.
@@ -302,6 +315,8 @@ RUNS = {
     },
     "reference": REFERENCE,
     **{f"layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in LAYOUTS.items()},
+    "moe reference": MOE_REFERENCE,
+    **{f"moe layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in MOE_LAYOUTS.items()},
     "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
     "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),
     **{f"sharding {n}": Job(n, sharding_report, (batch_per_rank(n),)) for n in (2, 4)},

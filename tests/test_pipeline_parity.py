@@ -5,7 +5,8 @@ Every run trains test_parity's tiny model from the same seed on the same global 
 1e-5 in every step's loss and grad norm and in the final weights: PP 2 with each of torch's
 schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
 micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2, TP 2
-(with and without sequence and loss parallel) and DDP 2, and with compiled blocks.
+(with and without sequence and loss parallel) and DDP 2, and with compiled blocks; and
+Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
 norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
@@ -25,11 +26,13 @@ from tests.test_parity import (
     BASE_ARGS,
     COMPILE,
     FULL_AC,
+    MOE_REFERENCE,
     NO_LP,
     NO_SP,
     REFERENCE,
     REPLICATE2,
     SELECTIVE_OP,
+    TINY_MOE,
     TP2,
     assert_same_training,
 )
@@ -120,6 +123,10 @@ COMPOSED = {
     "pp2_ddp2_gpipe_m2_accum2": pp_args("GPipe", 2, 1, *REPLICATE2),
 }
 
+# Qwen3-MoE at PP 2 x TP 2: the attention split over tp, the MoE feed-forward whole on both
+# TP ranks of each stage; against the MoE's own single process.
+MOE_COMPOSED = {"moe_pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2, *TINY_MOE)}
+
 
 # Compiled blocks (and loss) inside the stages: compile per block under PP, checked like
 # test_parity's compiled layouts (to 1e-4: the compiled kernels round differently).
@@ -138,6 +145,11 @@ def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict, rt
 @pytest.mark.parametrize("layout", [*PIPELINES, *COMPOSED])
 def test_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0])
+
+
+@pytest.mark.parametrize("layout", MOE_COMPOSED)
+def test_moe_pipeline_with_tensor_parallelism_matches_single_process(runs, layout):
+    assert_pipeline_trains_like_one_process(runs[layout], runs["moe reference"][0])
 
 
 @pytest.mark.parametrize("layout", COMPILED)
@@ -229,9 +241,10 @@ def test_a_schedule_whose_peer_stops_fails_within_the_timeout(runs):
 
 RUNS = {
     # The 4-rank jobs first: the 2-rank ones and the reference then share the ranks evenly.
-    **{name: Job(4, train_pipeline, (args,)) for name, args in COMPOSED.items()},
+    **{name: Job(4, train_pipeline, (args,)) for name, args in {**COMPOSED, **MOE_COMPOSED}.items()},
     "stuck peer": Job(4, stuck_peer, (pp_args("GPipe", 2, 1, *REPLICATE2),)),
     "reference": REFERENCE,
+    "moe reference": MOE_REFERENCE,
     **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED}.items()},
 }
 

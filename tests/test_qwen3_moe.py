@@ -6,6 +6,9 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 """
 
 import json
+import os
+import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,18 @@ from safetensors.torch import load_file
 
 from tests.helpers import hf_tensors, load_script, tiny_args, train_tiny
 from tests.multiprocess import Job, run_jobs_on_ranks
-from tests.test_parity import REFERENCE, assert_same_training, train_and_report
+from tests.test_parity import (
+    MOE_REFERENCE,
+    NO_LP,
+    NO_SP,
+    SELECTIVE_OP,
+    TP2,
+    assert_same_training,
+    train_and_report,
+)
+from tests.test_parity import (
+    TINY_MOE as MOE,
+)
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
@@ -154,11 +168,15 @@ def test_the_published_config_reads_back_as_the_flavor():
         assert model_from_hf_config(args_to_hf_config(args)) == ("qwen3", args)
 
 
-def test_tensor_parallelism_of_an_moe_flavor_is_refused_and_dense_is_not():
+def test_tensor_parallelism_of_an_moe_flavor_splits_its_heads_but_not_its_feed_forward():
+    """The MoE feed-forward is held whole on every TP rank: only the attention heads must
+    divide (an MoE flavor's ffn_hidden_dim is the unused dense width of its config.json)."""
     problem = get_model_spec("qwen3").tensor_parallel_problem
-    assert "MoE feed-forward is not built" in problem(get_model_args("qwen3", "tiny_moe"), 2)
-    assert problem(get_model_args("qwen3", "tiny_moe"), 1) is None
-    assert problem(get_model_args("qwen3", "tiny"), 2) is None
+    moe, dense = get_model_args("qwen3", "tiny_moe"), get_model_args("qwen3", "tiny")
+    assert problem(moe, 2) is None and problem(dense, 2) is None
+    assert problem(replace(moe, ffn_hidden_dim=97), 2) is None
+    assert "FFN hidden size (97)" in problem(replace(dense, ffn_hidden_dim=97), 2)
+    assert "key/value heads (2)" in problem(moe, 4)
 
 
 def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
@@ -170,9 +188,7 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
     assert "titanlite: config ok: FSDP over 8 rank(s)" in capsys.readouterr().out
 
 
-# --- one process vs FSDP 2 and PP 2 ----------------------------------------------------------
-
-MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+# --- one process vs FSDP 2, PP 2 and TP 2 ---------------------------------------------------
 
 
 def seeded_logits(folder: str, dump: str) -> torch.Tensor:
@@ -187,14 +203,54 @@ def seeded_logits(folder: str, dump: str) -> torch.Tensor:
     return logits
 
 
+# Attention split over 2 TP ranks, the MoE feed-forward whole on both, running on the same
+# tokens: the two cases switch sequence parallel (the MoE's input all-gathered, its output cut
+# back to the rank's part), loss parallel, activation checkpointing and accumulation on and
+# off (test_parity adds TP 2 x FSDP 2 with full AC to its 4-rank launch). Every rank's MoE
+# gradient is already the whole one: a reduction over tp would double it, which the grad
+# norms and the weights would show.
+TP_LAYOUTS = {
+    "tp2": ["--training.local_batch_size=8", *TP2, *MOE],
+    "tp2_no_sp_no_lp_selective_ac_op_accum": [
+        "--training.local_batch_size=4",
+        *TP2,
+        *NO_SP,
+        *NO_LP,
+        *SELECTIVE_OP,
+        *MOE,
+    ],
+}
+
+
+# The "tp2" run also saves its checkpoint after step 4 (and 8), for FSDP 2 to resume.
+SAVE_AT = 4
+
+
+def resume_from(step_folder: str, dump: str, extra_args: list[str]) -> dict:
+    """train_and_report, resumed from a copy of ``step_folder``. Rank 0 copies it before the
+    process group forms, so every rank loads after the copy."""
+    if os.environ["RANK"] == "0":
+        shutil.copytree(step_folder, Path(dump) / "checkpoint" / Path(step_folder).name)
+    return train_and_report([*extra_args, "--checkpoint.enable", f"--job.dump_folder={dump}"])
+
+
 @pytest.fixture(scope="module")
 def runs(hf_moe, tmp_path_factory):
+    tp2_dump, resumed_dump = tmp_path_factory.mktemp("tp2"), tmp_path_factory.mktemp("resumed")
+    saving = {"tp2": ["--checkpoint.enable", f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={tp2_dump}"]}
+    step_folder = str(tp2_dump / "checkpoint" / f"step-{SAVE_AT}")
+    fsdp2 = ["--training.local_batch_size=4", *MOE]
     jobs = {
-        "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
-        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+        "reference": MOE_REFERENCE,
+        "fsdp2": Job(2, train_and_report, (fsdp2,)),
         "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
+    } | {
+        f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
+        for name, args in TP_LAYOUTS.items()
     }
+    # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
+    jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
     return run_jobs_on_ranks(2, jobs)
 
 
@@ -218,3 +274,22 @@ def test_moe_under_fsdp_matches_single_process(runs):
 
 def test_moe_pipeline_matches_single_process(runs):
     assert_pipeline_trains_like_one_process(runs["pp2"], runs["reference"][0])
+
+
+@pytest.mark.parametrize("layout", TP_LAYOUTS)
+def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
+    for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+
+
+def test_a_tp2_checkpoint_resumes_under_fsdp(runs):
+    """TP 2 saves the MoE's weights (DTensors held whole on the tp mesh) and their Adam state
+    whole: resumed from step 4 under FSDP 2, the last steps and the final weights are the
+    uninterrupted run's."""
+    reference = runs["reference"][0]
+    for rank_run in runs["tp2 resumed under fsdp2"]:
+        assert len(rank_run["loss"]) == len(reference["loss"]) - SAVE_AT  # it did resume
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(rank_run[key], reference[key][SAVE_AT:], rtol=1e-5, atol=0)
+        for name, value in reference["params"].items():
+            torch.testing.assert_close(rank_run["params"][name], value, rtol=0, atol=1e-5, msg=name)

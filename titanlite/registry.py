@@ -52,14 +52,9 @@ MODELS = {
 
 
 def _qwen3_tensor_parallel_problem(args: qwen3.Qwen3Args, tp: int) -> str | None:
-    """Llama's TP plan splits Qwen3 dense; it has no plan for routed experts, so an MoE
-    flavor runs without TP until its experts are split by expert parallelism."""
-    if args.is_moe and tp > 1:
-        return (
-            f"parallelism.tensor_parallel_degree ({tp}) must be 1 for a Qwen3-MoE model "
-            f"({args.n_experts} experts): tensor parallelism of the MoE feed-forward is not built"
-        )
-    return tensor_parallel_problem(args, tp)
+    """Llama's TP plan splits Qwen3's attention, and its dense feed-forward; an MoE
+    feed-forward is held whole on every TP rank, so its sizes need not divide."""
+    return tensor_parallel_problem(args, tp, split_ffn=not args.is_moe)
 
 
 # A vocabulary sized from a tokenizer is rounded up to a multiple of 128 rows (Megatron-LM's

@@ -109,8 +109,9 @@ def step_floor_bytes(
 
     With tensor parallelism over ``tp`` ranks the model (unsharded: nothing in it says which
     parameters TP splits) is taken as split ``tp`` ways on top of the FSDP shards. For a matrix
-    that is what rank 0 holds when the dimensions divide evenly and less otherwise; the norms,
-    which TP replicates, are counted low; so the figure stays a floor. Under loss parallel
+    that is what rank 0 holds when the dimensions divide evenly and less otherwise; the norms
+    and an MoE feed-forward, which TP replicates, are counted low; so the figure stays a floor
+    (a loose one for an MoE model, whose experts are most of it). Under loss parallel
     each rank holds its vocabulary slice of the logits, else all of them.
     """
     state = exact_model_state_bytes(model, shards)

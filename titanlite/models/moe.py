@@ -80,14 +80,25 @@ def route(
     the tokens' dtype, softmax in float32, top-k, renormalisation in float32, then the weights
     cast back to the tokens' dtype. ``expert_bias`` [n_experts] is added to the probabilities
     for choosing the experts only; the weights are the unbiased probabilities."""
-    logits = F.linear(x, gate_weight)
+    return route_logits(F.linear(x, gate_weight), x.dtype, top_k, norm_topk_prob, expert_bias)
+
+
+def route_logits(
+    logits: torch.Tensor,
+    dtype: torch.dtype,
+    top_k: int,
+    norm_topk_prob: bool,
+    expert_bias: torch.Tensor | None = None,
+) -> Routing:
+    """route() from the router's logits [T, n_experts]; the weights come out in ``dtype``,
+    the tokens' dtype (under autocast the logits' may differ)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     scores = probs if expert_bias is None else probs + expert_bias.float()
     experts = torch.topk(scores, top_k, dim=-1).indices
     weights = probs.gather(-1, experts)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return Routing(experts=experts, weights=weights.to(x.dtype), probs=probs)
+    return Routing(experts=experts, weights=weights.to(dtype), probs=probs)
 
 
 def count_tokens(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -214,7 +225,10 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         bias = self.expert_bias if self.args.bias_update_rate > 0 else None
-        routing = route(tokens, self.gate.weight, self.args.top_k, self.args.norm_topk_prob, bias)
+        # The router is called as a module, not read as a weight, so that hooks on it act
+        # (tensor parallelism hands it a weight held whole on every rank, as a DTensor).
+        logits = self.gate(tokens)
+        routing = route_logits(logits, tokens.dtype, self.args.top_k, self.args.norm_topk_prob, bias)
         counts = count_tokens(routing.experts, self.args.n_experts)
         self._record(routing, counts, tokens.shape[0])
         # Every (token, expert) pair becomes one row; a stable sort by expert keeps each

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -36,6 +37,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
 from titanlite.parallel.parallel_dims import ParallelDims
 
 # Ops whose outputs per-op selective checkpointing keeps: the matmuls and the attention
@@ -67,16 +69,16 @@ _SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default} | {
 _PER_HEAD_NORMS = ("q_norm", "k_norm")
 
 
-def tensor_parallel_problem(args, tp: int) -> str | None:
+def tensor_parallel_problem(args, tp: int, split_ffn: bool = True) -> str | None:
     """Why the Llama TP plan cannot split ``args`` over ``tp`` ranks (one line naming the
     key), or None. Each rank must get whole query heads, whole key/value heads (so a query
-    head and the key/value head it reads land on the same rank) and equal FFN slices."""
+    head and the key/value head it reads land on the same rank) and, where the feed-forward
+    is split (``split_ffn``: a dense one), equal FFN slices."""
     key = "parallelism.tensor_parallel_degree"
-    for what, count in (
-        ("attention heads", args.n_heads),
-        ("key/value heads", args.kv_heads),
-        ("FFN hidden size", args.ffn_hidden_dim),
-    ):
+    counts = [("attention heads", args.n_heads), ("key/value heads", args.kv_heads)]
+    if split_ffn:
+        counts.append(("FFN hidden size", args.ffn_hidden_dim))
+    for what, count in counts:
         if count % tp != 0:
             return f"{key} ({tp}) must divide the model's {what} ({count})"
     return None
@@ -123,11 +125,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
+        if isinstance(block.feed_forward, MoE):
+            block_plan |= _whole_moe_plan(block.feed_forward, tp_mesh, stream)
+        else:
+            block_plan |= {
+                "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            }
         for norm in _PER_HEAD_NORMS:
             if hasattr(block.attention, norm):
                 # A norm over each head's features sees this rank's heads only: its input is
@@ -140,6 +147,52 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             replicate_over(block.attention_norm, tp_mesh)
             replicate_over(block.ffn_norm, tp_mesh)
         parallelize_module(block, tp_mesh, block_plan)
+
+
+# A mixture-of-experts feed-forward (titanlite/models/moe.py) is not split: every TP rank
+# holds all of its weights and runs it on all of the block's tokens, the same work on every
+# rank. Its input is made whole first (with sequence parallelism, an all-gather of the
+# sequence, as for a dense feed-forward); its output, whole, is cut back to this rank's part
+# of the sequence, whose backward all-gathers the gradient. So every rank routes the same
+# tokens the same way and computes the same full gradient for the MoE's weights, which
+# therefore need no reduction over tp. (Routing only this rank's part of the sequence would
+# save the repeated work, but then each rank's gradient would be a partial sum over its
+# tokens and would have to be summed over tp.)
+# The weights are DTensors held whole on the tp mesh (Replicate), as the norms are (see
+# replicate_over), while the layer computes on their plain local tensors: its routing,
+# sorting and counting code, and the buffers it adds its token counts to, stay plain.
+
+
+def _whole_moe_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
+    """The block plan's entries for an MoE feed-forward held whole; its weights are made
+    Replicate DTensors on ``tp_mesh`` here. Experts already split by expert parallelism (not
+    a GroupedExperts) keep their own mesh."""
+    replicate_over(moe.gate, tp_mesh)
+    if isinstance(moe.experts, GroupedExperts):
+        distribute_module(moe.experts, tp_mesh)  # every parameter Replicate
+        # The same module, multiplying by the local tensors: its parameter names, and so the
+        # checkpoint's, and its init_weights stay as they are (FSDP swaps classes alike).
+        moe.experts.__class__ = _ExpertsOnLocalWeights
+    return {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(stream,),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(stream,),
+            use_local_output=True,
+        )
+    }
+
+
+class _ExpertsOnLocalWeights(GroupedExperts):
+    """GroupedExperts whose stacked weights are DTensors held whole by every TP rank: it
+    multiplies by their local tensors, and each rank's gradient, computed from all the
+    tokens, is the whole gradient (placed Replicate)."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (weight.to_local(grad_placements=[Replicate()]) for weight in (self.w1, self.w2, self.w3))
+        return swiglu_experts(x, counts, w1, w2, w3, self.use_grouped_mm)
 
 
 class _WaitedCollective(torch.autograd.Function):

@@ -6,12 +6,25 @@ way round equal to the uninterrupted run; the layouts EP cannot run are refused 
 Every multi-rank run is a job of one launch of 4 ranks."""
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
+from tests.helpers import free_ports
 from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_checkpoint_resume import (
+    SAVE_AT,
+    STEPS,
+    Session,
+    assert_bit_identical,
+    assert_close_tensors,
+    copy_checkpoint,
+    positions,
+    train_to_end,
+)
 from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training, train_and_report
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
+from tests.test_tp_checkpoint import record_state_at, resume
 from titanlite.config import ConfigError, parse_args
 from titanlite.parallel.expert_parallel import ExpertParallelExperts
 from titanlite.plan import plan_run
@@ -55,6 +68,26 @@ def expert_layout(extra_args: list[str]) -> dict:
     return report
 
 
+# --- checkpoints reshard between EP 2 x FSDP 2 and FSDP 4 -----------------------------------
+
+RESHARD_LAYOUTS = {"ep2_fsdp2": [*batch(4), *EP2], "fsdp4": batch(4)}
+
+
+def reshard_worker(dump: str, ports: list[int]) -> dict:
+    """test_checkpoint_resume's runs (EMA on) of tiny_moe: each layout uninterrupted, saving
+    at step 4; then each step-4 checkpoint resumed on the other layout."""
+    session, out = Session(ports), {}
+    for name, layout in RESHARD_LAYOUTS.items():
+        trainer = session.trainer(layout, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/{name}")
+        at_save = record_state_at(trainer, SAVE_AT)
+        out[name] = train_to_end(trainer) | {"saved": at_save}
+    for source, target in (("ep2_fsdp2", "fsdp4"), ("fsdp4", "ep2_fsdp2")):
+        folder = copy_checkpoint(f"{dump}/{source}/checkpoint/step-{SAVE_AT}", f"{dump}/{source}_to_{target}")
+        out[f"{source}_to_{target}"] = resume(session, RESHARD_LAYOUTS[target], MOE, f"--job.dump_folder={folder}")
+    session.end()
+    return out
+
+
 RUNS = {
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
     **{f"layout {name}": Job(n, train_and_report, ([*extra, *MOE],)) for name, (n, extra) in LAYOUTS.items()},
@@ -65,8 +98,9 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list]:
-    return run_jobs_on_ranks(4, RUNS)
+def runs(tmp_path_factory) -> dict[str, list]:
+    dump = tmp_path_factory.mktemp("ep_reshard")
+    return run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(4))), **RUNS})
 
 
 def test_the_moe_reference_learns(runs):
@@ -93,6 +127,37 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
     for report in runs["experts ep2_hsdp2"]:  # replicated over dp_replicate, one efsdp rank
         assert report["mesh"] == ("dp_replicate", "efsdp", "ep")
         assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
+
+
+@pytest.mark.parametrize("source, target", [("ep2_fsdp2", "fsdp4"), ("fsdp4", "ep2_fsdp2")])
+def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, source, target):
+    """The step-4 checkpoint of one layout, resumed on the other: it loads exactly what was
+    saved (weights, EMA, Adam's moments, data position), and steps 5-8 equal the
+    uninterrupted run's within 1e-5 (loss, grad norm, final weights and EMA)."""
+    for rank_out in runs["reshard"]:
+        straight, saved = rank_out[source], rank_out[source]["saved"]
+        resumed = rank_out[f"{source}_to_{target}"]
+        loaded = resumed["loaded"]
+        assert positions(loaded) == positions(saved) and loaded["step"] == SAVE_AT
+        assert_bit_identical(loaded["weights"], saved["weights"])
+        assert_bit_identical(loaded["ema"], saved["ema"])
+        assert loaded["moments"].keys() == saved["moments"].keys()
+        for name, moments in saved["moments"].items():
+            assert_bit_identical(loaded["moments"][name], moments)
+        assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+        for key in ("loss", "grad_norm"):
+            expected = torch.tensor(straight[key][SAVE_AT:])
+            torch.testing.assert_close(torch.tensor(resumed[key]), expected, rtol=1e-5, atol=0)
+        assert_close_tensors(resumed["weights"], straight["weights"], atol=1e-5)
+        assert_close_tensors(resumed["ema"], straight["ema"], atol=1e-5)
+
+
+def test_the_resharded_runs_train_alike_uninterrupted(runs):
+    """The premise: both layouts' uninterrupted runs learn and agree with each other."""
+    ep, fsdp = runs["reshard"][0]["ep2_fsdp2"], runs["reshard"][0]["fsdp4"]
+    assert ep["loss"][-1] < ep["loss"][0] - 0.1
+    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(fsdp["loss"]), rtol=1e-5, atol=0)
+    assert any("experts" in name for name in ep["saved"]["moments"])
 
 
 # --- refusals --------------------------------------------------------------------------

@@ -5,12 +5,14 @@ optimizer kernel; checkpoints written under EP 2 x FSDP 2 resume under FSDP 4 an
 way round equal to the uninterrupted run; the layouts EP cannot run are refused in one line.
 Every multi-rank run is a job of one launch of 4 ranks."""
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.helpers import free_ports
+from tests.helpers import free_ports, full_weights, hf_tensors, load_script
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     SAVE_AT,
@@ -22,12 +24,14 @@ from tests.test_checkpoint_resume import (
     positions,
     train_to_end,
 )
-from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training, train_and_report
+from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
+from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import record_state_at, resume
 from titanlite.config import ConfigError, parse_args
 from titanlite.parallel.expert_parallel import ExpertParallelExperts
 from titanlite.plan import plan_run
+from titanlite.registry import get_model_args, get_model_spec
 from titanlite.train import Trainer
 
 MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
@@ -38,32 +42,48 @@ def batch(world_dp: int) -> list[str]:
     return [f"--training.local_batch_size={GLOBAL_BATCH // world_dp}"]
 
 
+# Each layout's hyper-parameters are test_parity's (and test_checkpoint_resume's, whose runs
+# below train the same way): EP 2 x FSDP 2 is checked by the resharding job's uninterrupted run.
 LAYOUTS = {
-    "ep2": (2, [*batch(2), *EP2]),
-    "ep2_fsdp2": (4, [*batch(4), *EP2]),
+    # The all-to-alls run again in the backward, on every rank alike.
+    "ep2_full_ac_for_loop": (
+        2,
+        [*batch(2), *EP2, "--activation_checkpoint.mode=full", "--optimizer.implementation=for-loop"],
+    ),
     # Replicas of EP 2: the experts' FSDP has one rank, their gradients still all-reduce
     # over dp_replicate; with 2 micro-batches, only the last one does.
-    "ep2_hsdp2_accum": (4, ["--training.local_batch_size=1", *EP2, "--parallelism.data_parallel_replicate_degree=2"]),
-    "ep2_fsdp2_foreach": (4, [*batch(4), *EP2, "--optimizer.implementation=foreach"]),
-    "ep2_for_loop_full_ac": (
-        2,
-        [*batch(2), *EP2, "--optimizer.implementation=for-loop", "--activation_checkpoint.mode=full"],
+    "ep2_hsdp2_accum_foreach": (
+        4,
+        [
+            "--training.local_batch_size=1",
+            *EP2,
+            "--parallelism.data_parallel_replicate_degree=2",
+            "--optimizer.implementation=foreach",
+        ],
     ),
 }
 
 
-def expert_layout(extra_args: list[str]) -> dict:
-    """Where one block's experts live after start-up: their mesh, placements and local shape."""
-    trainer = Trainer(parse_args(BASE_ARGS + MOE + extra_args))
+def expert_layout(trainer: Trainer) -> dict:
+    """Where the first block's experts live after start-up: their mesh, placements and shapes."""
     experts = trainer.model.layers["0"].feed_forward.experts
     w1 = experts.w1
-    report = {
+    return {
         "expert_parallel": isinstance(experts, ExpertParallelExperts),
         "mesh": w1.device_mesh.mesh_dim_names,
         "placements": tuple(w1.placements),
         "local_shape": tuple(w1.to_local().shape),
         "shape": tuple(w1.shape),
     }
+
+
+def train_and_report_experts(extra_args: list[str]) -> dict:
+    """test_parity's train_and_report, with the experts' layout at start-up."""
+    trainer = Trainer(parse_args(BASE_ARGS + MOE + extra_args))
+    experts = expert_layout(trainer)
+    records = trainer.train()
+    report = {"loss": [r.loss for r in records], "grad_norm": [r.grad_norm for r in records]}
+    report |= {"params": full_weights(trainer.model), "experts": experts}
     dist.destroy_process_group()
     return report
 
@@ -79,8 +99,8 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
     session, out = Session(ports), {}
     for name, layout in RESHARD_LAYOUTS.items():
         trainer = session.trainer(layout, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/{name}")
-        at_save = record_state_at(trainer, SAVE_AT)
-        out[name] = train_to_end(trainer) | {"saved": at_save}
+        at_save, experts = record_state_at(trainer, SAVE_AT), expert_layout(trainer)
+        out[name] = train_to_end(trainer) | {"saved": at_save, "experts": experts}
     for source, target in (("ep2_fsdp2", "fsdp4"), ("fsdp4", "ep2_fsdp2")):
         folder = copy_checkpoint(f"{dump}/{source}/checkpoint/step-{SAVE_AT}", f"{dump}/{source}_to_{target}")
         out[f"{source}_to_{target}"] = resume(session, RESHARD_LAYOUTS[target], MOE, f"--job.dump_folder={folder}")
@@ -90,17 +110,21 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
 
 RUNS = {
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
-    **{f"layout {name}": Job(n, train_and_report, ([*extra, *MOE],)) for name, (n, extra) in LAYOUTS.items()},
+    **{f"layout {name}": Job(n, train_and_report_experts, (extra,)) for name, (n, extra) in LAYOUTS.items()},
     "pp2_ep2": Job(4, train_pipeline, (pp_args("1F1B", 4, 2, *MOE, *EP2),)),
-    "experts ep2_fsdp2": Job(4, expert_layout, ([*batch(4), *EP2],)),
-    "experts ep2_hsdp2": Job(4, expert_layout, ([*batch(4), *EP2, "--parallelism.data_parallel_replicate_degree=2"],)),
 }
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list]:
+def launch(tmp_path_factory) -> tuple[Path, dict[str, list]]:
+    """(the resharding job's dump folder, every job's per-rank results)."""
     dump = tmp_path_factory.mktemp("ep_reshard")
-    return run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(4))), **RUNS})
+    return dump, run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(4))), **RUNS})
+
+
+@pytest.fixture(scope="module")
+def runs(launch) -> dict[str, list]:
+    return launch[1]
 
 
 def test_the_moe_reference_learns(runs):
@@ -108,9 +132,13 @@ def test_the_moe_reference_learns(runs):
     assert reference["loss"][-1] < reference["loss"][0] - 0.1
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_fsdp2"])
 def test_expert_parallel_training_matches_one_process(runs, layout):
-    for rank_run in runs[f"layout {layout}"]:
+    if layout == "ep2_fsdp2":  # the resharding job's uninterrupted run
+        rank_runs = [{**out[layout], "params": out[layout]["weights"]} for out in runs["reshard"]]
+    else:
+        rank_runs = runs[f"layout {layout}"]
+    for rank_run in rank_runs:
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
 
 
@@ -120,11 +148,11 @@ def test_pipeline_with_expert_parallelism_matches_one_process(runs):
 
 def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
     # 4 experts [4, 32, 64]: EP 2 keeps 2 per rank, FSDP over the other 2 ranks half their rows.
-    for report in runs["experts ep2_fsdp2"]:
+    for report in (out["ep2_fsdp2"]["experts"] for out in runs["reshard"]):
         assert report["expert_parallel"]
         assert report["mesh"] == ("efsdp", "ep") and report["placements"] == (Shard(1), Shard(0))
         assert report["shape"] == (4, 32, 64) and report["local_shape"] == (2, 16, 64)
-    for report in runs["experts ep2_hsdp2"]:  # replicated over dp_replicate, one efsdp rank
+    for report in (run["experts"] for run in runs["layout ep2_hsdp2_accum_foreach"]):  # one efsdp rank
         assert report["mesh"] == ("dp_replicate", "efsdp", "ep")
         assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
 
@@ -153,11 +181,28 @@ def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, sour
 
 
 def test_the_resharded_runs_train_alike_uninterrupted(runs):
-    """The premise: both layouts' uninterrupted runs learn and agree with each other."""
+    """The premise: both layouts' uninterrupted runs agree with each other (and EP 2 x FSDP 2
+    with one process, above); the saved moments include the experts'."""
     ep, fsdp = runs["reshard"][0]["ep2_fsdp2"], runs["reshard"][0]["fsdp4"]
-    assert ep["loss"][-1] < ep["loss"][0] - 0.1
     torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(fsdp["loss"]), rtol=1e-5, atol=0)
+    assert_close_tensors(ep["weights"], fsdp["weights"], atol=1e-5)
     assert any("experts" in name for name in ep["saved"]["moments"])
+
+
+def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path):
+    """convert_dcp_to_hf.py on the EP 2 x FSDP 2 run's last checkpoint writes each expert
+    under its own name with the trained weights, as the adapter splits the whole model."""
+    dump, runs = launch
+    weights = runs["reshard"][0]["ep2_fsdp2"]["weights"]
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    assert export.main([str(dump / "ep2_fsdp2" / "checkpoint" / f"step-{STEPS}"), str(tmp_path / "hf")]) == 0
+    exported = hf_tensors(tmp_path / "hf")
+    args = get_model_args("qwen3", "tiny_moe")
+    expected = get_model_spec("qwen3").state_dict_adapter(args).to_hf(weights)
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in exported
+    assert exported.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.equal(exported[name], tensor), name
 
 
 # --- refusals --------------------------------------------------------------------------

@@ -224,11 +224,6 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
         raise ConfigError(
             f"{key} ({ep}) with parallelism.tensor_parallel_degree ({dims.tp}) is not built; set one of them to 1"
         )
-    if job_config.compile.enable and "model" in job_config.compile.components:
-        raise ConfigError(
-            f"{key} ({ep}) with a compiled model is not built (the all-to-all's split sizes are read on the host "
-            "in every MoE layer); leave 'model' out of compile.components"
-        )
 
 
 def check_pipeline_compile(job_config: JobConfig, schedule: str) -> None:

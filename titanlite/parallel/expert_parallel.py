@@ -83,6 +83,13 @@ class ExpertParallelExperts(nn.Module):
             setattr(self, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         self.use_grouped_mm = experts.use_grouped_mm
 
+    @torch.compiler.disable
+    def __call__(self, *args, **kwargs):
+        """Always eager, also inside a compiled block (which then breaks its graph here): the
+        exchange reads its split sizes on the host and runs in-place collectives, and FSDP's
+        hooks on this module (its own unit) must run outside compiled code."""
+        return super().__call__(*args, **kwargs)
+
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # received_counts[r, j]: rows rank r sends for this rank's local expert j.
         received_counts = torch.empty_like(counts)

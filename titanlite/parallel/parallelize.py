@@ -258,9 +258,12 @@ def keep_compiled_graphs_per_rank() -> None:
 
 def apply_compile(layers: nn.ModuleDict) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused
-    and FSDP's per-block hooks stay between graphs."""
+    and FSDP's per-block hooks stay between graphs. A block with expert-parallel experts is
+    compiled in pieces: the experts' call stays eager (ExpertParallelExperts.__call__), the
+    code before and after it is compiled."""
     for block in layers.values():
-        block.compile(fullgraph=True)
+        expert_parallel = any(isinstance(module, ExpertParallelExperts) for module in block.modules())
+        block.compile(fullgraph=not expert_parallel)
 
 
 def apply_fsdp(

@@ -5,6 +5,7 @@ optimizer kernel; checkpoints written under EP 2 x FSDP 2 resume under FSDP 4 an
 way round equal to the uninterrupted run; the layouts EP cannot run are refused in one line.
 Every multi-rank run is a job of one launch of 4 ranks."""
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
 
-from tests.helpers import free_ports, full_weights, hf_tensors, load_script
+from tests.helpers import capture_log_lines, free_ports, full_weights, hf_tensors, load_script
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     SAVE_AT,
@@ -28,6 +29,7 @@ from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_tr
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import record_state_at, resume
+from titanlite import train
 from titanlite.config import ConfigError, parse_args
 from titanlite.parallel.expert_parallel import ExpertParallelExperts
 from titanlite.plan import plan_run
@@ -78,9 +80,11 @@ def expert_layout(trainer: Trainer) -> dict:
 
 
 def train_and_report_experts(extra_args: list[str]) -> dict:
-    """test_parity's train_and_report, with the experts' layout at start-up."""
+    """test_parity's train_and_report, with the experts' layout and start-up log line."""
+    log = capture_log_lines()
     trainer = Trainer(parse_args(BASE_ARGS + MOE + extra_args))
-    experts = expert_layout(trainer)
+    logging.getLogger("titanlite").removeHandler(log)
+    experts = expert_layout(trainer) | {"lines": [line for line in log.lines if "expert parallelism" in line]}
     records = trainer.train()
     report = {"loss": [r.loss for r in records], "grad_norm": [r.grad_norm for r in records]}
     report |= {"params": full_weights(trainer.model), "experts": experts}
@@ -163,7 +167,13 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
         assert report["expert_parallel"]
         assert report["mesh"] == ("efsdp", "ep") and report["placements"] == (Shard(1), Shard(0))
         assert report["shape"] == (4, 32, 64) and report["local_shape"] == (2, 16, 64)
-    for report in (run["experts"] for run in runs["layout ep2_hsdp2_accum_foreach"]):  # one efsdp rank
+    hsdp = runs["layout ep2_hsdp2_accum_foreach"]
+    # Rank 0 logs its line (the ranks LOG_RANK names do; it defaults to 0).
+    assert hsdp[0]["experts"]["lines"] == [
+        "rank 0: expert parallelism: 2 of 4 experts per rank in each of 3 MoE layer(s), over ep 2; "
+        "experts FSDP-sharded over 1 rank(s), replicated 2 times"
+    ]
+    for report in (run["experts"] for run in hsdp):  # one efsdp rank
         assert report["mesh"] == ("dp_replicate", "efsdp", "ep")
         assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
 
@@ -214,6 +224,17 @@ def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path)
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_validate_only_says_how_the_experts_are_split(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert (
+        train.main([*BASE_ARGS, *MOE, *batch(8), "--parallelism.expert_parallel_degree=4", "--job.validate_only"]) == 0
+    )
+    assert (
+        "titanlite: config ok: FSDP + EP over 8 rank(s), experts split over ep 4 and FSDP-sharded over 2 rank(s), "
+        in capsys.readouterr().out
+    )
 
 
 # --- refusals --------------------------------------------------------------------------

@@ -131,3 +131,18 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
     if isinstance(moe.experts, ExpertParallelExperts):
         raise ValueError("the MoE layer's experts are already sharded (DTensors); apply expert parallelism once")
     moe.experts = ExpertParallelExperts(moe.experts, n_experts, ep_mesh)
+
+
+def expert_parallel_summary(parts: list[nn.Module], expert_fsdp: int, replicas: int) -> str | None:
+    """How this rank holds the experts of the model ``parts`` it runs, in one line for the
+    start-up log, or None when none of their experts are split by expert parallelism.
+    ``expert_fsdp``: the ranks FSDP shards each rank's experts over; ``replicas``: dp_replicate."""
+    layers = [module for part in parts for module in part.modules() if isinstance(module, ExpertParallelExperts)]
+    if not layers:
+        return None
+    first = layers[0]
+    replicated = f", replicated {replicas} times" if replicas > 1 else ""
+    return (
+        f"expert parallelism: {first.n_local} of {first.n_local * first.ep} experts per rank in each of "
+        f"{len(layers)} MoE layer(s), over ep {first.ep}; experts FSDP-sharded over {expert_fsdp} rank(s){replicated}"
+    )

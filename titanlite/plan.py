@@ -13,8 +13,8 @@ from torch import nn
 from titanlite.config import ConfigError, JobConfig, value_text
 from titanlite.config.job_config import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
-from titanlite.models.moe import MoE
 from titanlite.parallel import ParallelDims
+from titanlite.parallel.parallelize import moe_layers
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
 from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
@@ -207,7 +207,7 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
     (data_parallel_shard_degree / expert_parallel_degree)."""
     key, ep, model = "parallelism.expert_parallel_degree", dims.ep, job_config.model
     which = f"{model.name} {model.flavor}"
-    layers = [module for module in meta_model(job_config, model_args).modules() if isinstance(module, MoE)]
+    layers = moe_layers(meta_model(job_config, model_args))
     if not layers:
         raise ConfigError(f"{key} ({ep}) needs a model with routed experts; {which} has none: set it to 1")
     n_experts = layers[0].args.n_experts

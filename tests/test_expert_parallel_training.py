@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import capture_log_lines, free_ports, full_weights, hf_tensors, load_script
 from tests.multiprocess import Job, run_jobs_on_ranks
@@ -31,6 +32,7 @@ from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import record_state_at, resume
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
+from titanlite.parallel import ParallelDims
 from titanlite.parallel.expert_parallel import ExpertParallelExperts
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
@@ -224,6 +226,23 @@ def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path)
     assert exported.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_the_expert_view_splits_dp_shard_and_leaves_the_mesh_as_it_was():
+    """PP 2 x HSDP (2 x 4) with EP 2 on 16 ranks (a fake process group), seen from rank 5
+    (stage 0, replica 1, shard rank 1): its ep group is the shard ranks 0-1 of its replica, and
+    the experts' FSDP mesh the ranks holding the same experts (ep index 1) in both replicas."""
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+    try:
+        dims = ParallelDims.resolve(2, 4, 16, pp=2, ep=2)
+        mesh = dims.build_mesh("cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "tp")
+        assert dims.dp_mesh(mesh).mesh.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and dims.dp_rank(mesh) == 5
+        assert dims.ep_mesh(mesh).mesh.tolist() == [4, 5]
+        assert dims.expert_fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp")
+        assert dims.expert_fsdp_mesh(mesh).mesh.tolist() == [[1, 3], [5, 7]]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_validate_only_says_how_the_experts_are_split(monkeypatch, capsys):

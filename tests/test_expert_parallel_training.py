@@ -1,9 +1,11 @@
 """Expert parallelism in the trainer: tiny_moe trained under EP 2 (2 ranks), EP 2 x FSDP 2
 (4 ranks), EP 2 with replicas (HSDP 2 x 2, the experts' FSDP over one rank) and PP 2 x EP 2
 equals one process within 1e-5 per step (loss, grad norm, final weights), with each
-optimizer kernel; checkpoints written under EP 2 x FSDP 2 resume under FSDP 4 and the other
-way round equal to the uninterrupted run; the layouts EP cannot run are refused in one line.
-Every multi-rank run is a job of one launch of 4 ranks."""
+optimizer kernel, full activation checkpointing and compiled blocks (1e-4 for the weights);
+a checkpoint written under EP 2 x FSDP 2 resumes under FSDP 4, and one written there resumes
+under EP 2 x FSDP 2, equal to the uninterrupted run; an EP checkpoint exports to Hugging
+Face; the layouts EP cannot run are refused in one line. Every multi-rank run is a job of
+one launch of 4 ranks."""
 
 import logging
 from pathlib import Path
@@ -23,13 +25,14 @@ from tests.test_checkpoint_resume import (
     assert_bit_identical,
     assert_close_tensors,
     copy_checkpoint,
+    loaded_state,
     positions,
     train_to_end,
 )
 from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import SCRIPTS
-from tests.test_tp_checkpoint import record_state_at, resume
+from tests.test_tp_checkpoint import optimizer_moments, record_state_at
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
 from titanlite.parallel import ParallelDims
@@ -96,20 +99,32 @@ def train_and_report_experts(extra_args: list[str]) -> dict:
 
 # --- checkpoints reshard between EP 2 x FSDP 2 and FSDP 4 -----------------------------------
 
-RESHARD_LAYOUTS = {"ep2_fsdp2": [*batch(4), *EP2], "fsdp4": batch(4)}
+EP2_FSDP2, FSDP4 = [*batch(4), *EP2], batch(4)
+BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes back to EP 2 x FSDP 2
 
 
 def reshard_worker(dump: str, ports: list[int]) -> dict:
-    """test_checkpoint_resume's runs (EMA on) of tiny_moe: each layout uninterrupted, saving
-    at step 4; then each step-4 checkpoint resumed on the other layout."""
-    session, out = Session(ports), {}
-    for name, layout in RESHARD_LAYOUTS.items():
-        trainer = session.trainer(layout, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/{name}")
-        at_save, experts = record_state_at(trainer, SAVE_AT), expert_layout(trainer)
-        out[name] = train_to_end(trainer) | {"saved": at_save, "experts": experts}
-    for source, target in (("ep2_fsdp2", "fsdp4"), ("fsdp4", "ep2_fsdp2")):
-        folder = copy_checkpoint(f"{dump}/{source}/checkpoint/step-{SAVE_AT}", f"{dump}/{source}_to_{target}")
-        out[f"{source}_to_{target}"] = resume(session, RESHARD_LAYOUTS[target], MOE, f"--job.dump_folder={folder}")
+    """test_checkpoint_resume's runs (EMA on) of tiny_moe, as a chain: EP 2 x FSDP 2
+    uninterrupted, saving at step 4; that checkpoint resumed on FSDP 4, which saves at step 6;
+    that one resumed on EP 2 x FSDP 2 again. Each resumed run: what it loaded and its steps."""
+    session = Session(ports)
+    trainer = session.trainer(EP2_FSDP2, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/ep")
+    at_save, experts = record_state_at(trainer, SAVE_AT), expert_layout(trainer)
+    out = {"ep2_fsdp2": train_to_end(trainer) | {"saved": at_save, "experts": experts}}
+    steps = [
+        (f"{dump}/ep", SAVE_AT, FSDP4, "ep2_fsdp2_to_fsdp4"),
+        (f"{dump}/fsdp", BACK_AT, EP2_FSDP2, "fsdp4_to_ep2_fsdp2"),
+    ]
+    for source, step, layout, name in steps:
+        folder = copy_checkpoint(f"{source}/checkpoint/step-{step}", f"{dump}/{name}")
+        trainer = session.trainer(
+            layout, MOE, f"--checkpoint.interval={BACK_AT - SAVE_AT}", f"--job.dump_folder={folder}"
+        )
+        loaded = loaded_state(trainer) | {"moments": optimizer_moments(trainer)}
+        at_save = record_state_at(trainer, BACK_AT)
+        out[name] = train_to_end(trainer) | {"loaded": loaded, "saved": at_save}
+        if name == "ep2_fsdp2_to_fsdp4":  # its step-6 checkpoint goes back
+            copy_checkpoint(f"{folder}/checkpoint/step-{BACK_AT}", f"{dump}/fsdp")
     session.end()
     return out
 
@@ -129,7 +144,7 @@ RUNS = {
 def launch(tmp_path_factory) -> tuple[Path, dict[str, list]]:
     """(the resharding job's dump folder, every job's per-rank results)."""
     dump = tmp_path_factory.mktemp("ep_reshard")
-    return dump, run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(4))), **RUNS})
+    return dump, run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(3))), **RUNS})
 
 
 @pytest.fixture(scope="module")
@@ -180,36 +195,30 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
         assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
 
 
-@pytest.mark.parametrize("source, target", [("ep2_fsdp2", "fsdp4"), ("fsdp4", "ep2_fsdp2")])
-def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, source, target):
-    """The step-4 checkpoint of one layout, resumed on the other: it loads exactly what was
-    saved (weights, EMA, Adam's moments, data position), and steps 5-8 equal the
-    uninterrupted run's within 1e-5 (loss, grad norm, final weights and EMA)."""
+@pytest.mark.parametrize(
+    "resumed, written_by, step",
+    [("ep2_fsdp2_to_fsdp4", "ep2_fsdp2", SAVE_AT), ("fsdp4_to_ep2_fsdp2", "ep2_fsdp2_to_fsdp4", BACK_AT)],
+)
+def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, resumed, written_by, step):
+    """A checkpoint of one layout resumed on the other loads exactly what was saved (weights,
+    EMA, Adam's moments, data position), and its later steps equal the uninterrupted EP 2 x
+    FSDP 2 run's within 1e-5 (loss, grad norm, final weights and EMA)."""
     for rank_out in runs["reshard"]:
-        straight, saved = rank_out[source], rank_out[source]["saved"]
-        resumed = rank_out[f"{source}_to_{target}"]
-        loaded = resumed["loaded"]
-        assert positions(loaded) == positions(saved) and loaded["step"] == SAVE_AT
+        straight, saved, run = rank_out["ep2_fsdp2"], rank_out[written_by]["saved"], rank_out[resumed]
+        loaded = run["loaded"]
+        assert positions(loaded) == positions(saved) and loaded["step"] == step
         assert_bit_identical(loaded["weights"], saved["weights"])
         assert_bit_identical(loaded["ema"], saved["ema"])
         assert loaded["moments"].keys() == saved["moments"].keys()
+        assert any("experts" in name for name in saved["moments"])
         for name, moments in saved["moments"].items():
             assert_bit_identical(loaded["moments"][name], moments)
-        assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+        assert run["steps"] == list(range(step + 1, STEPS + 1))
         for key in ("loss", "grad_norm"):
-            expected = torch.tensor(straight[key][SAVE_AT:])
-            torch.testing.assert_close(torch.tensor(resumed[key]), expected, rtol=1e-5, atol=0)
-        assert_close_tensors(resumed["weights"], straight["weights"], atol=1e-5)
-        assert_close_tensors(resumed["ema"], straight["ema"], atol=1e-5)
-
-
-def test_the_resharded_runs_train_alike_uninterrupted(runs):
-    """The premise: both layouts' uninterrupted runs agree with each other (and EP 2 x FSDP 2
-    with one process, above); the saved moments include the experts'."""
-    ep, fsdp = runs["reshard"][0]["ep2_fsdp2"], runs["reshard"][0]["fsdp4"]
-    torch.testing.assert_close(torch.tensor(ep["loss"]), torch.tensor(fsdp["loss"]), rtol=1e-5, atol=0)
-    assert_close_tensors(ep["weights"], fsdp["weights"], atol=1e-5)
-    assert any("experts" in name for name in ep["saved"]["moments"])
+            expected = torch.tensor(straight[key][step:])
+            torch.testing.assert_close(torch.tensor(run[key]), expected, rtol=1e-5, atol=0)
+        assert_close_tensors(run["weights"], straight["weights"], atol=1e-5)
+        assert_close_tensors(run["ema"], straight["ema"], atol=1e-5)
 
 
 def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path):
@@ -218,7 +227,7 @@ def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path)
     dump, runs = launch
     weights = runs["reshard"][0]["ep2_fsdp2"]["weights"]
     export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
-    assert export.main([str(dump / "ep2_fsdp2" / "checkpoint" / f"step-{STEPS}"), str(tmp_path / "hf")]) == 0
+    assert export.main([str(dump / "ep" / "checkpoint" / f"step-{STEPS}"), str(tmp_path / "hf")]) == 0
     exported = hf_tensors(tmp_path / "hf")
     args = get_model_args("qwen3", "tiny_moe")
     expected = get_model_spec("qwen3").state_dict_adapter(args).to_hf(weights)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -29,14 +30,17 @@ from tests.test_checkpoint_resume import (
     positions,
     train_to_end,
 )
+from tests.test_expert_parallel import forward_backward
+from tests.test_moe import make_moe
 from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import optimizer_moments, record_state_at
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
+from titanlite.models.moe import MoEArgs
 from titanlite.parallel import ParallelDims
-from titanlite.parallel.expert_parallel import ExpertParallelExperts
+from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
 from titanlite.train import Trainer
@@ -129,9 +133,32 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
     return out
 
 
+# --- dropless at EP 4 -----------------------------------------------------------------------
+
+
+def dropless_at_ep4() -> dict:
+    """An MoE layer of 8 experts over EP 4 (2 per rank) whose bias sends every token of every
+    rank to expert 7 (rank 3's second): each rank's output and input gradient against the
+    whole layer's on the same tokens, and where the expert rows arrived."""
+    dist.init_process_group("gloo")
+    rank, ep = dist.get_rank(), dist.get_world_size()
+    moe = make_moe(MoEArgs(dim=16, n_experts=8, top_k=1, hidden_dim=24, bias_update_rate=1e-3)).train()
+    moe.expert_bias[7] = 100.0
+    x = torch.randn(2, 3 + rank, 16, generator=torch.Generator().manual_seed(rank))  # uneven token counts
+    probe = torch.randn(2, 3 + rank, 16, generator=torch.Generator().manual_seed(10 + rank))
+    whole = forward_backward(moe, x, probe)
+    moe.zero_grad()
+    apply_expert_parallel(moe, init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",)))
+    split = forward_backward(moe, x, probe)
+    rows_per_local_expert = split["grads"]["experts.w1"].abs().sum((1, 2)).gt(0).tolist()
+    dist.destroy_process_group()
+    return {"whole": whole, "ep": split, "experts_with_rows": rows_per_local_expert}
+
+
 # Only the blocks compiled (the loss's compilation adds time and nothing about EP).
 COMPILE_MODEL = ["--compile.enable", "--compile.components=model"]
 RUNS = {
+    "dropless ep4": Job(4, dropless_at_ep4),
     # Compiling is the slowest job: first, so that its ranks do not wait for it at the end.
     "compiled ep2": Job(2, train_and_report_experts, ([*batch(2), *EP2, *COMPILE_MODEL],)),
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
@@ -263,6 +290,16 @@ def test_validate_only_says_how_the_experts_are_split(monkeypatch, capsys):
         "titanlite: config ok: FSDP + EP over 8 rank(s), experts split over ep 4 and FSDP-sharded over 2 rank(s), "
         in capsys.readouterr().out
     )
+
+
+def test_dropless_at_ep4_when_every_token_goes_to_one_expert(runs):
+    """Every rank's tokens (6 to 12 of them) reach expert 7 on rank 3 and come back: each
+    rank's output and input gradient equal the whole layer's; only that expert got rows."""
+    for rank, result in enumerate(runs["dropless ep4"]):
+        torch.testing.assert_close(result["ep"]["out"], result["whole"]["out"], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(result["ep"]["x_grad"], result["whole"]["x_grad"], rtol=1e-6, atol=1e-6)
+        assert result["whole"]["out"].abs().sum() > 0
+        assert result["experts_with_rows"] == ([False, True] if rank == 3 else [False, False])
 
 
 # --- refusals --------------------------------------------------------------------------

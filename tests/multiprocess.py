@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
+from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from tests.helpers import AGENT_STORE, rendezvous_ports
 from titanlite.parallel import exit_process
@@ -99,6 +101,13 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> 
             raise RuntimeError(f"job {name!r} failed on its rank {job_rank}") from error
         if dist.is_initialized():  # the next job starts a default group of its own
             dist.destroy_process_group()
+        # DTensor caches sharding decisions and redistribution planners with the meshes they
+        # were made for, and a mesh of the next job with the same shape compares equal to
+        # this one's (torch 2.13 compares layouts, not process groups): a cached output spec
+        # (an in-place optimizer update's, say) would put a parameter on this job's
+        # destroyed groups.
+        _clear_sharding_prop_cache()
+        clear_redistribute_planner_cache()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     exit_process(0)  # as train.py's ranks end: no interpreter teardown racing gloo's threads
 

@@ -14,6 +14,7 @@ from titanlite.config import ConfigError, JobConfig, value_text
 from titanlite.config.job_config import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
+from titanlite.parallel.parallelize import moe_layers
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
 from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
@@ -106,6 +107,8 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         raise ConfigError(str(error)) from None
     if pipeline is not None:
         check_pipeline_validation(job_config)
+    if parallel_dims.ep > 1:
+        check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
     if pipeline is not None:
         check_pipeline_compile(job_config, pipeline.schedule)
@@ -195,6 +198,32 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     ]
     if missing:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
+
+
+def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
+    """Expert parallelism against the model's MoE layers, read from the model itself (built
+    on the meta device, so no model's args are named here): it needs experts, as many on
+    each ep rank, and expert rows that FSDP splits evenly over the ranks EP leaves
+    (data_parallel_shard_degree / expert_parallel_degree)."""
+    key, ep, model = "parallelism.expert_parallel_degree", dims.ep, job_config.model
+    which = f"{model.name} {model.flavor}"
+    layers = moe_layers(meta_model(job_config, model_args))
+    if not layers:
+        raise ConfigError(f"{key} ({ep}) needs a model with routed experts; {which} has none: set it to 1")
+    n_experts = layers[0].args.n_experts
+    if n_experts % ep:
+        raise ConfigError(f"{key} ({ep}) must divide the model's {n_experts} experts ({which})")
+    expert_fsdp = dims.dp_shard // ep
+    widths = {layers[0].args.dim, layers[0].args.hidden_dim}
+    if any(width % expert_fsdp for width in widths):
+        raise ConfigError(
+            f"parallelism.data_parallel_shard_degree / {key} ({expert_fsdp}) must divide the experts' widths "
+            f"{sorted(widths)} ({which}): FSDP splits each expert's rows over those ranks"
+        )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"{key} ({ep}) with parallelism.tensor_parallel_degree ({dims.tp}) is not built; set one of them to 1"
+        )
 
 
 def check_pipeline_compile(job_config: JobConfig, schedule: str) -> None:

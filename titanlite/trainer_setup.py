@@ -31,6 +31,7 @@ from titanlite.parallel import (
     use_collective_timeout,
     world_size_from_env,
 )
+from titanlite.parallel.expert_parallel import expert_parallel_summary
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.validation import Validator, build_validator
@@ -60,9 +61,15 @@ def config_ok_line(plan: RunPlan) -> str:
         if pipeline is None
         else f", {pipeline.num_stages} pipeline stages ({pipeline.schedule}, {pipeline.microbatches} micro-batch(es))"
     )
+    dims = plan.parallel_dims
+    experts = (
+        ""
+        if dims.ep == 1
+        else f", experts split over ep {dims.ep} and FSDP-sharded over {dims.dp_shard // dims.ep} rank(s)"
+    )
     return (
-        f"titanlite: config ok: {plan.parallel_dims.strategy} over {plan.parallel_dims.world_size} "
-        f"rank(s){stages}, global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+        f"titanlite: config ok: {dims.strategy} over {dims.world_size} rank(s){stages}{experts}, "
+        f"global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
     )
 
 
@@ -143,6 +150,8 @@ def log_built_model(
         "activation_checkpoint": ac.mode + (f"({ac.selective_ac_option})" if ac.mode == "selective" else ""),
         "compile": job_config.compile.components if job_config.compile.enable else "off",
     }
+    if dims.ep > 1:
+        settings["expert_parallel"] = dims.ep
     if dims.tp > 1:
         settings["sequence_parallel"] = job_config.parallelism.enable_sequence_parallel
         settings["loss_parallel"] = not job_config.parallelism.disable_loss_parallel
@@ -152,6 +161,9 @@ def log_built_model(
         settings["pipeline"] = f"{plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batch(es) per step"
     parts = model.parts if pipeline is not None else [model]
     log_startup(model, settings, len(model.layers), sharded=dims.fsdp_applied, rank=rank, parts=parts)
+    experts = expert_parallel_summary(parts, dims.dp_shard // dims.ep, dims.dp_replicate)
+    if experts is not None:
+        logger.info("rank %d: %s", rank, experts)
     if pipeline is not None:
         log_stages(plan.pipeline, pipeline.stage_indices, parts, rank)
     dtype_probe = ComputeDtypeProbe(parts, DTYPES[training.mixed_precision_param])

@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.config import Comm
 from titanlite.parallel.flight_recorder import start_flight_recorder
+from titanlite.parallel.parallel_dims import all_groups
 
 
 def world_size_from_env() -> int:
@@ -48,14 +49,14 @@ def init_distributed(device: torch.device, comm: Comm, dump_folder: str) -> str 
 
 
 def use_collective_timeout(mesh: DeviceMesh | None, seconds: int) -> None:
-    """Give every group the training talks over, the default one and each of ``mesh``'s,
-    this timeout for the collectives started from now on. Other groups (the checkpoint
-    manager's) keep theirs."""
+    """Give every group the training talks over, the default one and each of ``mesh``'s (its
+    expert view's included), this timeout for the collectives started from now on. Other
+    groups (the checkpoint manager's) keep theirs."""
     if not dist.is_initialized():
         return
     timeout = timedelta(seconds=seconds)
     # FSDP's mesh group is the default group itself; setting it twice changes nothing.
-    for group in [dist.group.WORLD, *(mesh.get_all_groups() if mesh is not None else [])]:
+    for group in [dist.group.WORLD, *all_groups(mesh)]:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 

@@ -30,6 +30,7 @@ late release aborts a process at exit).
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -83,15 +84,19 @@ class ExpertParallelExperts(nn.Module):
             setattr(self, name, nn.Parameter(sharded, requires_grad=full.requires_grad))
         self.use_grouped_mm = experts.use_grouped_mm
 
+    @torch.compiler.disable
+    def __call__(self, *args, **kwargs):
+        """Always eager, also inside a compiled block (which then breaks its graph here): the
+        exchange reads its split sizes on the host and runs in-place collectives, and FSDP's
+        hooks on this module (its own unit) must run outside compiled code."""
+        return super().__call__(*args, **kwargs)
+
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # received_counts[r, j]: rows rank r sends for this rank's local expert j.
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)
         received_counts = received_counts.view(self.ep, self.n_local)
-        # The only host sync: the uneven all-to-all's split sizes.
-        send_splits, receive_splits = torch.stack(
-            [counts.view(self.ep, self.n_local).sum(1), received_counts.sum(1)]
-        ).tolist()
+        send_splits, receive_splits = self._split_sizes(counts, received_counts, rows.shape[0])
         received = all_to_all(rows, receive_splits, send_splits, self.group)
         # Arrived grouped by source rank, then by local expert: regroup by local expert.
         local_expert = torch.arange(self.n_local, device=rows.device).repeat(self.ep)
@@ -100,6 +105,16 @@ class ExpertParallelExperts(nn.Module):
         local_out = self._run_local_experts(received[order], received_counts.sum(0))
         back_in_arrival_order = local_out[torch.argsort(order)]
         return all_to_all(back_in_arrival_order, send_splits, receive_splits, self.group)
+
+    def _split_sizes(self, counts: torch.Tensor, received_counts: torch.Tensor, n_rows: int) -> list[list[int]]:
+        """(rows sent to each rank, rows received from each rank): the only host sync, the
+        uneven all-to-all's split sizes. Fake tensors (the memory estimator's) hold no
+        values to read: an even load is assumed there, every rank sending n_rows / ep rows
+        to each rank, as the estimator models it."""
+        if is_fake(counts):
+            even = [n_rows // self.ep + (rank < n_rows % self.ep) for rank in range(self.ep)]
+            return [even, even]
+        return torch.stack([counts.view(self.ep, self.n_local).sum(1), received_counts.sum(1)]).tolist()
 
     def _run_local_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = (getattr(self, name).to_local() for name in EXPERT_WEIGHTS)
@@ -124,3 +139,18 @@ def apply_expert_parallel(moe: MoE, ep_mesh: DeviceMesh) -> None:
     if isinstance(moe.experts, ExpertParallelExperts):
         raise ValueError("the MoE layer's experts are already sharded (DTensors); apply expert parallelism once")
     moe.experts = ExpertParallelExperts(moe.experts, n_experts, ep_mesh)
+
+
+def expert_parallel_summary(parts: list[nn.Module], expert_fsdp: int, replicas: int) -> str | None:
+    """How this rank holds the experts of the model ``parts`` it runs, in one line for the
+    start-up log, or None when none of their experts are split by expert parallelism.
+    ``expert_fsdp``: the ranks FSDP shards each rank's experts over; ``replicas``: dp_replicate."""
+    layers = [module for part in parts for module in part.modules() if isinstance(module, ExpertParallelExperts)]
+    if not layers:
+        return None
+    first = layers[0]
+    replicated = f", replicated {replicas} times" if replicas > 1 else ""
+    return (
+        f"expert parallelism: {first.n_local} of {first.n_local * first.ep} experts per rank in each of "
+        f"{len(layers)} MoE layer(s), over ep {first.ep}; experts FSDP-sharded over {expert_fsdp} rank(s){replicated}"
+    )

@@ -8,6 +8,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
+def group_by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in lists of one device mesh each (plain tensors together), in first-seen
+    order. DTensor's foreach kernels take one mesh per call: under expert parallelism the
+    experts live on another mesh than the dense parameters, and a single call over both fails."""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
+    return list(groups.values())
+
+
 def _copies(grad: torch.Tensor, stages: int) -> int:
     """How many ranks hold this rank's piece of ``grad``: the sizes of the mesh dimensions it
     is replicated over (a DTensor), or every rank of its pipeline stage (a plain tensor, which
@@ -96,5 +106,6 @@ def clip_grad_norm_(
     _grads_in_parameter_layout(parameters)
     total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type, stages)
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total_norm, foreach=True)
+        for same_mesh in group_by_mesh(parameters):
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total_norm, foreach=True)
     return total_norm

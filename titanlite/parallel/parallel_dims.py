@@ -14,6 +14,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # outermost, so the slowest links carry the least traffic.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
+# Expert parallelism's view of the mesh: the dp_shard dimension split into (efsdp, ep). The
+# ep ranks of one group are consecutive shard ranks (the inner dimension), so an all-to-all
+# stays within the ranks closest together; efsdp counts the groups, and FSDP shards the
+# experts over it (and replicates them over dp_replicate).
+EXPERT_MESH_DIMS = ("efsdp", "ep")
+
+# The attribute of a run's mesh that holds its expert view (see ParallelDims.build_mesh).
+_EXPERT_VIEW = "titanlite_expert_view"
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -113,7 +122,21 @@ class ParallelDims:
         """The run's one mesh. With pipeline parallelism the 4-D (pp, dp_replicate, dp_shard,
         tp) mesh; else without tensor parallelism the data-parallel mesh FSDP shards over
         (1-D for FSDP, 2-D (replicate, shard) for HSDP and DDP); with it, the 3-D
-        (dp_replicate, dp_shard, tp) mesh. None for a single process."""
+        (dp_replicate, dp_shard, tp) mesh. None for a single process.
+
+        With expert parallelism the mesh also carries its expert view: the same ranks with
+        dp_shard unflattened into (efsdp, ep) (DeviceMesh._unflatten). Everything that shards
+        or reads over dp_shard (FSDP of the dense parameters, the data loader's rank, the
+        collective timeouts) keeps using the mesh as it is; ep_mesh and expert_fsdp_mesh
+        slice the view. The view is made once, here, because unflattening creates the
+        efsdp and ep process groups on every call."""
+        mesh = self._build_layout_mesh(device_type)
+        if mesh is not None and self.ep > 1:
+            view = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), EXPERT_MESH_DIMS)
+            setattr(mesh, _EXPERT_VIEW, view)
+        return mesh
+
+    def _build_layout_mesh(self, device_type: str) -> DeviceMesh | None:
         if self.world_size == 1:
             return None
         if self.pp > 1:
@@ -146,6 +169,22 @@ class ParallelDims:
             return None
         return mesh["dp_shard"] if self.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
 
+    def ep_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The 1-D expert-parallel group of ``mesh`` (this rank and the ranks holding the other
+        experts of each MoE layer), or None without expert parallelism."""
+        return expert_view(mesh)["ep"] if mesh is not None and self.ep > 1 else None
+
+    def expert_fsdp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """What FSDP shards (and replicates) the experts over under expert parallelism: the
+        data-parallel ranks holding the same experts, efsdp (with dp_replicate under HSDP
+        and DDP), or None without expert parallelism. It may have one rank: FSDP over it then
+        only gathers nothing and reduces nothing, but keeps the experts' gradients in the
+        same units and reductions (the replicas' all-reduce, the divide factor) as the rest."""
+        if mesh is None or self.ep == 1:
+            return None
+        view = expert_view(mesh)
+        return view["efsdp"] if self.dp_replicate == 1 else view["dp_replicate", "efsdp"]
+
     def tp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The tensor-parallel part of ``mesh``, or None without tensor parallelism."""
         return mesh["tp"] if mesh is not None and self.tp > 1 else None
@@ -166,6 +205,23 @@ class ParallelDims:
         from its place in the mesh: tp ranks of one group share it."""
         coordinate = self.coordinate(mesh)
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)
+
+
+def expert_view(mesh: DeviceMesh) -> DeviceMesh:
+    """The expert view build_mesh keeps on a run's mesh under expert parallelism: its
+    dimensions with dp_shard split into (efsdp, ep)."""
+    view = getattr(mesh, _EXPERT_VIEW, None)
+    if view is None:
+        raise ValueError("this mesh has no expert view: build it with ParallelDims.build_mesh and ep > 1")
+    return view
+
+
+def all_groups(mesh: DeviceMesh | None) -> list:
+    """Every process group of ``mesh``'s dimensions, and of its expert view's when it has one."""
+    if mesh is None:
+        return []
+    view = getattr(mesh, _EXPERT_VIEW, None)
+    return [*mesh.get_all_groups(), *(view.get_all_groups() if view is not None else [])]
 
 
 def _gloo_pipeline_group(device_type: str) -> dict | None:

@@ -1,16 +1,19 @@
-"""Where parallelism is applied: tensor parallelism, activation checkpointing, torch.compile,
-then FSDP2.
+"""Where parallelism is applied: tensor parallelism, expert parallelism, activation
+checkpointing, torch.compile, then FSDP2.
 
 The order matters and is fixed:
   1. tensor parallelism turns each block's matrices into DTensors split over the mesh's
      ``tp`` dimension, with the collectives between them; everything after sees the
      already-split block;
-  2. activation checkpointing wraps each transformer block, so that
-  3. torch.compile sees the checkpointed block and compiles recomputation (and TP's
+  2. expert parallelism splits each mixture-of-experts layer's stacked experts over the
+     ``ep`` ranks (DTensors, Shard(0)), with the all-to-alls that carry tokens to them;
+  3. activation checkpointing wraps each transformer block, so that
+  4. torch.compile sees the checkpointed block and compiles recomputation (and TP's
      collectives) with it, and
-  4. fully_shard runs last, around the (compiled, checkpointed) blocks and then the
+  5. fully_shard runs last, around the (compiled, checkpointed) blocks and then the
      root, over the mesh's data-parallel dimensions, so FSDP's all-gather/reduce-scatter
-     hooks sit outside compiled code and shard the TP shards further.
+     hooks sit outside compiled code and shard the TP shards further. Experts split by EP
+     get their own unit inside their block's, over the data-parallel ranks EP leaves.
 The model must still be on the meta device; the caller materialises it afterwards.
 """
 
@@ -38,6 +41,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
+from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.parallel.parallel_dims import ParallelDims
 
 # Ops whose outputs per-op selective checkpointing keeps: the matmuls and the attention
@@ -250,6 +254,22 @@ def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):
     return contextlib.nullcontext()
 
 
+# --- Expert parallelism ----------------------------------------------------------------
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's mixture-of-experts layers, found by type (no model's module names)."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+def _shard_experts_by_row(param: nn.Parameter) -> Shard:
+    """FSDP's placement for an expert-parallel weight [local experts, out, in]: its rows
+    (dimension 1). Dimension 0 is already split by EP; FSDP's default Shard(0) on top would
+    make a strided shard (each rank a slice of every EP block), where Shard(1) keeps both
+    splits plain (EP by expert, FSDP by row within each expert)."""
+    return Shard(1)
+
+
 # --- Activation checkpointing, compile, FSDP ------------------------------------------
 
 
@@ -290,9 +310,12 @@ def keep_compiled_graphs_per_rank() -> None:
 
 def apply_compile(layers: nn.ModuleDict) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused
-    and FSDP's per-block hooks stay between graphs."""
+    and FSDP's per-block hooks stay between graphs. A block with expert-parallel experts is
+    compiled in pieces: the experts' call stays eager (ExpertParallelExperts.__call__), the
+    code before and after it is compiled."""
     for block in layers.values():
-        block.compile(fullgraph=True)
+        expert_parallel = any(isinstance(module, ExpertParallelExperts) for module in block.modules())
+        block.compile(fullgraph=not expert_parallel)
 
 
 def apply_fsdp(
@@ -303,8 +326,12 @@ def apply_fsdp(
     reduce_dtype: torch.dtype,
     reshard_after_forward: str,
     cpu_offload: bool,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
-    """One FSDP unit per block plus the root (embeddings, final norm, output)."""
+    """One FSDP unit per block plus the root (embeddings, final norm, output). With expert
+    parallelism each block's experts are a unit of their own first, over ``expert_mesh``
+    (the data-parallel ranks holding the same experts), since their EP split already uses
+    the ep part of the block's mesh."""
     # No cast of forward arguments: a block's arguments are the hidden state and the RoPE
     # cos/sin tables, and the tables must stay float32 as in a single process (bf16 keeps
     # 8 significant bits of each value). The hidden state needs no cast: the embedding
@@ -325,6 +352,9 @@ def apply_fsdp(
             # Backward starts with the last block, so freeing it after forward would
             # only force an immediate second all-gather.
             reshard = index < len(blocks) - 1
+        for experts in (m for m in block.modules() if isinstance(m, ExpertParallelExperts)):
+            expert_options = {**options, "mesh": expert_mesh, "shard_placement_fn": _shard_experts_by_row}
+            fully_shard(experts, reshard_after_forward=reshard, **expert_options)
         fully_shard(block, reshard_after_forward=reshard, **options)
     fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **options)
     # Gradients are summed, not averaged, across ranks: the trainer already divides the
@@ -347,7 +377,7 @@ def set_gradient_all_reduce(model: nn.Module, parallel_dims: ParallelDims, enabl
 def parallelize_decoder(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
 ) -> nn.Module:
-    """Apply TP, AC, compile and FSDP, in that order, to a Llama decoder."""
+    """Apply TP, EP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
     parallelism = job_config.parallelism
     # 1. Tensor parallelism over the mesh's tp dimension.
     tp_mesh = parallel_dims.tp_mesh(mesh)
@@ -360,15 +390,20 @@ def parallelize_decoder(
         )
         if parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel()
-    # 2. Activation checkpointing, per block.
+    # 2. Expert parallelism over the ep ranks (a split of dp_shard's), every MoE layer.
+    ep_mesh = parallel_dims.ep_mesh(mesh)
+    if ep_mesh is not None:
+        for moe in moe_layers(model):
+            apply_expert_parallel(moe, ep_mesh)
+    # 3. Activation checkpointing, per block.
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
-    # 3. Compile, per block. Process-wide, so for the compiled loss too.
+    # 4. Compile, per block. Process-wide, so for the compiled loss too.
     if job_config.compile.enable and tp_mesh is not None:
         keep_compiled_graphs_per_rank()
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model.layers)
-    # 4. FSDP over the data-parallel dimensions.
+    # 5. FSDP over the data-parallel dimensions (the experts over what EP leaves of them).
     dp_mesh = parallel_dims.dp_mesh(mesh)
     if dp_mesh is not None:
         training = job_config.training
@@ -385,6 +420,7 @@ def parallelize_decoder(
             reduce_dtype=DTYPES[training.mixed_precision_reduce],
             reshard_after_forward=reshard,
             cpu_offload=training.enable_cpu_offload,
+            expert_mesh=parallel_dims.expert_fsdp_mesh(mesh),
         )
     return model
 

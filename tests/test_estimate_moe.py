@@ -101,14 +101,14 @@ def test_floor_counts_each_ranks_experts_under_ep():
     # rest: EP only changes which experts (n_experts / ep of them, over the s / ep ranks left).
     base = ["--job.config_file", CONFIG, "--parallelism.data_parallel_shard_degree=8"]
     floors = {}
-    for extra in ([], ["--parallelism.expert_parallel_degree=4"]):
-        config = parse_args([*base, *extra])
-        floors[len(extra)] = fullest_floor(config, plan_run(config, 8))[1]["weights and Adam state"]
+    for ep in (1, 4):
+        config = parse_args([*base, f"--parallelism.expert_parallel_degree={ep}"])
+        floors[ep] = fullest_floor(config, plan_run(config, 8))[1]["weights and Adam state"]
     model = model_on_meta(A3B)
     dense, experts = (exact_model_state_bytes(model, 8, kind=kind) for kind in ("dense", "experts"))
     assert (
-        floors[0]
-        == floors[1]
+        floors[1]
+        == floors[4]
         == dense.parameters + dense.optimizer_state + experts.parameters + (experts.optimizer_state)
     )
 

@@ -13,16 +13,19 @@ parallelize function (tensor parallelism included), optimizer, activation checkp
 mixed precision, one forward/backward/optimizer step under PyTorch's FSDP memory tracker.
 Step time: an analytic model of compute (FLOPs per token x tokens per device over peak x
 efficiency) and communication (FSDP's all-gather and reduce-scatter on the shard group, the
-all-reduce on the replicate group, TP's per-block collectives on the TP group, each on the
-link its ranks share). Every other option is a config override (--section.key value), as
-for training: --parallelism.tensor_parallel_degree 2 asks for TP.
+all-reduce on the replicate group, TP's per-block collectives on the TP group, expert
+parallelism's all-to-alls on the EP group, each on the link its ranks share). Every other
+option is a config override (--section.key value), as for training:
+--parallelism.tensor_parallel_degree 2 asks for TP.
 
 The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
 FSDP and HSDP (one shard group per node), each with every TP degree the model and the node
 allow and every pipeline degree of --sweep_pp (1, 2, 4, 8, 16) with each schedule of
---sweep_schedules (1F1B, Interleaved1F1B), at 8, 64, 512 and 4096 GPUs (or --sweep_sizes),
-holding the global batch (training.global_batch_size, or local_batch_size x GPUs) with no
-accumulation, then which layout wins at each size, whether TP and whether PP win, and why.
+--sweep_schedules (1F1B, Interleaved1F1B) and, for an MoE model, every expert-parallel degree
+of --sweep_ep that the layout's shard degree and the experts allow, at 8, 64, 512 and 4096 GPUs
+(or --sweep_sizes), holding the global batch (training.global_batch_size, or local_batch_size x
+GPUs) with no accumulation, then which layout wins at each size, whether TP, PP and EP win, and
+why.
 A layout that does not fit is reported as such (exit status 0); bad input is one line on
 stderr and exit status 2.
 """

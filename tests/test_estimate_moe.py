@@ -130,6 +130,34 @@ def test_simulated_memory_under_ep_gathers_fewer_experts_and_buffers_the_all_to_
         assert any("expert parallelism" in note for note in estimates[ep].notes)
 
 
+def test_simulated_pipeline_stage_under_ep_holds_its_experts_gathered_over_ep():
+    # PP 2 x FSDP 2, two micro-batches: each stage stays gathered (bf16) with its gradients
+    # unreduced (fp32) for the whole step; under EP 2 that is half of its experts.
+    pipeline = [
+        *TINY_MOE,
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.pipeline_parallel_microbatch_size=1",
+    ]
+    estimates = {
+        ep: estimate_memory(parse_args([*pipeline, f"--parallelism.expert_parallel_degree={ep}"]), 4, "cpu")
+        for ep in (1, 2)
+    }
+    args = QWEN3_FLAVORS["tiny_moe"]
+    buffers = 2 * 1 * 64 * args.top_k * args.dim * 2
+    for without, with_ep in zip(estimates[1].pipeline, estimates[2].pipeline, strict=True):
+        blocks = [name for stage in with_ep.stages for name in _stage_blocks(stage)]
+        held_experts = param_counts(args).experts[0] * len(blocks)
+        change = with_ep.peak["temporary"] - without.peak["temporary"]
+        assert change == buffers - held_experts // 2 * (2 + 4), with_ep.pp_rank
+
+
+def _stage_blocks(stage: int) -> list[str]:
+    """The blocks pipeline stage ``stage`` of tiny_moe holds under PP 2."""
+    config = parse_args([*TINY_MOE, "--parallelism.pipeline_parallel_degree=2"])
+    modules = plan_run(config, 4).pipeline.stage_modules[stage]
+    return [name for name in modules if name.startswith("layers.")]
+
+
 # --- the all-to-all ----------------------------------------------------------------------------
 
 

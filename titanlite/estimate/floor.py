@@ -194,12 +194,12 @@ def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tu
         logits_batch = job_config.parallelism.pipeline_parallel_microbatch_size if holds_logits else 0
         whose = f"pp rank {pp_rank} (stage(s) {', '.join(map(str, stages))}) of "
         rank_floor = floor(model, logits_batch)
-        rank_floor["unsharded stage weights and gradients"] = _unsharded_stage_bytes(job_config, plan, model)
+        rank_floor["unsharded stage weights and gradients"] = unsharded_stage_bytes(job_config, plan, model)
         floors.append((whose, rank_floor))
     return floors
 
 
-def _unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
+def unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
     """What FSDP surely holds unsharded on a pp rank with several micro-batches per step: as
     torch.distributed.pipelining runs FSDP, every micro-batch's backward but the step's last
     keeps the stage's gradients unsharded and unreduced (accumulated in the reduce dtype), and

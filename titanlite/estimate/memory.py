@@ -75,7 +75,7 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes
+from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes, unsharded_stage_bytes
 from titanlite.estimate.pipeline import in_flight_microbatches
 from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_stage_step, tracked_step
 from titanlite.metrics.flops import param_counts
@@ -199,15 +199,21 @@ def _without_expert_parallelism(job_config: JobConfig) -> JobConfig:
     return dataclasses.replace(job_config, parallelism=parallelism)
 
 
-def _expert_parallel_bytes(plan, job_config: JobConfig, ep: int, stage_modules: tuple[str, ...] | None) -> dict:
-    """What expert parallelism over ``ep`` ranks changes in a rank's step, by arithmetic: the
-    simulation cannot run the EP layer, whose all-to-all split sizes are read on the host
-    (``tolist``), which fake tensors have no values for, so it runs the layout with EP off
-    (the experts FSDP-sharded over all the shard ranks) and these are added to its peak:
+def _expert_parallel_bytes(
+    plan, job_config: JobConfig, model: nn.Module, stage_modules: tuple[str, ...] | None
+) -> dict[str, int]:
+    """What expert parallelism (``plan``'s ep ranks) changes in a rank's step, by arithmetic:
+    the simulation cannot run the EP layer, whose all-to-all split sizes are read on the host
+    (``tolist``), which fake tensors have no values for, so it runs ``model`` (the run's, or a
+    stage's) with EP off, the experts FSDP-sharded over all the shard ranks, and these are
+    added to its peak:
 
-        temporary  - (1 - 1/ep) x one MoE block's experts x parameter bytes: FSDP gathers a
-                     block's n_experts / ep experts, not all n_experts (one block gathered at
-                     the peak; never more than the simulated temporaries)
+        temporary  - what FSDP holds gathered less: a block's n_experts / ep experts, not all
+                     n_experts, (1 - 1/ep) x one MoE block's experts x parameter bytes (one
+                     block gathered at the peak); under pipeline parallelism with several
+                     micro-batches, where the stage stays gathered and its gradients unreduced
+                     for the whole step, (1 - 1/ep) of all the stage's experts so held
+                     (floor.unsharded_stage_bytes); never more than the simulated temporaries
                    + 2 x tokens x top_k x dim x parameter bytes: the rows a rank receives for
                      its experts and the results it sends back, beside the rows the layer
                      makes without EP (an even load: a rank's experts get its share of pairs)
@@ -215,20 +221,20 @@ def _expert_parallel_bytes(plan, job_config: JobConfig, ep: int, stage_modules: 
     The sharded experts, their gradients and Adam state are 1 / shards of them either way
     (n_experts / ep experts over shards / ep ranks; exact_model_state_bytes with ``ep``),
     different only by FSDP's padding, which the caller takes from that arithmetic."""
-    args, training = plan.model_args, job_config.training
+    args, training, ep = plan.model_args, job_config.training, plan.parallel_dims.ep
     p_bytes = DTYPES[training.mixed_precision_param].itemsize
-    block_experts = max(param_counts(args).experts, default=0)
+    gathered = int(max(param_counts(args).experts, default=0) * (1 - 1 / ep)) * p_bytes
     tokens = training.local_batch_size * training.seq_len
     if stage_modules is not None:
         tokens = job_config.parallelism.pipeline_parallel_microbatch_size * training.seq_len
         if not any(name.startswith("layers.") for name in stage_modules):
             return {"gathered": 0, "buffers": 0}
+        without_ep = dataclasses.replace(plan, parallel_dims=dataclasses.replace(plan.parallel_dims, ep=1))
+        held = [unsharded_stage_bytes(job_config, layout, model) for layout in (without_ep, plan)]
+        gathered = max(gathered, held[0] - held[1])
     if plan.parallel_dims.tp > 1 and job_config.parallelism.enable_sequence_parallel:
         tokens //= plan.parallel_dims.tp
-    return {
-        "gathered": int(block_experts * (1 - 1 / ep)) * p_bytes,
-        "buffers": 2 * tokens * args.top_k * args.dim * p_bytes,
-    }
+    return {"gathered": gathered, "buffers": 2 * tokens * args.top_k * args.dim * p_bytes}
 
 
 @contextlib.contextmanager
@@ -334,7 +340,7 @@ def _simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] 
     for a stage two of its micro-batches (one without the pipeline's per-micro-batch
     settings' effects would miss the gathered parameters and unreduced gradients they keep)."""
     training, parallel_dims = job_config.training, plan.parallel_dims
-    ep = parallel_dims.ep
+    ep, ep_plan = parallel_dims.ep, plan
     if ep > 1:  # simulated without EP, then corrected by arithmetic (_expert_parallel_bytes)
         job_config, plan = (
             _without_expert_parallelism(job_config),
@@ -372,7 +378,8 @@ def _simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] 
     peak, measured, activations = fold_step(step)
     measured = dataclasses.replace(measured, gradients=gradient_bytes)
     if ep > 1:
-        _add_expert_parallelism(peak, exact, state(), _expert_parallel_bytes(plan, job_config, ep, stage_modules))
+        changes = _expert_parallel_bytes(ep_plan, job_config, model, stage_modules)
+        _add_expert_parallelism(peak, exact, state(), changes)
     return _Simulated(peak, activations, measured, exact, num_params, ema_bytes)
 
 

@@ -1,9 +1,11 @@
 """The MoE layer's grouped GEMM against its loop over experts: forward and backward time of
-titanlite/models/moe.py in bfloat16, per shape, with both paths checked equal first.
+titanlite/models/moe.py in bfloat16, per shape, with both paths checked equal first; then the
+bytes expert parallelism's all-to-alls really move on 2 gloo ranks against the estimator's.
 
     python benchmarks/moe.py                 # 4 shapes, 3 timed passes each (about 2 minutes on 2 vCPUs)
     python benchmarks/moe.py --quick         # one tiny shape, one timed pass (seconds)
     python benchmarks/moe.py --shape 64,8,1024,512,1024 --repeats 5
+    python benchmarks/moe.py --a2a_shape 16,4,512,256,4096 --a2a_passes 3
 
 A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). Per shape
 one bf16 MoE layer (the init's weights, seed 0; no load balancing) takes one batch of random
@@ -29,24 +31,42 @@ loop / grouped for both, the largest difference of the check); the last line is
 
     loop / grouped forward+backward time, bf16: r1, r2, ... (experts/top-k/dim/hidden/tokens: ...)
 
-Not built yet — all-to-all bytes against the estimator: the issue's second half of this
-benchmark, the bytes that expert parallelism's all-to-all sends per step on gloo ranks
-against the estimator's all-to-all volume. It needs expert parallelism and the estimator's
-MoE terms, neither of which exists yet, and is added with them.
+All-to-all bytes (the second half): 2 gloo ranks (spawned as torchrun would, ending as
+titanlite's ranks do) build the same float32 MoE layer of --a2a_shape, split its experts over
+a 1-D ``ep`` mesh of both (apply_expert_parallel), and each runs --a2a_passes forward +
+backward passes on its own random tokens, then as many under activation checkpointing (whose
+backward runs the forward, and its all-to-alls, again). Every ``dist.all_to_all_single`` is
+intercepted and the bytes it sends to the other rank added up (from its split sizes: what
+leaves the rank, not what it keeps). Checked, per rank: those bytes equal a count by hand
+from the routing itself (the rank's pairs for the other rank's experts and the other rank's
+pairs for its experts, each twice per plain pass and three times per checkpointed one, plus
+the exchanged token counts), so the interception sees every all-to-all and nothing else. Printed: per rank, measured and
+estimated bytes (titanlite.estimate.communication.expert_all_to_all_bytes, the function the
+step time uses, which assumes an even load); the last line is
+
+    measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: r0, r1 (rank 0, rank 1; ...)
+
+A ratio above 1 is a rank whose tokens go to the other rank's experts more than evenly.
 """
 
 import argparse
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from rank_process import end_rank, free_port, torchrun_environment  # noqa: E402
+
+from titanlite.estimate.communication import expert_all_to_all_bytes  # noqa: E402
 from titanlite.models.moe import MoE, MoEArgs, grouped_mm_fits  # noqa: E402
 
 # Largest |grouped - loop| / largest |loop| of any checked tensor: a few bfloat16 roundings
@@ -54,6 +74,8 @@ from titanlite.models.moe import MoE, MoEArgs, grouped_mm_fits  # noqa: E402
 TOLERANCE = 2e-2
 SHAPES = ("8,2,256,512,8192", "8,2,1024,2048,2048", "32,8,512,256,4096", "64,8,512,256,2048")
 QUICK_SHAPE = "8,2,64,64,256"
+A2A_SHAPE = "16,4,512,256,4096"
+EP = 2
 
 
 @dataclass(frozen=True)
@@ -149,6 +171,141 @@ def measure(shape: Shape, repeats: int) -> dict:
     return {"grouped_ms": median[True], "loop_ms": median[False], "difference": difference}
 
 
+# --- all-to-all bytes under expert parallelism ---------------------------------------------
+
+
+class SentBytes:
+    """Counts what every dist.all_to_all_single call sends to the other ranks, while installed."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank, self.world_size, self.bytes, self.calls = rank, world_size, 0, 0
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        self.real = dist.all_to_all_single
+
+        def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+            rows = input_split_sizes or [input.shape[0] // self.world_size] * self.world_size
+            row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+            self.bytes += sum(size for peer, size in enumerate(rows) if peer != self.rank) * row_bytes
+            self.calls += 1
+            return self.real(output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+        dist.all_to_all_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        dist.all_to_all_single = self.real
+
+
+def rank_tokens(shape: "Shape", rank: int) -> torch.Tensor:
+    """The float32 tokens rank ``rank`` routes (its own, as data parallelism gives it)."""
+    return torch.randn(shape.tokens, shape.dim, generator=torch.Generator().manual_seed(100 + rank))
+
+
+def pairs_between(moe: MoE, tokens: torch.Tensor, source: int, owner: int) -> int:
+    """How many (token, expert) pairs of rank ``source``'s ``tokens`` go to an expert rank
+    ``owner`` holds, by the layer's own routing."""
+    from titanlite.models.moe import route
+
+    with torch.no_grad():
+        experts = route(tokens, moe.gate.weight, moe.args.top_k, moe.args.norm_topk_prob).experts
+    return int((experts // (moe.args.n_experts // EP) == owner).sum()) if source != owner else 0
+
+
+def by_hand_bytes(moe: MoE, shape: "Shape", rank: int, checkpointed: bool) -> int:
+    """What one pass of ``rank`` sends to the other rank, counted from the routing: its pairs
+    for the other rank's experts (the dispatch, and the combine's gradient in backward), the
+    other rank's pairs for its own experts (sent back by the combine, and the dispatch's
+    gradient), both once more when checkpointing re-runs the forward; and before each forward
+    the token counts meant for the other rank's experts (int64)."""
+    other = 1 - rank
+    away = pairs_between(moe, rank_tokens(shape, rank), rank, other)
+    back = pairs_between(moe, rank_tokens(shape, other), other, rank)
+    forwards = 2 if checkpointed else 1
+    row_bytes = shape.dim * 4
+    return (forwards + 1) * (away + back) * row_bytes + forwards * (moe.args.n_experts // EP) * 8
+
+
+def _a2a_rank(rank: int, port: int, shape: "Shape", passes: int, out_dir: str) -> None:
+    torchrun_environment(rank, EP, port, LOG_RANK="")
+    torch.set_num_threads(1)  # one rank, one core
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+
+    from titanlite.parallel.expert_parallel import apply_expert_parallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=EP)
+    moe, _ = build(shape)
+    moe = moe.float()
+    apply_expert_parallel(moe, init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",)))
+    tokens = rank_tokens(shape, rank)
+    report = {}
+    for name, checkpointed in (("plain", False), ("checkpointed", True)):
+        with SentBytes(rank, EP) as sent:
+            for _ in range(passes):
+                x = tokens.clone().requires_grad_()
+                out = checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
+                out.pow(2).sum().backward()
+        report[name] = {"measured": sent.bytes, "by_hand": passes * by_hand_bytes(moe, shape, rank, checkpointed)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    end_rank()
+
+
+def estimated_all_to_all_bytes(shape: "Shape", passes: int, recomputed: bool) -> float:
+    """The estimator's bytes for ``passes`` micro-batches through one MoE layer on one rank."""
+    return passes * expert_all_to_all_bytes(
+        shape.tokens, shape.top_k, shape.dim, 4, shape.experts, EP, moe_layers=1, recomputed_moe_layers=int(recomputed)
+    )
+
+
+def measure_all_to_all(shape: "Shape", passes: int) -> list[dict]:
+    """Both ranks' measured and by-hand bytes, in rank order; exits 1 if they differ."""
+    with tempfile.TemporaryDirectory(prefix="titanlite-moe-") as out_dir:
+        mp.start_processes(
+            _a2a_rank, args=(free_port(), shape, passes, out_dir), nprocs=EP, start_method="spawn", join=True
+        )
+        reports = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(EP)]
+    for rank, report in enumerate(reports):
+        for name, figures in report.items():
+            if figures["measured"] != figures["by_hand"]:
+                fail(
+                    f"all-to-all shape {shape.label()}, rank {rank}, {name}: the intercepted all-to-alls sent "
+                    f"{figures['measured']} bytes, the routing says {figures['by_hand']}"
+                )
+    return reports
+
+
+def print_all_to_all(shape: Shape, passes: int) -> None:
+    reports = measure_all_to_all(shape, passes)
+    print(
+        f"\nall-to-all bytes, EP {EP} on {EP} gloo ranks, float32, shape {shape.label()} "
+        f"(experts/top-k/dim/hidden/tokens per rank), {passes} pass(es) each"
+    )
+    print("| rank | kind | measured bytes | estimated bytes | measured / estimated |")
+    print("|---|---|---|---|---|")
+    ratios = []
+    for rank, report in enumerate(reports):
+        measured = sum(figures["measured"] for figures in report.values())
+        estimated = sum(estimated_all_to_all_bytes(shape, passes, name == "checkpointed") for name in report)
+        for name, figures in report.items():
+            expected = estimated_all_to_all_bytes(shape, passes, name == "checkpointed")
+            print(
+                f"| {rank} | {name} | {figures['measured']:,} | {expected:,.0f} | "
+                f"{figures['measured'] / expected:.3f} |"
+            )
+        ratios.append(measured / estimated)
+    print(
+        f"measured / estimated all-to-all bytes, EP {EP} on {EP} gloo ranks: "
+        + ", ".join(f"{ratio:.3f}" for ratio in ratios)
+        + f" (rank 0, rank 1; shape {shape.label()}, plain and checkpointed passes)"
+    )
+
+
 def parse_shape(text: str) -> Shape:
     """A Shape from experts,top-k,dim,hidden,tokens; ValueError says what is wrong."""
     fields = text.split(",")
@@ -174,6 +331,11 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"experts,top-k,dim,hidden,tokens; repeat for more (default {' '.join(SHAPES)})",
     )
     parser.add_argument("--repeats", type=int, help="timed passes of each path per shape (default 3; quick 1)")
+    parser.add_argument(
+        "--a2a_shape",
+        help=f"the all-to-all half's experts,top-k,dim,hidden,tokens (default {A2A_SHAPE}; quick: the quick shape)",
+    )
+    parser.add_argument("--a2a_passes", type=int, help="forward+backward passes of each kind (default 3; quick 1)")
     options = parser.parse_args(argv)
     texts = options.shape or ([QUICK_SHAPE] if options.quick else list(SHAPES))
     options.shapes = []
@@ -183,8 +345,17 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as error:
             parser.error(f"--shape {text}: {error}")
     options.repeats = options.repeats if options.repeats is not None else 1 if options.quick else 3
-    if options.repeats < 1:
-        parser.error(f"--repeats must be at least 1, got {options.repeats}")
+    options.a2a_passes = options.a2a_passes if options.a2a_passes is not None else 1 if options.quick else 3
+    for name in ("repeats", "a2a_passes"):
+        if getattr(options, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(options, name)}")
+    a2a_text = options.a2a_shape or (QUICK_SHAPE if options.quick else A2A_SHAPE)
+    try:
+        options.a2a = parse_shape(a2a_text)
+    except ValueError as error:
+        parser.error(f"--a2a_shape {a2a_text}: {error}")
+    if options.a2a.experts % EP:
+        parser.error(f"--a2a_shape {a2a_text}: the experts must split evenly over the {EP} ranks")
     return options
 
 
@@ -220,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(shape.label() for shape in options.shapes)
         + ")"
     )
+    print_all_to_all(options.a2a, options.a2a_passes)
     return 0
 
 

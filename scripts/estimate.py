@@ -13,16 +13,19 @@ parallelize function (tensor parallelism included), optimizer, activation checkp
 mixed precision, one forward/backward/optimizer step under PyTorch's FSDP memory tracker.
 Step time: an analytic model of compute (FLOPs per token x tokens per device over peak x
 efficiency) and communication (FSDP's all-gather and reduce-scatter on the shard group, the
-all-reduce on the replicate group, TP's per-block collectives on the TP group, each on the
-link its ranks share). Every other option is a config override (--section.key value), as
-for training: --parallelism.tensor_parallel_degree 2 asks for TP.
+all-reduce on the replicate group, TP's per-block collectives on the TP group, expert
+parallelism's all-to-alls on the EP group, each on the link its ranks share). Every other
+option is a config override (--section.key value), as for training:
+--parallelism.tensor_parallel_degree 2 asks for TP.
 
 The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
 FSDP and HSDP (one shard group per node), each with every TP degree the model and the node
 allow and every pipeline degree of --sweep_pp (1, 2, 4, 8, 16) with each schedule of
---sweep_schedules (1F1B, Interleaved1F1B), at 8, 64, 512 and 4096 GPUs (or --sweep_sizes),
-holding the global batch (training.global_batch_size, or local_batch_size x GPUs) with no
-accumulation, then which layout wins at each size, whether TP and whether PP win, and why.
+--sweep_schedules (1F1B, Interleaved1F1B) and, for an MoE model, every expert-parallel degree
+of --sweep_ep that the layout's shard degree and the experts allow, at 8, 64, 512 and 4096 GPUs
+(or --sweep_sizes), holding the global batch (training.global_batch_size, or local_batch_size x
+GPUs) with no accumulation, then which layout wins at each size, whether TP, PP and EP win, and
+why.
 A layout that does not fit is reported as such (exit status 0); bad input is one line on
 stderr and exit status 2.
 """
@@ -40,6 +43,7 @@ PROG = "estimate"
 SWEEP_SIZES = (8, 64, 512, 4096)
 SWEEP_PP = "1,2,4,8,16"
 SWEEP_SCHEDULES = "1F1B,Interleaved1F1B"
+SWEEP_EP = "1,2,4,8,16,32,64"
 GIB = 2**30
 
 
@@ -78,6 +82,11 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--sweep_schedules",
         default=SWEEP_SCHEDULES,
         help=f"the sweep's pipeline schedules, comma-separated (default {SWEEP_SCHEDULES})",
+    )
+    parser.add_argument(
+        "--sweep_ep",
+        default=SWEEP_EP,
+        help=f"the sweep's expert-parallel degrees for an MoE model, comma-separated (default {SWEEP_EP})",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--skip_memory", action="store_true", help="step time only (no memory simulation)")
@@ -118,11 +127,19 @@ def _world_size(options, hardware) -> int:
 
 
 def _with_layout(
-    job_config, replicate: int, shard: int, tp: int, local_batch_size: int, pp: int = 1, schedule: str | None = None
+    job_config,
+    replicate: int,
+    shard: int,
+    tp: int,
+    local_batch_size: int,
+    pp: int = 1,
+    schedule: str | None = None,
+    ep: int = 1,
 ):
     """A copy of the config with this layout (and pipeline schedule) and local batch, and no
     accumulation."""
     changed = copy.deepcopy(job_config)
+    changed.parallelism.expert_parallel_degree = ep
     changed.parallelism.data_parallel_replicate_degree = replicate
     changed.parallelism.data_parallel_shard_degree = shard
     changed.parallelism.tensor_parallel_degree = tp
@@ -157,6 +174,7 @@ def estimate_one(
                 if timing.pp > 1
                 else {}
             ),
+            **({"ep": timing.ep} if timing.ep > 1 else {}),
         },
         "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"},
     }
@@ -184,6 +202,7 @@ def estimate_one(
         job_config.training.local_batch_size,
         timing.pp,
         timing.schedule,
+        timing.ep,
     )
     memory = None if memory_cache is None else memory_cache.get(key)
     if memory is None:
@@ -279,6 +298,7 @@ def _report(result: dict, describe_model: str) -> str:
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         _collective_line("TP", timing, "tp", "tp_link"),
+        *([_collective_line(f"all-to-all EP {timing['ep']}", timing, "ep", "ep_link")] if timing["ep"] > 1 else []),
         *(
             [
                 _collective_line("pipeline", timing, "pp", "pp_link")
@@ -299,6 +319,8 @@ def _report(result: dict, describe_model: str) -> str:
 
 def _layout_name(layout: dict) -> str:
     degrees = f"{layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
+    if layout.get("ep", 1) > 1:
+        degrees += f" ep {layout['ep']}"
     if layout.get("pp", 1) > 1:
         return f"{layout['strategy']} {layout['pp']}x{degrees} {layout['schedule']}"
     return f"{layout['strategy']} {degrees}"
@@ -306,8 +328,9 @@ def _layout_name(layout: dict) -> str:
 
 def _sweep_rows(results: list[dict]) -> str:
     header = (
-        f"{'GPUs':>5} {'layout':<15} {'pp x repl x shard x tp':>22} {'schedule':<15} {'batch':>5} {'bubble':>6} "
-        f"{'peak GiB':>9} {'fits':>5} {'step ms':>9} {'TP ms':>7} {'tok/s/GPU':>10} {'MFU %':>6}  verdict"
+        f"{'GPUs':>5} {'layout':<20} {'pp x repl x shard x tp':>22} {'ep':>3} {'schedule':<15} {'batch':>5} "
+        f"{'bubble':>6} {'peak GiB':>9} {'fits':>5} {'step ms':>9} {'TP ms':>7} {'a2a ms':>7} {'tok/s/GPU':>10} "
+        f"{'MFU %':>6}  verdict"
     )
     rows = [header]
     for r in results:
@@ -319,9 +342,9 @@ def _sweep_rows(results: list[dict]) -> str:
             peak, fit = f"{more}{memory['peak_bytes'] / GIB:.2f}", "yes" if memory["fits"] else "NO"
         degrees = f"{layout.get('pp', 1)} x {layout['dp_replicate']} x {layout['dp_shard']} x {layout['tp']}"
         rows.append(
-            f"{layout['world_size']:>5} {layout['strategy']:<15} {degrees:>22} {layout.get('schedule') or '-':<15} "
-            f"{layout['local_batch_size']:>5} {timing['bubble']:>6.1%} {peak:>9} {fit:>5} "
-            f"{timing['step_s'] * 1e3:>9.1f} {timing['tp_s'] * 1e3:>7.1f} "
+            f"{layout['world_size']:>5} {layout['strategy']:<20} {degrees:>22} {layout.get('ep', 1):>3} "
+            f"{layout.get('schedule') or '-':<15} {layout['local_batch_size']:>5} {timing['bubble']:>6.1%} {peak:>9} "
+            f"{fit:>5} {timing['step_s'] * 1e3:>9.1f} {timing['tp_s'] * 1e3:>7.1f} {timing['ep_s'] * 1e3:>7.1f} "
             f"{timing['tokens_per_second_per_device']:>10,.0f} {timing['mfu_percent']:>6.1f}  {timing['verdict']}"
         )
     return "\n".join(rows)
@@ -343,7 +366,7 @@ def _data_parallel_seconds(timing: dict) -> float:
 
 
 def _degree(result: dict, dim: str) -> int:
-    """The layout's degree of "tp" or "pp" (1 where the layout has none)."""
+    """The layout's degree of "tp", "pp" or "ep" (1 where the layout has none)."""
     return result["layout"].get(dim, 1)
 
 
@@ -361,6 +384,13 @@ _DIMENSIONS = {
         lambda timing: (
             f"its pipeline bubble idling {timing['bubble']:.0%} of its compute ({timing['microbatches']} micro-batches)"
         ),
+    ),
+    "ep": (
+        "EP",
+        lambda result: (
+            f"EP {_degree(result, 'ep')} leaves each GPU 1/{_degree(result, 'ep')} of the experts to gather and reduce"
+        ),
+        lambda timing: f"its all-to-alls adding {timing['ep_s'] * 1e3:,.0f} ms a step over {timing['ep_link']}",
     ),
 }
 
@@ -451,6 +481,19 @@ def _sweep_layouts(world_size: int, gpus_per_node: int, tp_degrees: list[int]) -
     return layouts
 
 
+def _expert_parallel_degrees(job_config, options, shard: int) -> list[int]:
+    """The EP degrees the sweep tries for a layout of ``shard`` FSDP ranks: those of --sweep_ep
+    that divide the shard degree (whose ranks EP borrows) and the model's experts; 1 alone for a
+    dense model."""
+    from titanlite.plan import run_model_args, tokenizer_for_estimate
+
+    n_experts = getattr(run_model_args(job_config, tokenizer_for_estimate(job_config)[0]), "n_experts", 0)
+    degrees = _positive_ints("--sweep_ep", options.sweep_ep, "expert-parallel degrees like 1,2,4,8")
+    if not n_experts:
+        return [1]
+    return sorted({1} | {ep for ep in degrees if shard % ep == 0 and n_experts % ep == 0})
+
+
 def _positive_ints(option: str, text: str, what: str) -> list[int]:
     """A comma-separated list of positive integers, or one ValueError line naming the option."""
     try:
@@ -517,11 +560,14 @@ def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
                         f"sequences does not split over {data_parallel} data-parallel ranks"
                     )
                     continue
-                layout = _with_layout(job_config, replicate, shard, tp, global_batch // data_parallel, pp, schedule)
-                try:
-                    results.append(estimate_one(layout, world_size, hardware, options, cache, screen=True))
-                except (ConfigError, ValueError) as error:
-                    skipped.append(f"skipped {world_size} GPUs {name}: {error}")
+                for ep in _expert_parallel_degrees(job_config, options, shard):
+                    layout = _with_layout(
+                        job_config, replicate, shard, tp, global_batch // data_parallel, pp, schedule, ep
+                    )
+                    try:
+                        results.append(estimate_one(layout, world_size, hardware, options, cache, screen=True))
+                    except (ConfigError, ValueError) as error:
+                        skipped.append(f"skipped {world_size} GPUs {name}{f' ep {ep}' if ep > 1 else ''}: {error}")
     return results, skipped
 
 

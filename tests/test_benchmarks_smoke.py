@@ -133,13 +133,21 @@ def test_pipeline_quick_prints_each_micro_batch_count_and_the_ratios():
     [float(ratio) for ratio in lines[-1].split(": ")[1].split(", ")]
 
 
-def test_moe_quick_checks_both_paths_and_prints_the_ratio():
+def test_moe_quick_checks_both_paths_and_prints_the_ratios():
     lines = _run("moe.py", "--quick")
     (row,) = [line.rstrip(" |").split(" | ") for line in lines if line.startswith("| 8 | 2 | 64 | 64 | 256 |")]
     assert float(row[-1]) <= 2e-2, row  # the check's largest grouped-vs-loop difference
-    assert lines[-1].startswith("loop / grouped forward+backward time, bf16: "), lines
-    assert lines[-1].endswith(" (experts/top-k/dim/hidden/tokens: 8/2/64/64/256)"), lines
-    assert float(lines[-1].split(": ")[1].split()[0]) == float(row[-2]), lines
+    (gemm,) = [line for line in lines if line.startswith("loop / grouped forward+backward time, bf16: ")]
+    assert gemm.endswith(" (experts/top-k/dim/hidden/tokens: 8/2/64/64/256)"), lines
+    assert float(gemm.split(": ")[1].split()[0]) == float(row[-2]), lines
+    # The all-to-all half: its bytes were checked against the routing (else exit 1); a plain and
+    # a checkpointed row per rank, and the measured / estimated ratio of each rank.
+    rows = [line.rstrip(" |").split(" | ") for line in lines if line.startswith(("| 0 | ", "| 1 | "))]
+    assert [row[1] for row in rows] == ["plain", "checkpointed"] * 2, lines
+    assert lines[-1].startswith("measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: "), lines
+    ratios = [float(ratio) for ratio in lines[-1].split(": ")[1].split(" (")[0].split(", ")]
+    # Bytes are deterministic (seeded routing); an even load would give 1, random routing is near it.
+    assert len(ratios) == 2 and all(0.8 < ratio < 1.2 for ratio in ratios), lines
 
 
 def test_moe_check_rejects_a_wrong_grouped_kernel(monkeypatch, capsys):

@@ -185,7 +185,7 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
     monkeypatch.setattr(floor, "device_memory_bytes", lambda device_type, ranks: (80 * 2**30, "an 80 GB GPU"))
     config_file = str(REPO / "train_configs" / "qwen3_30b_a3b.toml")
     assert train.main(["--job.config_file", config_file, "--job.validate_only"]) == 0
-    assert "titanlite: config ok: FSDP over 8 rank(s)" in capsys.readouterr().out
+    assert "titanlite: config ok: FSDP + EP over 8 rank(s)" in capsys.readouterr().out
 
 
 # --- one process vs FSDP 2, PP 2 and TP 2 ---------------------------------------------------

@@ -20,7 +20,7 @@ def ring_bytes(total_bytes: float, group_size: int) -> float:
     return total_bytes * (group_size - 1) / group_size
 
 
-def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
+def regathered_params(args: LlamaArgs, reshard_after_forward: str, experts_only: bool = False) -> int:
     """Parameters all-gathered a second time in backward, per micro-batch:
 
     always  -> all of them (FULL_SHARD / ZeRO-3: every unit freed after forward)
@@ -30,13 +30,16 @@ def regathered_params(args: LlamaArgs, reshard_after_forward: str) -> int:
     never   -> 0 (SHARD_GRAD_OP / ZeRO-2: forward's gathered weights stay)
 
     The FSDP units are one per block plus the root (embedding, final norm, output); their
-    sizes are counted on the model (metrics.flops.param_counts).
+    sizes are counted on the model (metrics.flops.param_counts). ``experts_only``: of the
+    routed experts' weights alone (which, under expert parallelism, FSDP gathers over its own
+    smaller group), the root holding none.
     """
     counts = param_counts(args)
+    blocks, root = (counts.experts, 0) if experts_only else (counts.blocks, counts.root)
     if reshard_after_forward == "always":
-        return counts.total
+        return sum(blocks) + root
     if reshard_after_forward == "default":
-        return counts.total - counts.blocks[-1] - counts.root
+        return sum(blocks[:-1])
     return 0
 
 
@@ -131,19 +134,72 @@ def tensor_parallel_bytes(
     return ring_bytes(whole_activations * activation + logits, tp)
 
 
-def group_spans_nodes(dp_replicate: int, dp_shard: int, tp: int, gpus_per_node: int, dim: str, pp: int = 1) -> bool:
-    """Whether any group of mesh dimension ``dim`` ("pp", "replicate", "shard" or "tp") has ranks
-    on two nodes. Ranks fill the (pp, replicate, shard, tp) mesh row by row, rank =
-    ((h x r + i) x s + j) x t + k, and nodes hold consecutive ranks: a TP group is t consecutive
-    ranks, a shard group has stride t, a replicate group stride s x t, a pipeline stride r x s x t.
+def group_spans_nodes(
+    dp_replicate: int, dp_shard: int, tp: int, gpus_per_node: int, dim: str, pp: int = 1, ep: int = 1
+) -> bool:
+    """Whether any group of mesh dimension ``dim`` ("pp", "replicate", "shard", "tp", "ep" or
+    "expert_shard") has ranks on two nodes. Ranks fill the (pp, replicate, shard, tp) mesh row
+    by row, rank = ((h x r + i) x s + j) x t + k, and nodes hold consecutive ranks: a TP group
+    is t consecutive ranks, a shard group has stride t, a replicate group stride s x t, a
+    pipeline stride r x s x t. Expert parallelism splits the shard dimension, its ep ranks the
+    inner part (j = j' x ep + e): an EP group has stride t, and the expert_shard group FSDP
+    shards the experts over (the s / ep ranks holding the same experts) stride ep x t.
     A group spans nodes when its first and last rank sit on different nodes (the ranks between
     them lie between). One straddling group is enough: a collective waits for its slowest group.
     """
-    size = {"pp": pp, "replicate": dp_replicate, "shard": dp_shard, "tp": tp}[dim]
-    stride = {"pp": dp_replicate * dp_shard * tp, "replicate": dp_shard * tp, "shard": tp, "tp": 1}[dim]
+    size = {
+        "pp": pp,
+        "replicate": dp_replicate,
+        "shard": dp_shard,
+        "tp": tp,
+        "ep": ep,
+        "expert_shard": dp_shard // ep,
+    }[dim]
+    stride = {
+        "pp": dp_replicate * dp_shard * tp,
+        "replicate": dp_shard * tp,
+        "shard": tp,
+        "tp": 1,
+        "ep": tp,
+        "expert_shard": ep * tp,
+    }[dim]
     span = (size - 1) * stride
     firsts = (rank for rank in range(pp * dp_replicate * dp_shard * tp) if rank // stride % size == 0)
     return any(first // gpus_per_node != (first + span) // gpus_per_node for first in firsts)
+
+
+def expert_all_to_all_bytes(
+    tokens: float,
+    top_k: int,
+    dim: int,
+    activation_bytes: int,
+    n_experts: int,
+    ep: int,
+    moe_layers: int,
+    recomputed_moe_layers: int,
+) -> float:
+    """Per-device bytes of expert parallelism's all-to-alls in one micro-batch over the EP group
+    (titanlite.parallel.expert_parallel), for ``tokens`` tokens entering each MoE layer on the
+    device:
+
+        rows       tokens x top_k x dim x activation_bytes: one row per routed (token, expert)
+                   pair, in the compute dtype
+        per pass   2 rows: the dispatch to the experts' owners and the combine back
+        passes     forward and backward (the gradients travel the reverse ways) of every MoE
+                   layer, plus a forward again for each layer activation checkpointing recomputes
+        counts     n_experts int64 token counts, exchanged before every forward's dispatch (the
+                   backward reuses the split sizes)
+
+        total = ((2 L + R) x 2 x rows + (L + R) x n_experts x 8) x (ep - 1) / ep
+
+    L MoE layers, R of them recomputed. A pair's expert lives on one of the ep ranks, so with an
+    even load 1/ep of the rows stays on the device and (ep - 1)/ep leaves it; an uneven load
+    moves more from the ranks that send to busy experts, which this average leaves out.
+    """
+    passes = 2 * moe_layers + recomputed_moe_layers
+    rows = tokens * top_k * dim * activation_bytes
+    counts = (moe_layers + recomputed_moe_layers) * n_experts * 8
+    return ring_bytes(passes * 2 * rows + counts, ep)
 
 
 def link(hardware: Hardware, group_size: int, spans_nodes: bool) -> tuple[str, float]:

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.models.moe import MoE
 from titanlite.parallel.parallel_dims import MESH_DIMS
 from titanlite.parallel.pipeline import prune_to_stage
 from titanlite.plan import RunPlan, meta_model
@@ -53,26 +54,57 @@ def tensor_parallel_shape(param: torch.Tensor, tp_rank: int = 0) -> tuple[int, .
     return tuple(shape)
 
 
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the routed experts' weights in ``model`` (its MoE layers' experts modules, EP-split
+    or not): what expert parallelism splits before FSDP does."""
+    return {id(param) for layer in model.modules() if isinstance(layer, MoE) for param in layer.experts.parameters()}
+
+
+PARAMETER_KINDS = ("all", "dense", "experts")
+
+
 def exact_model_state_bytes(
-    model: nn.Module, shards: int, optimizer_name: str = "AdamW", rank: int = 0, tp_rank: int = 0
+    model: nn.Module,
+    shards: int,
+    optimizer_name: str = "AdamW",
+    rank: int = 0,
+    tp_rank: int = 0,
+    ep: int = 1,
+    kind: str = "all",
 ) -> ModelStateBytes:
     """Parameters, gradients and Adam state of one rank, by arithmetic on parameter shapes:
     those of an unsharded (e.g. meta) model, or of a parallelised one, whose tensor-parallel
     placements say which parameters TP split (see tensor_parallel_shape). ``rank`` is the
-    rank's index in the FSDP shard group, ``tp_rank`` in the TP group.
+    rank's index in the FSDP shard group, ``tp_rank`` in the TP group. ``kind``: all the
+    parameters, the dense ones, or the routed experts' only.
 
     FSDP shards dim 0 of each (TP-split) parameter over ``shards`` ranks and keeps the shard,
     and the gradient reduce-scattered into it, in a storage padded to the largest shard; Adam's
     moments are ``zeros_like`` the parameter's local shard, so they are not padded; its step
     counter is one float32 per parameter. Gradients are counted in their parameter's layout.
+
+    With expert parallelism over ``ep`` of the shard ranks (the inner part of the shard index:
+    rank = shard rank x ep + ep rank), a stacked expert weight [n_experts, ...] (its global
+    shape, whether EP has split it yet or not) keeps n_experts / ep experts on each rank, and
+    FSDP splits dim 0 of that piece over the shards / ep ranks holding the same experts.
     """
     if optimizer_name not in ("AdamW", "Adam"):
         raise ValueError(f"no arithmetic for optimizer {optimizer_name}")
+    if kind not in PARAMETER_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(PARAMETER_KINDS)}, got {kind!r}")
+    experts = expert_parameters(model)
     padded_bytes = local_bytes = count = 0
     for param in model.parameters():
+        is_expert = id(param) in experts
+        if kind != "all" and is_expert != (kind == "experts"):
+            continue
         shape = tensor_parallel_shape(param, tp_rank)
         row_elems = math.prod(shape[1:])  # 1 for a scalar, which FSDP does not split
-        padded, actual = _shard_rows(shape[0], shards, rank) if shape else (1, 1)
+        if is_expert and ep > 1:
+            _, local_experts = _shard_rows(shape[0], ep, rank % ep)
+            padded, actual = _shard_rows(local_experts, shards // ep, rank // ep)
+        else:
+            padded, actual = _shard_rows(shape[0], shards, rank) if shape else (1, 1)
         padded_bytes += padded * row_elems * param.element_size()
         local_bytes += actual * row_elems * param.element_size()
         count += 1
@@ -100,6 +132,7 @@ def step_floor_bytes(
     cpu_offload: bool,
     tp: int = 1,
     loss_parallel: bool = True,
+    ep: int = 1,
 ) -> dict[str, int]:
     """What one rank surely holds at once during a step, by arithmetic on Python ints (no
     tensor is made, so any batch size is safe to ask about): the sharded weights and Adam
@@ -110,14 +143,17 @@ def step_floor_bytes(
     With tensor parallelism over ``tp`` ranks the model (unsharded: nothing in it says which
     parameters TP splits) is taken as split ``tp`` ways on top of the FSDP shards. For a matrix
     that is what rank 0 holds when the dimensions divide evenly and less otherwise; the norms
-    and an MoE feed-forward, which TP replicates, are counted low; so the figure stays a floor
-    (a loose one for an MoE model, whose experts are most of it). Under loss parallel
-    each rank holds its vocabulary slice of the logits, else all of them.
+    and MoE routers, which TP replicates, are counted low; so the figure stays a floor. The routed experts of
+    an MoE model are not split by TP: n_experts / ``ep`` of them on a rank, FSDP-sharded over the
+    shards / ep ranks left (exact_model_state_bytes), about 1 / shards of them in all. Under loss
+    parallel each rank holds its vocabulary slice of the logits, else all of them.
     """
-    state = exact_model_state_bytes(model, shards)
+    dense = exact_model_state_bytes(model, shards, kind="dense")
+    experts = exact_model_state_bytes(model, shards, ep=ep, kind="experts")
     vocab_per_rank = math.ceil(vocab_size / tp) if loss_parallel else vocab_size
+    weights = (dense.parameters + dense.optimizer_state) // tp + experts.parameters + experts.optimizer_state
     return {
-        "weights and Adam state": 0 if cpu_offload else (state.parameters + state.optimizer_state) // tp,
+        "weights and Adam state": 0 if cpu_offload else weights,
         "logits": local_batch_size * seq_len * vocab_per_rank * (compute_bytes + 4),
     }
 
@@ -143,6 +179,7 @@ def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tu
             training.enable_cpu_offload,
             parallel_dims.tp,
             loss_parallel=not job_config.parallelism.disable_loss_parallel,
+            ep=parallel_dims.ep,
         )
 
     pipeline = plan.pipeline
@@ -157,21 +194,26 @@ def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tu
         logits_batch = job_config.parallelism.pipeline_parallel_microbatch_size if holds_logits else 0
         whose = f"pp rank {pp_rank} (stage(s) {', '.join(map(str, stages))}) of "
         rank_floor = floor(model, logits_batch)
-        rank_floor["unsharded stage weights and gradients"] = _unsharded_stage_bytes(job_config, plan, model)
+        rank_floor["unsharded stage weights and gradients"] = unsharded_stage_bytes(job_config, plan, model)
         floors.append((whose, rank_floor))
     return floors
 
 
-def _unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
+def unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module) -> int:
     """What FSDP surely holds unsharded on a pp rank with several micro-batches per step: as
     torch.distributed.pipelining runs FSDP, every micro-batch's backward but the step's last
     keeps the stage's gradients unsharded and unreduced (accumulated in the reduce dtype), and
     titanlite's default reshard policy under PP keeps the gathered weights (in the parameter
-    dtype) for the whole step; each is the stage's parameters over the TP degree."""
+    dtype) for the whole step; each is the stage's dense parameters over the TP degree and its
+    routed experts over the EP degree (n_experts / ep of each MoE layer's experts)."""
     parallel_dims, training = plan.parallel_dims, job_config.training
     if not parallel_dims.fsdp_applied or plan.pipeline.microbatches < 2:
         return 0
-    params = sum(param.numel() for param in stage.parameters()) // parallel_dims.tp
+    experts = expert_parameters(stage)
+    params = sum(
+        param.numel() // (parallel_dims.ep if id(param) in experts else parallel_dims.tp)
+        for param in stage.parameters()
+    )
     gathered = job_config.parallelism.fsdp_reshard_after_forward != "always"
     weight_bytes = DTYPES[training.mixed_precision_param].itemsize if gathered else 0
     return params * (weight_bytes + DTYPES[training.mixed_precision_reduce].itemsize)

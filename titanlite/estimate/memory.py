@@ -75,9 +75,10 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes
+from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes, unsharded_stage_bytes
 from titanlite.estimate.pipeline import in_flight_microbatches
 from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_stage_step, tracked_step
+from titanlite.metrics.flops import param_counts
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import ParallelDims, compute_context, loss_context
@@ -191,6 +192,51 @@ def _without_compile(job_config: JobConfig) -> JobConfig:
     return dataclasses.replace(job_config, compile=dataclasses.replace(job_config.compile, enable=False))
 
 
+def _without_expert_parallelism(job_config: JobConfig) -> JobConfig:
+    """A copy of the config with expert parallelism off: what the fake-tensor simulation runs
+    (see _expert_parallel_bytes)."""
+    parallelism = dataclasses.replace(job_config.parallelism, expert_parallel_degree=1)
+    return dataclasses.replace(job_config, parallelism=parallelism)
+
+
+def _expert_parallel_bytes(
+    plan, job_config: JobConfig, model: nn.Module, stage_modules: tuple[str, ...] | None
+) -> dict[str, int]:
+    """What expert parallelism (``plan``'s ep ranks) changes in a rank's step, by arithmetic:
+    the simulation cannot run the EP layer, whose all-to-all split sizes are read on the host
+    (``tolist``), which fake tensors have no values for, so it runs ``model`` (the run's, or a
+    stage's) with EP off, the experts FSDP-sharded over all the shard ranks, and these are
+    added to its peak:
+
+        temporary  - what FSDP holds gathered less: a block's n_experts / ep experts, not all
+                     n_experts, (1 - 1/ep) x one MoE block's experts x parameter bytes (one
+                     block gathered at the peak); under pipeline parallelism with several
+                     micro-batches, where the stage stays gathered and its gradients unreduced
+                     for the whole step, (1 - 1/ep) of all the stage's experts so held
+                     (floor.unsharded_stage_bytes); never more than the simulated temporaries
+                   + 2 x tokens x top_k x dim x parameter bytes: the rows a rank receives for
+                     its experts and the results it sends back, beside the rows the layer
+                     makes without EP (an even load: a rank's experts get its share of pairs)
+
+    The sharded experts, their gradients and Adam state are 1 / shards of them either way
+    (n_experts / ep experts over shards / ep ranks; exact_model_state_bytes with ``ep``),
+    different only by FSDP's padding, which the caller takes from that arithmetic."""
+    args, training, ep = plan.model_args, job_config.training, plan.parallel_dims.ep
+    p_bytes = DTYPES[training.mixed_precision_param].itemsize
+    gathered = int(max(param_counts(args).experts, default=0) * (1 - 1 / ep)) * p_bytes
+    tokens = training.local_batch_size * training.seq_len
+    if stage_modules is not None:
+        tokens = job_config.parallelism.pipeline_parallel_microbatch_size * training.seq_len
+        if not any(name.startswith("layers.") for name in stage_modules):
+            return {"gathered": 0, "buffers": 0}
+        without_ep = dataclasses.replace(plan, parallel_dims=dataclasses.replace(plan.parallel_dims, ep=1))
+        held = [unsharded_stage_bytes(job_config, layout, model) for layout in (without_ep, plan)]
+        gathered = max(gathered, held[0] - held[1])
+    if plan.parallel_dims.tp > 1 and job_config.parallelism.enable_sequence_parallel:
+        tokens //= plan.parallel_dims.tp
+    return {"gathered": gathered, "buffers": 2 * tokens * args.top_k * args.dim * p_bytes}
+
+
 @contextlib.contextmanager
 def _fake_process_group(world_size: int, rank: int):
     """Rank ``rank`` of a fake process group of ``world_size`` ranks, destroyed on the way out."""
@@ -237,6 +283,12 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     notes += [note] if note else []
     plan = plan_run(job_config, world_size, tokenizer)
     parallel_dims, accumulation, training = plan.parallel_dims, plan.grad_accum_steps, job_config.training
+    if parallel_dims.ep > 1:
+        notes.append(
+            f"expert parallelism {parallel_dims.ep}: simulated with the experts FSDP-sharded over all "
+            f"{parallel_dims.dp_shard} shard ranks (fake tensors cannot run the all-to-all, whose split sizes "
+            "are read on the host); the experts gathered per block and the all-to-all buffers added by arithmetic"
+        )
     if accumulation > 1:
         notes.append(
             f"{accumulation} micro-batches per step: measured the last, with the earlier ones' gradients resident"
@@ -288,6 +340,12 @@ def _simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] 
     for a stage two of its micro-batches (one without the pipeline's per-micro-batch
     settings' effects would miss the gathered parameters and unreduced gradients they keep)."""
     training, parallel_dims = job_config.training, plan.parallel_dims
+    ep, ep_plan = parallel_dims.ep, plan
+    if ep > 1:  # simulated without EP, then corrected by arithmetic (_expert_parallel_bytes)
+        job_config, plan = (
+            _without_expert_parallelism(job_config),
+            dataclasses.replace(plan, parallel_dims=dataclasses.replace(parallel_dims, ep=1)),
+        )
     global_tokens = plan.global_batch_size * training.seq_len
     model = build_model(job_config, plan, mesh, stage_modules=stage_modules)  # materialised as fake tensors below
     # allow_non_fake_inputs: to_empty reads the meta parameters, which are not fake.
@@ -313,11 +371,28 @@ def _simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] 
     gradient_bytes = _storage_bytes(p.grad for p in model.parameters() if p.grad is not None)
     # The arithmetic reads which parameters TP split from the model's own placements.
     shard_rank, tp_rank = _mesh_coordinates(mesh)
-    exact = exact_model_state_bytes(model, parallel_dims.dp_shard, job_config.optimizer.name, shard_rank, tp_rank)
+    optimizer_name = job_config.optimizer.name
+    state = partial(exact_model_state_bytes, model, parallel_dims.dp_shard, optimizer_name, shard_rank, tp_rank)
+    exact = state(ep=ep)
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
     peak, measured, activations = fold_step(step)
     measured = dataclasses.replace(measured, gradients=gradient_bytes)
+    if ep > 1:
+        changes = _expert_parallel_bytes(ep_plan, job_config, model, stage_modules)
+        _add_expert_parallelism(peak, exact, state(), changes)
     return _Simulated(peak, activations, measured, exact, num_params, ema_bytes)
+
+
+def _add_expert_parallelism(
+    peak: dict[str, int], exact: ModelStateBytes, without_ep: ModelStateBytes, changes: dict[str, int]
+) -> None:
+    """Correct, in place, the peak of a step simulated without expert parallelism: the sharded
+    state by its arithmetic with EP (FSDP's padding), the temporaries by what EP gathers less
+    and buffers more (_expert_parallel_bytes)."""
+    for name in ModelStateBytes.__annotations__:
+        peak[name] += getattr(exact, name) - getattr(without_ep, name)
+    peak["temporary"] += changes["buffers"] - min(changes["gathered"], peak["temporary"])
+    peak["total"] = sum(peak[name] for name in CATEGORIES)
 
 
 def _fake_batch(plan, batch_size: int, seq_len: int, has_first: bool, has_last: bool, hidden=None) -> tuple:

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titanlite.metrics.flops import idle_expert_params, routed_expert_params
+from titanlite.models.moe import MoE
 from titanlite.parallel.pipeline import PipelinePlan
 
 
@@ -59,6 +61,9 @@ class StageParams:
     embedding: int  # of the token embedding (a lookup, no FLOPs)
     blocks: int  # transformer blocks the stage holds
     block_params: int  # the parameters of those blocks
+    idle_experts: int = 0  # of its MoE layers' experts, the weights one token skips (no FLOPs)
+    experts: int = 0  # its MoE layers' routed experts' weights (what expert parallelism splits)
+    moe_layers: int = 0  # its MoE layers (each dispatches its tokens by all-to-all under EP)
 
 
 def stage_params(model: torch.nn.Module, plan: PipelinePlan, embedding: str = "tok_embeddings") -> list[StageParams]:
@@ -66,7 +71,8 @@ def stage_params(model: torch.nn.Module, plan: PipelinePlan, embedding: str = "t
     modules plan.stage_modules names; ``embedding`` is the name of the model's token lookup."""
     counts = []
     for modules in plan.stage_modules:
-        sizes = {name: sum(p.numel() for p in model.get_submodule(name).parameters()) for name in modules}
+        parts = [model.get_submodule(name) for name in modules]
+        sizes = {name: sum(p.numel() for p in part.parameters()) for name, part in zip(modules, parts, strict=True)}
         block_names = [name for name in modules if name.startswith("layers.")]
         counts.append(
             StageParams(
@@ -74,6 +80,9 @@ def stage_params(model: torch.nn.Module, plan: PipelinePlan, embedding: str = "t
                 embedding=sizes.get(embedding, 0),
                 blocks=len(block_names),
                 block_params=sum(sizes[name] for name in block_names),
+                idle_experts=sum(idle_expert_params(part) for part in parts),
+                experts=sum(routed_expert_params(part) for part in parts),
+                moe_layers=sum(isinstance(layer, MoE) for part in parts for layer in part.modules()),
             )
         )
     return counts

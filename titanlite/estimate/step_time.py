@@ -48,11 +48,10 @@ import math
 import typing
 from dataclasses import dataclass, replace
 
-import torch
-
 from titanlite.config import Training
 from titanlite.dtypes import DTYPES
 from titanlite.estimate.communication import (
+    expert_all_to_all_bytes,
     fsdp_bytes,
     group_spans_nodes,
     link,
@@ -68,8 +67,7 @@ from titanlite.estimate.pipeline import (
     rank_totals,
     stage_params,
 )
-from titanlite.metrics.flops import attention_flops_per_token, flops_per_token, mfu, param_counts
-from titanlite.models.llama import Transformer
+from titanlite.metrics.flops import attention_flops_per_token, flops_per_token, mfu, model_on_meta, param_counts
 from titanlite.models.llama.args import LlamaArgs
 from titanlite.parallel import tensor_parallel_problem
 from titanlite.parallel.parallel_dims import ParallelDims
@@ -129,6 +127,12 @@ class StepTimeEstimate:
     pp_link: str
     pp_s: float
     pp_exposed_s: float  # the sends while the pipeline fills and drains, which nothing hides
+    # expert parallelism (ep 1: no all-to-all; the experts' FSDP traffic is in the shard group's)
+    ep: int  # ranks each MoE layer's experts are split over (a split of the shard group)
+    ep_bytes: float  # the all-to-alls' bytes (token rows to their experts and back, and the counts)
+    ep_link: str
+    ep_s: float
+    expert_shard_link: str  # the link FSDP gathers and reduces the experts over (the shard group's without EP)
     step_s: float
     # verdict
     verdict: str  # "compute-bound" or "communication-bound"
@@ -151,6 +155,14 @@ class StepTimeEstimate:
             if self.pp > 1
             else []
         )
+        experts = (
+            [
+                f"EP {self.ep}: all-to-all {self.ep_bytes / 1e9:.2f} GB over {self.ep_link} -> "
+                f"{self.ep_s * 1e3:.1f} ms; experts gathered and reduced over {self.expert_shard_link}"
+            ]
+            if self.ep > 1
+            else []
+        )
         return "\n".join(
             [
                 f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
@@ -163,6 +175,7 @@ class StepTimeEstimate:
                 f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms; "
                 f"TP {self.tp_bytes / 1e9:.2f} GB over {self.tp_link} -> {self.tp_s * 1e3:.1f} ms",
                 *pipeline,
+                *experts,
                 f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch vs "
                 f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
                 f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
@@ -266,6 +279,17 @@ def pipelined_seconds(critical_s: float, bubble: float, sends_s: float, exposed_
     return max(critical_s / (1 - bubble), sends_s) + exposed_sends_s
 
 
+def fsdp_traffic(
+    params: float, regathered: float, shards: int, scatters: int, *, param_bytes: int, reduce_bytes: int, gathers: int
+) -> tuple[float, float]:
+    """Per-device (all-gather, reduce-scatter) bytes of one step for ``params`` sharded over
+    ``shards`` ranks, gathered ``gathers`` times (plus ``regathered`` in each backward) and
+    reduce-scattered ``scatters`` times (communication.fsdp_bytes)."""
+    gather, _ = fsdp_bytes(params, regathered, param_bytes, reduce_bytes, shards, gathers)
+    _, scatter = fsdp_bytes(params, 0, param_bytes, reduce_bytes, shards, scatters)
+    return gather, scatter
+
+
 @dataclass(frozen=True)
 class RankWork:
     """What the busiest pp rank does per token (the whole model without PP)."""
@@ -274,36 +298,46 @@ class RankWork:
     recompute_flops: float  # forward FLOPs activation checkpointing redoes in them
     params: int  # parameters of its stages
     blocks: int  # transformer blocks of its stages
+    experts: int = 0  # routed experts' weights of its stages (all of them, not only a token's top_k)
+    moe_layers: int = 0  # MoE layers of its stages
 
 
 @functools.lru_cache(maxsize=64)
 def _stage_params(args: LlamaArgs, plan: PipelinePlan):
-    with torch.device("meta"):
-        return stage_params(Transformer(args), plan)
+    return stage_params(model_on_meta(args), plan)
 
 
 def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan | None) -> RankWork:
     """The busiest rank's share of the model, each stage counted on the model itself: per token,
 
-        FLOPs      = 6 x (stage parameters - embedding) + attention per block x blocks
-        recompute  = fraction x (6 x block parameters + attention per block x blocks) / 3
+        FLOPs      = 6 x (stage parameters - embedding - idle experts) + attention per block x blocks
+        recompute  = fraction x (6 x (block parameters - idle experts) + attention per block x blocks) / 3
 
-    summed over the rank's stages; the busiest rank has the most FLOPs. Without a pipeline
-    the whole model (metrics.flops.flops_per_token, recompute_flops)."""
+    summed over the rank's stages, where the idle experts are the routed experts' weights a token
+    skips (all but its top_k in each MoE layer: metrics.flops.active_params); the busiest rank
+    has the most FLOPs. Without a pipeline the whole model (metrics.flops.flops_per_token,
+    recompute_flops)."""
     model_flops = flops_per_token(args, seq_len)
     if plan is None:
-        params = param_counts(args)
-        return RankWork(model_flops, recompute_flops(args, model_flops, fraction), params.total, args.n_layers)
+        counts = param_counts(args)
+        recompute = recompute_flops(args, model_flops, fraction)
+        moe_layers = sum(1 for experts in counts.experts if experts)
+        return RankWork(model_flops, recompute, counts.total, args.n_layers, sum(counts.experts), moe_layers)
     attention_per_block = attention_flops_per_token(args, seq_len) / args.n_layers
     stages = _stage_params(args, plan)
-    flops = rank_totals(plan, [6 * (st.total - st.embedding) + attention_per_block * st.blocks for st in stages])
+    flops = rank_totals(
+        plan, [6 * (st.total - st.embedding - st.idle_experts) + attention_per_block * st.blocks for st in stages]
+    )
     recompute = rank_totals(
-        plan, [fraction * (6 * st.block_params + attention_per_block * st.blocks) / 3 for st in stages]
+        plan,
+        [fraction * (6 * (st.block_params - st.idle_experts) + attention_per_block * st.blocks) / 3 for st in stages],
     )
     busiest = max(range(plan.pp), key=lambda rank: flops[rank] + recompute[rank])
-    params = rank_totals(plan, [st.total for st in stages])
-    blocks = rank_totals(plan, [st.blocks for st in stages])
-    return RankWork(flops[busiest], recompute[busiest], int(max(params)), int(max(blocks)))
+    params, blocks, experts, moe_layers = (
+        int(max(rank_totals(plan, [getattr(st, name) for st in stages])))
+        for name in ("total", "blocks", "experts", "moe_layers")
+    )
+    return RankWork(flops[busiest], recompute[busiest], params, blocks, experts, moe_layers)
 
 
 # --- validation -----------------------------------------------------------------------------
@@ -314,15 +348,18 @@ def _positive_int(name: str, value) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1, pp: int = 1) -> ParallelDims:
+def _resolve_layout(
+    dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1, pp: int = 1, ep: int = 1
+) -> ParallelDims:
     """Degrees to ParallelDims: the data-parallel ones positive or -1 (at most one -1, which
-    needs world_size), tp and pp positive; ParallelDims.resolve reports a product that does not
-    match the world size."""
+    needs world_size), tp, pp and ep positive; ParallelDims.resolve reports a product that does
+    not match the world size, or an ep that does not divide the shard degree."""
     for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
         if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and degree != -1):
             raise ValueError(f"{name} must be a positive integer or -1, got {degree!r}")
     _positive_int("tp", tp)
     _positive_int("pp", pp)
+    _positive_int("ep", ep)
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError("dp_replicate and dp_shard cannot both be -1; set one of them")
     if world_size is None:
@@ -330,7 +367,16 @@ def _resolve_layout(dp_replicate: int, dp_shard: int, world_size: int | None, tp
             raise ValueError("a degree of -1 (take the ranks left over) needs world_size")
         world_size = dp_replicate * dp_shard * tp * pp
     _positive_int("world_size", world_size)
-    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp, pp)
+    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp, pp, ep)
+
+
+def _check_experts(model_args, ep: int) -> None:
+    """One ValueError when the model's experts cannot be split over ``ep`` ranks."""
+    n_experts = getattr(model_args, "n_experts", 0)
+    if ep > 1 and not n_experts:
+        raise ValueError(f"parallelism.expert_parallel_degree ({ep}) needs a mixture-of-experts model")
+    if n_experts % ep:
+        raise ValueError(f"parallelism.expert_parallel_degree ({ep}) must divide the model's n_experts ({n_experts})")
 
 
 def _precision_choices(field_name: str) -> tuple[str, ...]:
@@ -388,6 +434,7 @@ def estimate_step_time(
     efficiency: float = DEFAULT_EFFICIENCY,
     gpus_per_node: int | None = None,
     pipeline: PipelinePlan | None = None,
+    ep: int = 1,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
     fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
@@ -395,7 +442,9 @@ def estimate_step_time(
 
     local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp
     ranks of its group (and, with ``pipeline``, all pp ranks of its pipeline) see; the
-    pipeline splits it into pipeline.microbatches micro-batches. hardware: a Hardware or a
+    pipeline splits it into pipeline.microbatches micro-batches. ``ep``: expert parallelism's
+    degree, a split of the dp_shard ranks (an MoE model's experts, n_experts / ep per rank,
+    FSDP-sharded over the dp_shard / ep ranks left). hardware: a Hardware or a
     table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
     when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input.
     """
@@ -411,11 +460,12 @@ def estimate_step_time(
         _positive_int("gpus_per_node", gpus_per_node)
         hw = replace(hw, gpus_per_node=gpus_per_node)
     pp = 1 if pipeline is None else pipeline.pp
-    dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp, pp)
+    dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp, pp, ep)
     r, s, t = dims.dp_replicate, dims.dp_shard, dims.tp
     problem = tensor_parallel_problem(model_args, t)
     if problem is not None:
         raise ValueError(problem)
+    _check_experts(model_args, ep)
 
     # compute: a TP group shares its data-parallel rank's tokens, each device 1/t of the FLOPs
     # of its pipeline rank's stages (the whole model without PP); the busiest rank sets the pace
@@ -426,17 +476,25 @@ def estimate_step_time(
     stage_tokens = micro_tokens * grad_accum_steps / t  # through each device's stages
     compute_s = compute_seconds(work.flops + work.recompute_flops, stage_tokens, hw.peak_flops, efficiency)
 
-    # communication: FSDP and the replicas move each device's 1/t of its stages' weights
+    # communication: FSDP and the replicas move each device's 1/t of its stages' dense weights
+    # over the shard group, and its n_experts / ep experts (which TP does not split) over the
+    # s / ep ranks holding the same ones
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
     if pipeline is None:
-        regathered, gathers = regathered_params(model_args, reshard_after_forward), grad_accum_steps
+        regathered = regathered_params(model_args, reshard_after_forward)
+        regathered_experts = regathered_params(model_args, reshard_after_forward, experts_only=True)
+        gathers = grad_accum_steps
     else:  # gathered once per accumulation step, unless "always" frees them after each forward
         always = reshard_after_forward == "always"
-        regathered = work.params if always else 0
+        regathered, regathered_experts = (work.params, work.experts) if always else (0, 0)
         gathers = grad_accum_steps * (pipeline.microbatches if always else 1)
-    gather_b, _ = fsdp_bytes(work.params / t, regathered / t, p_bytes, g_bytes, s, gathers)
-    _, scatter_b = fsdp_bytes(work.params / t, 0, p_bytes, g_bytes, s, grad_accum_steps)
-    reduce_b = replicate_all_reduce_bytes(work.params / t, g_bytes, s, r)
+    dense, expert_shards = work.params - work.experts, s // ep
+    traffic = functools.partial(fsdp_traffic, param_bytes=p_bytes, reduce_bytes=g_bytes, gathers=gathers)
+    scatters = grad_accum_steps  # every accumulation step reduce-scatters, however often it gathers
+    dense_gather_b, dense_scatter_b = traffic(dense / t, (regathered - regathered_experts) / t, s, scatters)
+    expert_gather_b, expert_scatter_b = traffic(work.experts / ep, regathered_experts / ep, expert_shards, scatters)
+    gather_b, scatter_b = dense_gather_b + expert_gather_b, dense_scatter_b + expert_scatter_b
+    reduce_b = replicate_all_reduce_bytes(dense / t + work.experts / ep, g_bytes, s, r)
     recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
     tp_b = grad_accum_steps * tensor_parallel_bytes(
         replace(model_args, n_layers=work.blocks),
@@ -447,16 +505,24 @@ def estimate_step_time(
         loss_parallel,
         recomputed_blocks,
     )
-    spans = functools.partial(group_spans_nodes, r, s, t, hw.gpus_per_node, pp=pp)
+    spans = functools.partial(group_spans_nodes, r, s, t, hw.gpus_per_node, pp=pp, ep=ep)
     shard_link, shard_bw = link(hw, s, spans("shard"))
+    expert_shard_link, expert_shard_bw = link(hw, expert_shards, spans("expert_shard"))
+    ep_link, ep_bw = link(hw, ep, spans("ep"))
     replicate_link, replicate_bw = link(hw, r, spans("replicate"))
     tp_link, tp_bw = link(hw, t, spans("tp"))
     pp_link, pp_bw = link(hw, pp, spans("pp"))
     # Shard- and replicate-group collectives are added, not overlapped with each other:
     # FSDP issues the all-reduce after each unit's reduce-scatter, and when both groups
     # are inter-node they share the same network cards.
-    gather_s, scatter_s, reduce_s = gather_b / shard_bw, scatter_b / shard_bw, reduce_b / replicate_bw
+    gather_s = dense_gather_b / shard_bw + expert_gather_b / expert_shard_bw
+    scatter_s = dense_scatter_b / shard_bw + expert_scatter_b / expert_shard_bw
+    reduce_s = reduce_b / replicate_bw
     data_parallel_s, tp_s = gather_s + scatter_s + reduce_s, tp_b / tp_bw
+    ep_b = grad_accum_steps * moe_all_to_all_bytes(
+        model_args, work, micro_tokens, p_bytes, t, sequence_parallel, ep, ac_mode, selective_ac_option
+    )
+    ep_s = ep_b / ep_bw
     bubble, pp_b, pp_exposed_b = 0.0, 0.0, 0.0
     if pipeline is not None:
         bubble = pipeline.bubble
@@ -466,11 +532,12 @@ def estimate_step_time(
         # filling and draining: one activation forward and one gradient back per boundary
         pp_exposed_b = 2 * (pipeline.num_stages - 1) * boundary * grad_accum_steps
     pp_s, pp_exposed_s = pp_b / pp_bw, pp_exposed_b / pp_bw
-    comm_s = data_parallel_s + tp_s + pp_s
+    comm_s = data_parallel_s + tp_s + pp_s + ep_s
 
-    # TP's collectives wait between matmuls (unless async TP hides them); the pipeline's bubble
+    # TP's collectives wait between matmuls (unless async TP hides them), and the experts wait
+    # for their rows (the all-to-alls are on the critical path); the pipeline's bubble
     # stretches them with the compute; FSDP's communication overlaps all of it.
-    critical_s = max(compute_s, tp_s) if async_tp else compute_s + tp_s
+    critical_s = (max(compute_s, tp_s) if async_tp else compute_s + tp_s) + ep_s
     pipelined_s = pipelined_seconds(critical_s, bubble, pp_s, pp_exposed_s)
     step_s, exposed_s = overlapped_step_seconds(pipelined_s, data_parallel_s, work.blocks + 1)
     device_tokens = stage_tokens / pp  # the tokens a device's share of the model processes
@@ -503,7 +570,7 @@ def estimate_step_time(
         all_reduce_s=reduce_s,
         tp_s=tp_s,
         comm_s=comm_s,
-        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s,
+        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s + ep_s,
         overlapped=True,
         step_s=step_s,
         sequence_parallel=sequence_parallel,
@@ -517,6 +584,11 @@ def estimate_step_time(
         pp_link=pp_link,
         pp_s=pp_s,
         pp_exposed_s=pp_exposed_s,
+        ep=ep,
+        ep_bytes=ep_b,
+        ep_link=ep_link,
+        ep_s=ep_s,
+        expert_shard_link=expert_shard_link if ep > 1 else shard_link,
         # Compute-bound when the compute time exceeds the communication time.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         threshold_tokens_per_device=(
@@ -527,6 +599,39 @@ def estimate_step_time(
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
+    )
+
+
+def moe_all_to_all_bytes(
+    model_args,
+    work: RankWork,
+    micro_tokens: float,
+    activation_bytes: int,
+    tp: int,
+    sequence_parallel: bool,
+    ep: int,
+    ac_mode: str,
+    selective_ac_option: str,
+) -> float:
+    """Per-device all-to-all bytes of one micro-batch through the busiest rank's MoE layers
+    (communication.expert_all_to_all_bytes): the tokens entering a MoE layer on a device are the
+    data-parallel rank's micro-batch, split over the TP group by sequence parallel; the layers
+    activation checkpointing re-runs are its recomputed blocks' share of the MoE layers. 0 for
+    a dense model or ep 1."""
+    if ep == 1 or not work.moe_layers:
+        return 0.0
+    tokens = micro_tokens / tp if sequence_parallel and tp > 1 else micro_tokens
+    recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
+    recomputed_moe = recomputed_blocks * work.moe_layers // work.blocks
+    return expert_all_to_all_bytes(
+        tokens,
+        model_args.top_k,
+        model_args.dim,
+        activation_bytes,
+        model_args.n_experts,
+        ep,
+        work.moe_layers,
+        recomputed_moe,
     )
 
 
@@ -555,6 +660,7 @@ def estimate_for_job_config(
         world_size,
         parallelism.tensor_parallel_degree,
         parallelism.pipeline_parallel_degree,
+        parallelism.expert_parallel_degree,
     )
     _positive_int("training.local_batch_size", training.local_batch_size)
     _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
@@ -584,4 +690,5 @@ def estimate_for_job_config(
         efficiency=efficiency,
         gpus_per_node=gpus_per_node,
         pipeline=pipeline,
+        ep=dims.ep,
     )

@@ -28,6 +28,7 @@ class ParamCounts:
     blocks: tuple[int, ...]  # each transformer block's, in order
     head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
     idle_experts: int = 0  # routed experts' weights a token does not meet: all but its top_k in each MoE layer
+    experts: tuple[int, ...] = ()  # each block's routed experts' weights (0 for a dense block), in order
 
     @property
     def root(self) -> int:
@@ -39,19 +40,42 @@ def _numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def model_on_meta(args: LlamaArgs | Qwen3Args) -> torch.nn.Module:
+    """titanlite's decoder for ``args`` (Llama's or Qwen3's), built on the meta device: shapes
+    only, no memory."""
+    with torch.device("meta"):
+        return Qwen3Transformer(args) if isinstance(args, Qwen3Args) else Transformer(args)
+
+
 @functools.lru_cache(maxsize=64)
 def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
     """Counted on the model itself, built on the meta device (shapes only, no memory), so
     the counts follow the model's layout wherever it changes."""
-    with torch.device("meta"):
-        model = Qwen3Transformer(args) if isinstance(args, Qwen3Args) else Transformer(args)
+    model = model_on_meta(args)
     return ParamCounts(
         _numel(model),
         _numel(model.tok_embeddings),
         tuple(_numel(b) for b in model.layers.values()),
         _numel(model.norm) + model.output.weight.numel(),
-        sum(_idle_expert_params(module) for module in model.modules() if isinstance(module, MoE)),
+        idle_expert_params(model),
+        tuple(routed_expert_params(block) for block in model.layers.values()),
     )
+
+
+def _moe_layers(module: torch.nn.Module) -> list[MoE]:
+    return [layer for layer in module.modules() if isinstance(layer, MoE)]
+
+
+def routed_expert_params(module: torch.nn.Module) -> int:
+    """The routed experts' weights in ``module`` (all experts of every MoE layer in it; the
+    routers not included): what expert parallelism splits."""
+    return sum(_numel(moe.experts) for moe in _moe_layers(module))
+
+
+def idle_expert_params(module: torch.nn.Module) -> int:
+    """Of the MoE layers in ``module``, the experts' weights one token skips: in each layer
+    the n_experts - top_k experts it is not routed to."""
+    return sum(_idle_expert_params(moe) for moe in _moe_layers(module))
 
 
 def _idle_expert_params(moe: MoE) -> int:

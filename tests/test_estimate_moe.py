@@ -1,0 +1,244 @@
+"""The estimators for mixture-of-experts models and expert parallelism: active parameters in
+the FLOPs and MFU (the pipeline's per-stage count included), the experts' memory per rank
+(arithmetic, floor and simulation), the all-to-all bytes against a count by hand, the links
+an EP group uses, and the sweep's EP degrees. Arithmetic and fake process groups only; the
+bytes real all-to-alls move are benchmarks/moe.py's (its --quick run is a smoke test)."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanlite.config import parse_args
+from titanlite.estimate import estimate_memory, estimate_step_time
+from titanlite.estimate.communication import expert_all_to_all_bytes, group_spans_nodes
+from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
+from titanlite.estimate.step_time import rank_work
+from titanlite.metrics import flops_per_token
+from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
+from titanlite.models.qwen3 import QWEN3_FLAVORS
+from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline
+from titanlite.plan import plan_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import estimate  # noqa: E402
+
+A3B = QWEN3_FLAVORS["30B-A3B"]
+CONFIG = str(Path(__file__).resolve().parent.parent / "train_configs" / "qwen3_30b_a3b.toml")
+TINY_MOE = [
+    "--model.name=qwen3",
+    "--model.flavor=tiny_moe",
+    "--training.seq_len=64",
+    "--training.local_batch_size=2",
+    "--activation_checkpoint.mode=none",
+]
+
+
+def _a3b_step(**kwargs):
+    options = dict(seq_len=4096, local_batch_size=1, hardware="h100", dp_shard=8, ac_mode="full")
+    options.update(kwargs)
+    return estimate_step_time(A3B, **options)
+
+
+# --- FLOPs and MFU: the experts a token meets ------------------------------------------------
+
+
+def test_step_time_flops_and_mfu_count_the_active_parameters():
+    # 30B-A3B by hand: a token meets the router and 8 of the 128 experts of each of 48 blocks.
+    counts = param_counts(A3B)
+    expert = 3 * A3B.dim * A3B.moe_hidden_dim
+    assert counts.experts == (128 * expert,) * 48
+    assert active_params(A3B) == counts.total - counts.embedding - 48 * 120 * expert
+    timing = _a3b_step()
+    assert timing.flops_per_token == 6 * active_params(A3B) + attention_flops_per_token(A3B, 4096)
+    assert timing.flops_per_token < 6 * counts.total / 5  # all experts would be ~9x the active ones
+    mfu = 100 * timing.tokens_per_second_per_device * timing.flops_per_token / timing.hardware.peak_flops
+    assert timing.mfu_percent == pytest.approx(mfu, rel=1e-12)
+    # Full AC recomputes the blocks' forward: a third of their active FLOPs.
+    blocks = timing.flops_per_token - 6 * counts.head
+    assert timing.recompute_flops_per_token == pytest.approx(blocks / 3, rel=1e-12)
+
+
+def test_pipeline_stages_count_only_the_experts_a_token_meets():
+    config = parse_args(["--model.name=qwen3", "--model.flavor=30B-A3B", "--parallelism.pipeline_parallel_degree=4"])
+    plan = plan_pipeline(config.parallelism, type(model_on_meta(A3B)), A3B, 8)
+    stages = [rank_work(A3B, 4096, 0.0, _one_stage(plan, stage)) for stage in range(plan.num_stages)]
+    # The stages' FLOPs add up to the whole model's active ones, not to 6 x all its weights.
+    assert sum(stage.flops for stage in stages) == pytest.approx(flops_per_token(A3B, 4096), rel=1e-12)
+    assert sum(stage.experts for stage in stages) == sum(param_counts(A3B).experts)
+    assert sum(stage.moe_layers for stage in stages) == A3B.n_layers
+
+
+def _one_stage(plan: PipelinePlan, stage: int) -> PipelinePlan:
+    """One stage of ``plan`` as a one-rank pipeline."""
+    return PipelinePlan("1F1B", 1, (plan.stage_modules[stage],), 1)
+
+
+# --- memory: the experts per rank ------------------------------------------------------------
+
+
+def test_expert_state_per_rank_is_the_experts_over_ep_over_the_shards_left():
+    model = model_on_meta(A3B)
+    experts = sum(param_counts(A3B).experts)
+    for shards, ep in ((8, 1), (8, 2), (8, 8), (64, 8), (2, 2), (4, 4), (16, 16)):
+        state = exact_model_state_bytes(model, shards, ep=ep, kind="experts")
+        # n_experts / ep experts on a rank, FSDP-sharded over shards / ep: 1/shards of them all.
+        assert state.parameters == experts * 4 / ep / (shards // ep)
+        assert state.optimizer_state == 2 * state.parameters + 48 * 3 * 4  # and one step counter per weight
+    # Expert parallelism alone (no FSDP left over the experts): a rank's experts shrink as 1/ep.
+    alone = {ep: exact_model_state_bytes(model, ep, ep=ep, kind="experts").parameters for ep in (2, 4, 8, 16)}
+    assert [alone[2] / alone[ep] for ep in (2, 4, 8, 16)] == [1, 2, 4, 8]
+    dense = exact_model_state_bytes(model, 8, kind="dense").parameters
+    assert dense + exact_model_state_bytes(model, 8, ep=4, kind="experts").parameters == pytest.approx(
+        exact_model_state_bytes(model, 8).parameters, rel=1e-6
+    )
+
+
+def test_floor_counts_each_ranks_experts_under_ep():
+    # With or without EP a rank's weights and Adam state are 1/s of the experts and of the
+    # rest: EP only changes which experts (n_experts / ep of them, over the s / ep ranks left).
+    base = ["--job.config_file", CONFIG, "--parallelism.data_parallel_shard_degree=8"]
+    floors = {}
+    for ep in (1, 4):
+        config = parse_args([*base, f"--parallelism.expert_parallel_degree={ep}"])
+        floors[ep] = fullest_floor(config, plan_run(config, 8))[1]["weights and Adam state"]
+    model = model_on_meta(A3B)
+    dense, experts = (exact_model_state_bytes(model, 8, kind=kind) for kind in ("dense", "experts"))
+    assert (
+        floors[1]
+        == floors[4]
+        == dense.parameters + dense.optimizer_state + experts.parameters + (experts.optimizer_state)
+    )
+
+
+def test_simulated_memory_under_ep_gathers_fewer_experts_and_buffers_the_all_to_all():
+    estimates = {
+        ep: estimate_memory(parse_args([*TINY_MOE, f"--parallelism.expert_parallel_degree={ep}"]), 4, "cpu")
+        for ep in (1, 2, 4)
+    }
+    block_experts = param_counts(QWEN3_FLAVORS["tiny_moe"]).experts[0]
+    args = QWEN3_FLAVORS["tiny_moe"]
+    buffers = 2 * 2 * 64 * args.top_k * args.dim * 2  # bf16 rows received and sent back
+    for ep in (2, 4):
+        assert estimates[ep].exact == estimates[1].exact  # 4 experts split evenly: no padding changes
+        gathered = int(block_experts * (1 - 1 / ep)) * 2
+        change = estimates[ep].peak["temporary"] - estimates[1].peak["temporary"]
+        assert change == buffers - gathered
+        assert estimates[ep].peak_bytes - estimates[1].peak_bytes == change
+        assert any("expert parallelism" in note for note in estimates[ep].notes)
+
+
+def test_simulated_pipeline_stage_under_ep_holds_its_experts_gathered_over_ep():
+    # PP 2 x FSDP 2, two micro-batches: each stage stays gathered (bf16) with its gradients
+    # unreduced (fp32) for the whole step; under EP 2 that is half of its experts.
+    pipeline = [
+        *TINY_MOE,
+        "--parallelism.pipeline_parallel_degree=2",
+        "--parallelism.pipeline_parallel_microbatch_size=1",
+    ]
+    estimates = {
+        ep: estimate_memory(parse_args([*pipeline, f"--parallelism.expert_parallel_degree={ep}"]), 4, "cpu")
+        for ep in (1, 2)
+    }
+    args = QWEN3_FLAVORS["tiny_moe"]
+    buffers = 2 * 1 * 64 * args.top_k * args.dim * 2
+    for without, with_ep in zip(estimates[1].pipeline, estimates[2].pipeline, strict=True):
+        blocks = [name for stage in with_ep.stages for name in _stage_blocks(stage)]
+        held_experts = param_counts(args).experts[0] * len(blocks)
+        change = with_ep.peak["temporary"] - without.peak["temporary"]
+        assert change == buffers - held_experts // 2 * (2 + 4), with_ep.pp_rank
+
+
+def _stage_blocks(stage: int) -> list[str]:
+    """The blocks pipeline stage ``stage`` of tiny_moe holds under PP 2."""
+    config = parse_args([*TINY_MOE, "--parallelism.pipeline_parallel_degree=2"])
+    modules = plan_run(config, 4).pipeline.stage_modules[stage]
+    return [name for name in modules if name.startswith("layers.")]
+
+
+# --- the all-to-all ----------------------------------------------------------------------------
+
+
+def test_all_to_all_bytes_by_hand():
+    # One rank's 4096 tokens, 8 experts each, rows of 2048 bf16: every pair's row goes to its
+    # expert and back in forward, both again reversed in backward, and once more forward for
+    # every recomputed layer; 7 of 8 owners are other ranks. Before each forward 128 int64 counts.
+    row = 2048 * 2
+    pairs = 4096 * 8
+    per_layer_forward = (2 * pairs * row + 128 * 8) * 7 / 8
+    per_layer_backward = 2 * pairs * row * 7 / 8
+    by_hand = 48 * (2 * per_layer_forward + per_layer_backward)  # full AC: each forward twice
+    assert expert_all_to_all_bytes(4096, 8, 2048, 2, 128, 8, 48, 48) == pytest.approx(by_hand, rel=1e-12)
+    assert expert_all_to_all_bytes(4096, 8, 2048, 2, 128, 1, 48, 48) == 0
+    timing = _a3b_step(ep=8)
+    assert timing.ep_bytes == pytest.approx(by_hand, rel=1e-12)
+    assert timing.ep_s == pytest.approx(by_hand / timing.hardware.intra_node_bw, rel=1e-12)
+    assert timing.ep_link == "intra-node"
+    # Beyond a node the same bytes take the network.
+    across = _a3b_step(ep=8, gpus_per_node=4)
+    assert across.ep_link == "inter-node" and across.ep_s == pytest.approx(by_hand / across.hardware.inter_node_bw)
+
+
+def test_ep_leaves_each_rank_fewer_experts_to_gather():
+    # 8 shard ranks, EP 4: the dense weights are gathered (bf16) and reduce-scattered (fp32)
+    # over the 8, each rank's 32 experts over the 2 ranks holding the same ones. Reshard
+    # "default" gathers all but the last block and the root again in backward.
+    counts = param_counts(A3B)
+    experts = sum(counts.experts)
+    dense = counts.total - experts
+    dense_regathered = sum(counts.blocks[:-1]) - sum(counts.experts[:-1])
+    experts_regathered = sum(counts.experts[:-1])
+    plain, ep4 = _a3b_step(), _a3b_step(ep=4)
+    assert ep4.all_gather_bytes == pytest.approx(
+        (dense + dense_regathered) * 2 * 7 / 8 + (experts + experts_regathered) / 4 * 2 / 2, rel=1e-12
+    )
+    assert ep4.reduce_scatter_bytes == pytest.approx(dense * 4 * 7 / 8 + experts / 4 * 4 / 2, rel=1e-12)
+    assert plain.reduce_scatter_bytes == pytest.approx(counts.total * 4 * 7 / 8, rel=1e-12)
+    # FSDP's traffic overlaps the compute; the all-to-alls do not (the experts wait for their rows).
+    data_parallel_s = ep4.all_gather_s + ep4.reduce_scatter_s + ep4.all_reduce_s
+    step_s = max(ep4.compute_s + ep4.ep_s, data_parallel_s) + data_parallel_s / (A3B.n_layers + 1)
+    assert ep4.step_s == pytest.approx(step_s, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "shard, tp, ep, gpus_per_node, ep_spans, expert_shard_spans",
+    [
+        (64, 1, 8, 8, False, True),  # an EP group per node, the experts' FSDP across nodes
+        (64, 1, 16, 8, True, True),
+        (8, 1, 8, 8, False, False),
+        (16, 2, 4, 8, False, True),  # EP stride 2 x 4 ranks = one node
+        (16, 2, 8, 8, True, True),
+    ],
+)
+def test_ep_group_links(shard, tp, ep, gpus_per_node, ep_spans, expert_shard_spans):
+    assert group_spans_nodes(1, shard, tp, gpus_per_node, "ep", ep=ep) is ep_spans
+    assert group_spans_nodes(1, shard, tp, gpus_per_node, "expert_shard", ep=ep) is expert_shard_spans
+
+
+def test_bad_expert_parallel_degrees_are_one_clear_error():
+    with pytest.raises(ValueError, match=r"expert_parallel_degree \(3\) must divide .*data_parallel_shard_degree"):
+        _a3b_step(ep=3)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree \(256\) must divide the model's n_experts \(128\)"):
+        _a3b_step(dp_shard=256, ep=256)
+    with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
+        estimate_step_time(QWEN3_FLAVORS["0.6B"], seq_len=64, local_batch_size=1, hardware="h100", dp_shard=2, ep=2)
+
+
+# --- the sweep ---------------------------------------------------------------------------------
+
+
+def test_sweep_varies_the_expert_parallel_degree(capsys):
+    argv = ["--job.config_file", CONFIG, "--sweep", "--sweep_sizes", "8", "--sweep_pp", "1", "--skip_memory"]
+    argv += ["--sweep_ep", "1,2,8,3"]
+    assert estimate.main([*argv, "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    # 3 does not divide the 8 shard ranks (nor the 128 experts): left out.
+    assert [r["layout"].get("ep", 1) for r in results] == [1, 2, 8]
+    ep2 = results[1]["step_time"]
+    assert ep2["ep"] == 2 and ep2["ep_bytes"] > 0 and results[0]["step_time"]["ep_bytes"] == 0
+    assert estimate.main(argv) == 0
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("8 GPUs: FSDP + EP 1x8x1 ep ") and "EP wins" in verdict
+    assert math.isfinite(ep2["step_s"])

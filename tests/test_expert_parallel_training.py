@@ -1,10 +1,10 @@
 """Expert parallelism in the trainer: tiny_moe trained under EP 2 (2 ranks), EP 2 x FSDP 2
-(4 ranks), EP 2 with replicas (HSDP 2 x 2, the experts' FSDP over one rank) and PP 2 x EP 2
-equals one process within 1e-5 per step (loss, grad norm, final weights), with each
-optimizer kernel, full activation checkpointing and compiled blocks (1e-4 for the weights);
-a checkpoint written under EP 2 x FSDP 2 resumes under FSDP 4, and one written there resumes
-under EP 2 x FSDP 2, equal to the uninterrupted run; an EP checkpoint exports to Hugging
-Face; the layouts EP cannot run are refused in one line. Every multi-rank run is a job of
+(4 ranks), EP 2 with replicas (HSDP 2 x 2, the experts' FSDP over one rank), EP 2 x TP 2
+(sequence parallel) and PP 2 x EP 2 equals one process within 1e-5 per step (loss, grad
+norm, final weights), with each optimizer kernel, full activation checkpointing and compiled
+blocks (1e-4 for the weights); a checkpoint written under EP 2 x TP 2 resumes under FSDP 4,
+and one written there resumes under EP 2 x FSDP 2, equal to the uninterrupted run; an EP x TP
+checkpoint exports to Hugging Face; the layouts EP cannot run are refused in one line. Every multi-rank run is a job of
 one launch of 4 ranks."""
 
 import logging
@@ -54,8 +54,9 @@ def batch(world_dp: int) -> list[str]:
 
 
 # Each layout's hyper-parameters are test_parity's (and test_checkpoint_resume's, whose runs
-# below train the same way): EP 2 x FSDP 2 is checked by the resharding job's uninterrupted run.
+# below train the same way): EP 2 x TP 2 is checked by the resharding job's uninterrupted run.
 LAYOUTS = {
+    "ep2_fsdp2": (4, [*batch(4), *EP2]),
     # The all-to-alls run again in the backward, on every rank alike.
     "ep2_full_ac_for_loop": (
         2,
@@ -101,22 +102,25 @@ def train_and_report_experts(extra_args: list[str]) -> dict:
     return report
 
 
-# --- checkpoints reshard between EP 2 x FSDP 2 and FSDP 4 -----------------------------------
+# --- checkpoints reshard between EP 2 x TP 2, FSDP 4 and EP 2 x FSDP 2 ---------------------
 
+# Sequence parallel is on by default: the MoE layers gather the sequence and cut it back.
+EP2_TP2 = [*batch(2), *EP2, "--parallelism.tensor_parallel_degree=2"]
 EP2_FSDP2, FSDP4 = [*batch(4), *EP2], batch(4)
-BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes back to EP 2 x FSDP 2
+BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes on to EP 2 x FSDP 2
 
 
 def reshard_worker(dump: str, ports: list[int]) -> dict:
-    """test_checkpoint_resume's runs (EMA on) of tiny_moe, as a chain: EP 2 x FSDP 2
-    uninterrupted, saving at step 4; that checkpoint resumed on FSDP 4, which saves at step 6;
-    that one resumed on EP 2 x FSDP 2 again. Each resumed run: what it loaded and its steps."""
+    """test_checkpoint_resume's runs (EMA on) of tiny_moe, as a chain: EP 2 x TP 2
+    uninterrupted, saving at step 4 (each expert block held by both TP ranks of its ep rank);
+    that checkpoint resumed on FSDP 4, which saves at step 6; that one resumed on EP 2 x FSDP 2.
+    Each resumed run: what it loaded and its steps."""
     session = Session(ports)
-    trainer = session.trainer(EP2_FSDP2, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/ep")
+    trainer = session.trainer(EP2_TP2, MOE, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/ep")
     at_save, experts = record_state_at(trainer, SAVE_AT), expert_layout(trainer)
-    out = {"ep2_fsdp2": train_to_end(trainer) | {"saved": at_save, "experts": experts}}
+    out = {"ep2_tp2": train_to_end(trainer) | {"saved": at_save, "experts": experts}}
     steps = [
-        (f"{dump}/ep", SAVE_AT, FSDP4, "ep2_fsdp2_to_fsdp4"),
+        (f"{dump}/ep", SAVE_AT, FSDP4, "ep2_tp2_to_fsdp4"),
         (f"{dump}/fsdp", BACK_AT, EP2_FSDP2, "fsdp4_to_ep2_fsdp2"),
     ]
     for source, step, layout, name in steps:
@@ -127,7 +131,7 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
         loaded = loaded_state(trainer) | {"moments": optimizer_moments(trainer)}
         at_save = record_state_at(trainer, BACK_AT)
         out[name] = train_to_end(trainer) | {"loaded": loaded, "saved": at_save}
-        if name == "ep2_fsdp2_to_fsdp4":  # its step-6 checkpoint goes back
+        if name == "ep2_tp2_to_fsdp4":  # its step-6 checkpoint goes on
             copy_checkpoint(f"{folder}/checkpoint/step-{BACK_AT}", f"{dump}/fsdp")
     session.end()
     return out
@@ -184,9 +188,9 @@ def test_the_moe_reference_learns(runs):
     assert reference["loss"][-1] < reference["loss"][0] - 0.1
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_fsdp2"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_tp2"])
 def test_expert_parallel_training_matches_one_process(runs, layout):
-    if layout == "ep2_fsdp2":  # the resharding job's uninterrupted run
+    if layout == "ep2_tp2":  # the resharding job's uninterrupted run
         rank_runs = [{**out[layout], "params": out[layout]["weights"]} for out in runs["reshard"]]
     else:
         rank_runs = runs[f"layout {layout}"]
@@ -207,10 +211,14 @@ def test_pipeline_with_expert_parallelism_matches_one_process(runs):
 
 def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
     # 4 experts [4, 32, 64]: EP 2 keeps 2 per rank, FSDP over the other 2 ranks half their rows.
-    for report in (out["ep2_fsdp2"]["experts"] for out in runs["reshard"]):
+    for report in (run["experts"] for run in runs["layout ep2_fsdp2"]):
         assert report["expert_parallel"]
         assert report["mesh"] == ("efsdp", "ep") and report["placements"] == (Shard(1), Shard(0))
         assert report["shape"] == (4, 32, 64) and report["local_shape"] == (2, 16, 64)
+    # Under TP the experts keep their own mesh, without tp: both TP ranks hold the same block.
+    for report in (out["ep2_tp2"]["experts"] for out in runs["reshard"]):
+        assert report["expert_parallel"] and report["mesh"] == ("efsdp", "ep")
+        assert report["placements"] == (Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
     hsdp = runs["layout ep2_hsdp2_accum_foreach"]
     # Rank 0 logs its line (the ranks LOG_RANK names do; it defaults to 0).
     assert hsdp[0]["experts"]["lines"] == [
@@ -224,14 +232,14 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
 
 @pytest.mark.parametrize(
     "resumed, written_by, step",
-    [("ep2_fsdp2_to_fsdp4", "ep2_fsdp2", SAVE_AT), ("fsdp4_to_ep2_fsdp2", "ep2_fsdp2_to_fsdp4", BACK_AT)],
+    [("ep2_tp2_to_fsdp4", "ep2_tp2", SAVE_AT), ("fsdp4_to_ep2_fsdp2", "ep2_tp2_to_fsdp4", BACK_AT)],
 )
 def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, resumed, written_by, step):
     """A checkpoint of one layout resumed on the other loads exactly what was saved (weights,
     EMA, Adam's moments, data position), and its later steps equal the uninterrupted EP 2 x
-    FSDP 2 run's within 1e-5 (loss, grad norm, final weights and EMA)."""
+    TP 2 run's within 1e-5 (loss, grad norm, final weights and EMA)."""
     for rank_out in runs["reshard"]:
-        straight, saved, run = rank_out["ep2_fsdp2"], rank_out[written_by]["saved"], rank_out[resumed]
+        straight, saved, run = rank_out["ep2_tp2"], rank_out[written_by]["saved"], rank_out[resumed]
         loaded = run["loaded"]
         assert positions(loaded) == positions(saved) and loaded["step"] == step
         assert_bit_identical(loaded["weights"], saved["weights"])
@@ -249,10 +257,10 @@ def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, resu
 
 
 def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path):
-    """convert_dcp_to_hf.py on the EP 2 x FSDP 2 run's last checkpoint writes each expert
+    """convert_dcp_to_hf.py on the EP 2 x TP 2 run's last checkpoint writes each expert
     under its own name with the trained weights, as the adapter splits the whole model."""
     dump, runs = launch
-    weights = runs["reshard"][0]["ep2_fsdp2"]["weights"]
+    weights = runs["reshard"][0]["ep2_tp2"]["weights"]
     export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
     assert export.main([str(dump / "ep" / "checkpoint" / f"step-{STEPS}"), str(tmp_path / "hf")]) == 0
     exported = hf_tensors(tmp_path / "hf")
@@ -277,6 +285,23 @@ def test_the_expert_view_splits_dp_shard_and_leaves_the_mesh_as_it_was():
         assert dims.ep_mesh(mesh).mesh.tolist() == [4, 5]
         assert dims.expert_fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp")
         assert dims.expert_fsdp_mesh(mesh).mesh.tolist() == [[1, 3], [5, 7]]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_expert_view_under_tp_keeps_each_ep_group_on_one_tp_index():
+    """PP 2 x HSDP (2 x 2) x TP 2 with EP 2 on 16 ranks (a fake process group), seen from rank
+    11 (stage 1, replica 0, shard rank 1, tp rank 1): its ep group is the other shard rank of
+    its replica with the same tp index, and its experts' FSDP mesh the same place in each
+    replica; the dense parameters' meshes are as without EP."""
+    dist.init_process_group("fake", store=FakeStore(), rank=11, world_size=16)
+    try:
+        dims = ParallelDims.resolve(2, 2, 16, tp=2, pp=2, ep=2)
+        mesh = dims.build_mesh("cpu")
+        assert dims.ep_mesh(mesh).mesh.tolist() == [9, 11] and dims.tp_mesh(mesh).mesh.tolist() == [10, 11]
+        assert dims.expert_fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp")
+        assert dims.expert_fsdp_mesh(mesh).mesh.tolist() == [[11], [15]]
+        assert dims.dp_mesh(mesh).mesh.tolist() == [[9, 11], [13, 15]]
     finally:
         dist.destroy_process_group()
 
@@ -310,7 +335,6 @@ def test_dropless_at_ep4_when_every_token_goes_to_one_expert(runs):
     [
         (["--model.flavor=tiny"], [], "needs a model with routed experts; qwen3 tiny has none"),
         (MOE, ["--parallelism.expert_parallel_degree=8"], "must divide the model's 4 experts"),
-        (MOE, ["--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=4"], "not built"),
     ],
 )
 def test_layouts_expert_parallelism_cannot_run_are_refused_in_one_line(model, extra, expected):

@@ -220,10 +220,6 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
             f"parallelism.data_parallel_shard_degree / {key} ({expert_fsdp}) must divide the experts' widths "
             f"{sorted(widths)} ({which}): FSDP splits each expert's rows over those ranks"
         )
-    if dims.tp > 1:
-        raise ConfigError(
-            f"{key} ({ep}) with parallelism.tensor_parallel_degree ({dims.tp}) is not built; set one of them to 1"
-        )
 
 
 def check_pipeline_compile(job_config: JobConfig, schedule: str) -> None:

@@ -19,12 +19,16 @@ def group_by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def _copies(grad: torch.Tensor, stages: int) -> int:
-    """How many ranks hold this rank's piece of ``grad``: the sizes of the mesh dimensions it
-    is replicated over (a DTensor), or every rank of its pipeline stage (a plain tensor, which
-    nothing split; ``stages`` pipeline stages each hold other parameters)."""
+    """How many ranks hold this rank's piece of ``grad``: every rank of its pipeline stage for
+    a plain tensor, which nothing split (``stages`` pipeline stages each hold other
+    parameters); for a DTensor, the sizes of the mesh dimensions it is replicated over, times
+    the copies of its whole mesh in the stage. A mesh may leave out some of the stage's
+    dimensions: the experts' under expert parallelism has no tp, and every TP rank of a
+    group holds the same expert pieces."""
+    ranks_per_stage = dist.get_world_size() // stages if dist.is_initialized() else 1
     if not isinstance(grad, DTensor):
-        return dist.get_world_size() // stages if dist.is_initialized() else 1
-    copies = 1
+        return ranks_per_stage
+    copies = ranks_per_stage // grad.device_mesh.size()
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             raise ValueError(f"a gradient is still a partial sum over mesh dimension {dim}; reduce it first")

@@ -1,12 +1,16 @@
-"""Where parallelism is applied: tensor parallelism, expert parallelism, activation
+"""Where parallelism is applied: expert parallelism, tensor parallelism, activation
 checkpointing, torch.compile, then FSDP2.
 
 The order matters and is fixed:
-  1. tensor parallelism turns each block's matrices into DTensors split over the mesh's
+  1. expert parallelism splits each mixture-of-experts layer's stacked experts over the
+     ``ep`` ranks (DTensors, Shard(0)), with the all-to-alls that carry tokens to them. It
+     comes first because it reads the experts' plain (meta) weights, before tensor
+     parallelism would make them Replicate DTensors on ``tp``; the ep ranks it exchanges
+     with share this rank's tp index;
+  2. tensor parallelism turns each block's matrices into DTensors split over the mesh's
      ``tp`` dimension, with the collectives between them; everything after sees the
-     already-split block;
-  2. expert parallelism splits each mixture-of-experts layer's stacked experts over the
-     ``ep`` ranks (DTensors, Shard(0)), with the all-to-alls that carry tokens to them;
+     already-split block. It holds each MoE layer whole on every TP rank, and leaves
+     experts EP has split on their own mesh;
   3. activation checkpointing wraps each transformer block, so that
   4. torch.compile sees the checkpointed block and compiles recomputation (and TP's
      collectives) with it, and
@@ -165,6 +169,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
 # The weights are DTensors held whole on the tp mesh (Replicate), as the norms are (see
 # replicate_over), while the layer computes on their plain local tensors: its routing,
 # sorting and counting code, and the buffers it adds its token counts to, stay plain.
+# With expert parallelism (applied before, see parallelize_decoder) the experts are already
+# DTensors on the ep mesh and stay there: each TP rank sends its whole copy of the block's
+# tokens to the ep ranks of its own tp index and runs its experts on what they send, so the
+# TP ranks of a group again do the same work and get the same full expert gradient, which
+# FSDP then reduces over the data-parallel ranks holding the same experts, never over tp.
 
 
 def _whole_moe_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
@@ -377,9 +386,14 @@ def set_gradient_all_reduce(model: nn.Module, parallel_dims: ParallelDims, enabl
 def parallelize_decoder(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
 ) -> nn.Module:
-    """Apply TP, EP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
+    """Apply EP, TP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
     parallelism = job_config.parallelism
-    # 1. Tensor parallelism over the mesh's tp dimension.
+    # 1. Expert parallelism over the ep ranks (a split of dp_shard's), every MoE layer.
+    ep_mesh = parallel_dims.ep_mesh(mesh)
+    if ep_mesh is not None:
+        for moe in moe_layers(model):
+            apply_expert_parallel(moe, ep_mesh)
+    # 2. Tensor parallelism over the mesh's tp dimension (experts split by EP stay as they are).
     tp_mesh = parallel_dims.tp_mesh(mesh)
     if tp_mesh is not None:
         apply_tensor_parallel(
@@ -390,11 +404,6 @@ def parallelize_decoder(
         )
         if parallelism.enable_async_tensor_parallel:
             enable_async_tensor_parallel()
-    # 2. Expert parallelism over the ep ranks (a split of dp_shard's), every MoE layer.
-    ep_mesh = parallel_dims.ep_mesh(mesh)
-    if ep_mesh is not None:
-        for moe in moe_layers(model):
-            apply_expert_parallel(moe, ep_mesh)
     # 3. Activation checkpointing, per block.
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)

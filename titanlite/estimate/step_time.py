@@ -28,9 +28,9 @@ Assumptions (each is also stated where it is used):
     FLOPs and holds 1/t of the weights FSDP gathers. An MoE feed-forward is the exception:
     every TP rank holds it whole (router and experts) and runs it on all of its data-parallel
     rank's tokens, the same work on each (parallelize._whole_moe_plan), so its FLOPs are not
-    divided by t; MFU counts them once per token (useful work), not t times. TP's collectives sit between the
-    matmuls that need their results, so they add to the compute time (async TP, which
-    overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
+    divided by t; MFU counts them once per token (useful work), not t times. TP's collectives
+    sit between the matmuls that need their results, so they add to the compute time (async
+    TP, which overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
     TP groups are consecutive ranks, inside a node whenever t divides the GPUs per node.
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
   * Pipeline parallelism over p ranks (the outermost mesh dimension, so across nodes once a
@@ -367,17 +367,15 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         [fraction * (6 * (st.block_params - st.idle_experts) + attention_per_block * st.blocks) / 3 for st in stages],
     )
     moe_flops = rank_totals(plan, [6 * st.moe_active for st in stages])
-    works = [
-        RankWork(flops[rank], recompute[rank], 0, 0, moe_flops=moe_flops[rank], moe_recompute_flops=0)
-        for rank in range(plan.pp)
-    ]
-    works = [replace(work, moe_recompute_flops=fraction * work.moe_flops / 3) for work in works]
-    busiest = max(range(plan.pp), key=lambda rank: device_flops_per_token(works[rank], tp))
     params, blocks, experts, moe_layers = (
         int(max(rank_totals(plan, [getattr(st, name) for st in stages])))
         for name in ("total", "blocks", "experts", "moe_layers")
     )
-    return replace(works[busiest], params=params, blocks=blocks, experts=experts, moe_layers=moe_layers)
+    works = [
+        RankWork(flops[rank], recompute[rank], params, blocks, experts, moe_layers, moe, fraction * moe / 3)
+        for rank, moe in enumerate(moe_flops)
+    ]
+    return max(works, key=lambda work: device_flops_per_token(work, tp))
 
 
 # --- validation -----------------------------------------------------------------------------
@@ -666,11 +664,10 @@ def moe_all_to_all_bytes(
     of the MoE layers. 0 for a dense model or ep 1."""
     if ep == 1 or not work.moe_layers:
         return 0.0
-    tokens = micro_tokens
     recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
     recomputed_moe = recomputed_blocks * work.moe_layers // work.blocks
     return expert_all_to_all_bytes(
-        tokens,
+        micro_tokens,
         model_args.top_k,
         model_args.dim,
         activation_bytes,

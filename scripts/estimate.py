@@ -293,7 +293,8 @@ def _report(result: dict, describe_model: str) -> str:
     lines += [
         "step time (analytic)",
         f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  "
-        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak)",
+        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak"
+        f"{_redundant_clause(timing)})",
         _collective_line("all-gather", timing, "all_gather", "shard_link"),
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
@@ -315,6 +316,13 @@ def _report(result: dict, describe_model: str) -> str:
         f"{timing['break_even_tokens_per_device']:,.0f})",
     ]
     return "\n".join(lines)
+
+
+def _redundant_clause(timing: dict) -> str:
+    """The MoE work TP repeats on every rank of a group (not in MFU), or nothing."""
+    if not timing["redundant_compute_s"]:
+        return ""
+    return f"; {timing['redundant_compute_s'] * 1e3:.1f} ms repeating the MoE layers on every TP rank"
 
 
 def _layout_name(layout: dict) -> str:
@@ -375,7 +383,11 @@ def _degree(result: dict, dim: str) -> int:
 _DIMENSIONS = {
     "tp": (
         "TP",
-        lambda result: f"TP {_degree(result, 'tp')} divides the bytes each GPU gathers and reduces by the TP degree",
+        lambda result: (
+            f"TP {_degree(result, 'tp')} divides the bytes each GPU gathers and reduces by the TP degree"
+            # only an MoE model's TP ranks repeat work: the MoE layers, whose experts TP holds whole
+            + (" (the dense weights': TP holds the experts whole)" if _moe_under_tp(result) else "")
+        ),
         lambda timing: f"its collectives adding {timing['tp_s'] * 1e3:,.0f} ms a step over {timing['tp_link']}",
     ),
     "pp": (
@@ -393,6 +405,10 @@ _DIMENSIONS = {
         lambda timing: f"its all-to-alls adding {timing['ep_s'] * 1e3:,.0f} ms a step over {timing['ep_link']}",
     ),
 }
+
+
+def _moe_under_tp(result: dict) -> bool:
+    return result["step_time"]["redundant_compute_s"] > 0
 
 
 def _why_it_wins(dim: str, winner: dict, without: list[dict], tried_without: list[dict]) -> str:

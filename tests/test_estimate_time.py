@@ -28,6 +28,7 @@ from titanlite.estimate.communication import recomputed_collective_blocks, ring_
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
+from titanlite.models.qwen3 import QWEN3_FLAVORS
 from titanlite.parallel import loss_context
 from titanlite.plan import build_model, plan_run
 
@@ -401,16 +402,18 @@ class _CollectiveBytes(TorchDispatchMode):
         return out
 
 
-def _measured_tp_bytes(world_size: int, argv: list[str]) -> tuple[float, float]:
-    """(bytes this rank sent in TP's collectives during one forward + backward of the tiny
-    model on a fake process group, the norms' gradient reductions among them)."""
-    config = parse_args(["--model.name=llama3", "--model.flavor=tiny", *argv])
+def _measured_tp_bytes(world_size: int, argv: list[str], model: tuple[str, str]) -> tuple[float, float]:
+    """(bytes this rank sent in TP's collectives during one forward + backward of ``model``
+    (its name and flavor options) on a fake process group, the norms' gradient reductions
+    among them)."""
+    config = parse_args([*model, *argv])
     plan = plan_run(config, world_size)
     _clear_sharding_prop_cache()  # DTensor's cache would carry meshes across fake groups
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = build_model(config, plan, plan.parallel_dims.build_mesh("cpu"), device="cpu")
-        tokens = torch.randint(0, TINY.vocab_size, (config.training.local_batch_size, config.training.seq_len))
+        batch = (config.training.local_batch_size, config.training.seq_len)
+        tokens = torch.randint(0, plan.model_args.vocab_size, batch)
         with _CollectiveBytes() as sent, loss_context(plan.parallel_dims, config):
             cross_entropy_sum(model(tokens), tokens).backward()
     finally:
@@ -419,36 +422,48 @@ def _measured_tp_bytes(world_size: int, argv: list[str]) -> tuple[float, float]:
     norms = sum(1 for p in model.parameters() if p.dim() == 1)
     # Under FSDP the norms' gradients, partial sums over the TP group, are all-reduced in
     # backward (without FSDP clipping does it): 2L + 1 vectors, which the estimator leaves out.
-    norm_reductions = norms * 2 * ring_bytes(TINY.dim * 4, 2) if plan.parallel_dims.fsdp_applied else 0.0
+    norm_reductions = norms * 2 * ring_bytes(plan.model_args.dim * 4, 2) if plan.parallel_dims.fsdp_applied else 0.0
     return sent.sent, norm_reductions
 
 
+# The MoE model's blocks are MoE blocks, which TP holds whole: attention's collectives, and with
+# sequence parallel the MoE input's all-gather and its output gradient's, nothing else.
+SEQUENCE_PARALLEL = "parallelism.enable_sequence_parallel"
+_TP_MODELS = {"llama3": ("tiny", TINY), "qwen3": ("tiny_moe", QWEN3_FLAVORS["tiny_moe"])}
+
+
 @pytest.mark.parametrize(
-    "world_size, options",
+    "world_size, model, options",
     [
-        (2, {"activation_checkpoint.mode": "none"}),
-        (2, {"activation_checkpoint.mode": "full", "parallelism.enable_sequence_parallel": "false"}),
-        (2, {"activation_checkpoint.selective_ac_option": "op", "parallelism.disable_loss_parallel": "true"}),
-        (2, {"activation_checkpoint.selective_ac_option": "2", "parallelism.enable_sequence_parallel": "false"}),
-        (4, {"activation_checkpoint.mode": "full"}),  # FSDP 2 x TP 2
+        (2, "llama3", {"activation_checkpoint.mode": "none"}),
+        (2, "llama3", {"activation_checkpoint.mode": "full", "parallelism.enable_sequence_parallel": "false"}),
+        (2, "llama3", {"activation_checkpoint.selective_ac_option": "op", "parallelism.disable_loss_parallel": "true"}),
+        (2, "llama3", {"activation_checkpoint.selective_ac_option": "2", SEQUENCE_PARALLEL: "false"}),
+        (4, "llama3", {"activation_checkpoint.mode": "full"}),  # FSDP 2 x TP 2
+        (2, "qwen3", {"activation_checkpoint.mode": "full"}),
+        (2, "qwen3", {"activation_checkpoint.mode": "none", "parallelism.enable_sequence_parallel": "false"}),
     ],
 )
-def test_tensor_parallel_bytes_are_what_dtensor_sends(world_size, options):
+def test_tensor_parallel_bytes_are_what_dtensor_sends(world_size, model, options):
     """The estimator's TP volumes against the collectives the real TP plan issues (float32, so
     the activations are 4 bytes), per block, recomputation, embedding/output and logits."""
+    flavor, args = _TP_MODELS[model]
     settings = {"training.seq_len": "16", "training.local_batch_size": "2", "training.mixed_precision_param": "float32"}
     settings |= {"parallelism.tensor_parallel_degree": "2", **options}
-    config = parse_args([f"--{key}={value}" for key, value in settings.items()])
-    measured, norm_reductions = _measured_tp_bytes(world_size, [f"--{k}={v}" for k, v in settings.items()])
+    argv = [f"--{key}={value}" for key, value in settings.items()]
+    config = parse_args(argv)
+    model_options = (f"--model.name={model}", f"--model.flavor={flavor}")
+    measured, norm_reductions = _measured_tp_bytes(world_size, argv, model_options)
     parallelism, ac = config.parallelism, config.activation_checkpoint
     expected = tensor_parallel_bytes(
-        TINY,
+        args,
         tokens=2 * 16,
         activation_bytes=4,
         tp=2,
         sequence_parallel=parallelism.enable_sequence_parallel,
         loss_parallel=not parallelism.disable_loss_parallel,
-        recomputed_blocks=recomputed_collective_blocks(TINY.n_layers, ac.mode, ac.selective_ac_option),
+        recomputed_blocks=recomputed_collective_blocks(args.n_layers, ac.mode, ac.selective_ac_option),
+        moe_blocks=args.n_layers if getattr(args, "n_experts", 0) else 0,
     )
     assert measured - norm_reductions == pytest.approx(expected)
 

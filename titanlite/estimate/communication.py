@@ -100,6 +100,7 @@ def tensor_parallel_bytes(
     sequence_parallel: bool,
     loss_parallel: bool,
     recomputed_blocks: int,
+    moe_blocks: int = 0,
 ) -> float:
     """Per-device bytes of tensor parallelism's collectives in one micro-batch (forward and
     backward) over the TP group, for ``tokens`` tokens (the data-parallel rank's micro-batch,
@@ -111,6 +112,14 @@ def tensor_parallel_bytes(
                    the same four reversed in backward; without it an all-reduce (2 a) after wo
                    and after w2 in forward and before the column-wise inputs in backward: the
                    same bytes
+        MoE blocks 6 a (sequence parallel) or 4 a instead, for the ``moe_blocks`` of the blocks
+                   whose feed-forward is an MoE layer, which TP holds whole
+                   (parallelize._whole_moe_plan): attention's 4 a as above; the layer's input is
+                   all-gathered (forward) and its whole output cut to the rank's sequence chunk
+                   (no exchange), whose gradient is all-gathered in backward while the input's
+                   gradient, whole on every rank, is cut alike: 2 a; without sequence parallel
+                   the layer's input and output are whole already: nothing. Its weights'
+                   gradients, computed from all the tokens on every rank, need no reduction
         recompute  3 a (two all-gathers and the reduce-scatter after wo) or 2 a (the all-reduce
                    after wo) per block checkpointing re-runs: the recomputation stops before the
                    block's last collective, whose output backward does not need
@@ -125,8 +134,10 @@ def tensor_parallel_bytes(
     vectors of dim per micro-batch, left out (a few hundred KB).
     """
     activation = tokens * args.dim * activation_bytes
-    per_recomputed_block = 3 if sequence_parallel else 2
-    whole_activations = 8 * args.n_layers + per_recomputed_block * recomputed_blocks + 4
+    per_recomputed_block = 3 if sequence_parallel else 2  # an MoE block's the same (its forward all-gather)
+    per_moe_block = 6 if sequence_parallel else 4
+    blocks = 8 * (args.n_layers - moe_blocks) + per_moe_block * moe_blocks
+    whole_activations = blocks + per_recomputed_block * recomputed_blocks + 4
     if loss_parallel:
         logits = 3 * 2 * tokens * 4  # three all-reduces (2 x the bytes) of one float32 per token
     else:

@@ -216,7 +216,8 @@ def _expert_parallel_bytes(
                      (floor.unsharded_stage_bytes); never more than the simulated temporaries
                    + 2 x tokens x top_k x dim x parameter bytes: the rows a rank receives for
                      its experts and the results it sends back, beside the rows the layer
-                     makes without EP (an even load: a rank's experts get its share of pairs)
+                     makes without EP (an even load: a rank's experts get its share of pairs),
+                     all of the data-parallel rank's tokens on every TP rank
 
     The sharded experts, their gradients and Adam state are 1 / shards of them either way
     (n_experts / ep experts over shards / ep ranks; exact_model_state_bytes with ``ep``),
@@ -232,8 +233,8 @@ def _expert_parallel_bytes(
         without_ep = dataclasses.replace(plan, parallel_dims=dataclasses.replace(plan.parallel_dims, ep=1))
         held = [unsharded_stage_bytes(job_config, layout, model) for layout in (without_ep, plan)]
         gathered = max(gathered, held[0] - held[1])
-    if plan.parallel_dims.tp > 1 and job_config.parallelism.enable_sequence_parallel:
-        tokens //= plan.parallel_dims.tp
+    # TP holds the MoE layer whole: each TP rank routes all of the tokens (sequence parallel
+    # all-gathers them first), so its buffers are not divided by the TP degree.
     return {"gathered": gathered, "buffers": 2 * tokens * args.top_k * args.dim * p_bytes}
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite.metrics.flops import idle_expert_params, routed_expert_params
+from titanlite.metrics.flops import active_moe_params, idle_expert_params, routed_expert_params
 from titanlite.models.moe import MoE
 from titanlite.parallel.pipeline import PipelinePlan
 
@@ -64,6 +64,7 @@ class StageParams:
     idle_experts: int = 0  # of its MoE layers' experts, the weights one token skips (no FLOPs)
     experts: int = 0  # its MoE layers' routed experts' weights (what expert parallelism splits)
     moe_layers: int = 0  # its MoE layers (each dispatches its tokens by all-to-all under EP)
+    moe_active: int = 0  # of its MoE layers, the weights a token meets (routers and top_k experts)
 
 
 def stage_params(model: torch.nn.Module, plan: PipelinePlan, embedding: str = "tok_embeddings") -> list[StageParams]:
@@ -83,6 +84,7 @@ def stage_params(model: torch.nn.Module, plan: PipelinePlan, embedding: str = "t
                 idle_experts=sum(idle_expert_params(part) for part in parts),
                 experts=sum(routed_expert_params(part) for part in parts),
                 moe_layers=sum(isinstance(layer, MoE) for part in parts for layer in part.modules()),
+                moe_active=sum(active_moe_params(part) for part in parts),
             )
         )
     return counts

@@ -25,9 +25,12 @@ Assumptions (each is also stated where it is used):
     max(compute, communication) plus the part that nothing can hide.
   * Tensor parallelism splits every matmul (and attention, by heads) over the t ranks of a
     TP group, which see the same batch: each device does 1/t of its data-parallel rank's
-    FLOPs and holds 1/t of the weights FSDP gathers. TP's collectives sit between the
-    matmuls that need their results, so they add to the compute time (async TP, which
-    overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
+    FLOPs and holds 1/t of the weights FSDP gathers. An MoE feed-forward is the exception:
+    every TP rank holds it whole (router and experts) and runs it on all of its data-parallel
+    rank's tokens, the same work on each (parallelize._whole_moe_plan), so its FLOPs are not
+    divided by t; MFU counts them once per token (useful work), not t times. TP's collectives
+    sit between the matmuls that need their results, so they add to the compute time (async
+    TP, which overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
     TP groups are consecutive ranks, inside a node whenever t divides the GPUs per node.
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
   * Pipeline parallelism over p ranks (the outermost mesh dimension, so across nodes once a
@@ -100,6 +103,7 @@ class StepTimeEstimate:
     tokens_per_device_per_micro_batch: float  # the data-parallel rank's tokens / tp
     tokens_per_device_per_step: float
     compute_s: float
+    redundant_compute_s: float  # of compute_s, the MoE work the other TP ranks repeat (0 without TP or MoE)
     # communication
     all_gather_bytes: float  # FSDP parameter all-gathers (forward + backward re-gathers)
     reduce_scatter_bytes: float  # FSDP gradient reduce-scatters
@@ -168,7 +172,7 @@ class StepTimeEstimate:
                 f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
                 f"on {self.world_size} {hw.name}",
                 f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
-                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
+                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s{self._redundant_note()})",
                 f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
                 f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
                 f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
@@ -182,6 +186,11 @@ class StepTimeEstimate:
                 f"MFU {self.mfu_percent:.1f}%",
             ]
         )
+
+    def _redundant_note(self) -> str:
+        if not self.redundant_compute_s:
+            return ""
+        return f"; {self.redundant_compute_s * 1e3:.1f} ms of it the MoE layers every TP rank repeats"
 
 
 # --- formulas: one small function each ------------------------------------------------------
@@ -229,6 +238,17 @@ def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float
     """
     blocks = model_flops_per_token - 6 * param_counts(args).head
     return fraction * blocks / 3
+
+
+def device_flops_per_token(work: "RankWork", tp: int) -> float:
+    """FLOPs one device does per token of its data-parallel rank's batch, recomputation
+    included: TP splits everything over its t ranks but the MoE layers, which each of them
+    runs whole on every token (parallelize._whole_moe_plan):
+
+        (F + R - F_moe - R_moe) / t + F_moe + R_moe
+    """
+    moe = work.moe_flops + work.moe_recompute_flops
+    return (work.flops + work.recompute_flops - moe) / tp + moe
 
 
 def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
@@ -300,6 +320,8 @@ class RankWork:
     blocks: int  # transformer blocks of its stages
     experts: int = 0  # routed experts' weights of its stages (all of them, not only a token's top_k)
     moe_layers: int = 0  # MoE layers of its stages
+    moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP does not split them
+    moe_recompute_flops: float = 0.0  # of recompute_flops, its MoE layers'
 
 
 @functools.lru_cache(maxsize=64)
@@ -307,22 +329,34 @@ def _stage_params(args: LlamaArgs, plan: PipelinePlan):
     return stage_params(model_on_meta(args), plan)
 
 
-def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan | None) -> RankWork:
+def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan | None, tp: int = 1) -> RankWork:
     """The busiest rank's share of the model, each stage counted on the model itself: per token,
 
         FLOPs      = 6 x (stage parameters - embedding - idle experts) + attention per block x blocks
         recompute  = fraction x (6 x (block parameters - idle experts) + attention per block x blocks) / 3
+        MoE        = 6 x the MoE layers' active weights, and fraction x 2 x them recomputed
 
     summed over the rank's stages, where the idle experts are the routed experts' weights a token
-    skips (all but its top_k in each MoE layer: metrics.flops.active_params); the busiest rank
-    has the most FLOPs. Without a pipeline the whole model (metrics.flops.flops_per_token,
-    recompute_flops)."""
+    skips (all but its top_k in each MoE layer: metrics.flops.active_params) and the MoE layers'
+    active weights their routers and top_k experts (metrics.flops.active_moe_params); the
+    busiest rank does the most FLOPs per device under ``tp`` (device_flops_per_token). Without a
+    pipeline the whole model (metrics.flops.flops_per_token, recompute_flops)."""
     model_flops = flops_per_token(args, seq_len)
     if plan is None:
         counts = param_counts(args)
         recompute = recompute_flops(args, model_flops, fraction)
         moe_layers = sum(1 for experts in counts.experts if experts)
-        return RankWork(model_flops, recompute, counts.total, args.n_layers, sum(counts.experts), moe_layers)
+        moe_flops = 6 * counts.moe_active
+        return RankWork(
+            model_flops,
+            recompute,
+            counts.total,
+            args.n_layers,
+            sum(counts.experts),
+            moe_layers,
+            moe_flops,
+            fraction * moe_flops / 3,
+        )
     attention_per_block = attention_flops_per_token(args, seq_len) / args.n_layers
     stages = _stage_params(args, plan)
     flops = rank_totals(
@@ -332,12 +366,16 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         plan,
         [fraction * (6 * (st.block_params - st.idle_experts) + attention_per_block * st.blocks) / 3 for st in stages],
     )
-    busiest = max(range(plan.pp), key=lambda rank: flops[rank] + recompute[rank])
+    moe_flops = rank_totals(plan, [6 * st.moe_active for st in stages])
     params, blocks, experts, moe_layers = (
         int(max(rank_totals(plan, [getattr(st, name) for st in stages])))
         for name in ("total", "blocks", "experts", "moe_layers")
     )
-    return RankWork(flops[busiest], recompute[busiest], params, blocks, experts, moe_layers)
+    works = [
+        RankWork(flops[rank], recompute[rank], params, blocks, experts, moe_layers, moe, fraction * moe / 3)
+        for rank, moe in enumerate(moe_flops)
+    ]
+    return max(works, key=lambda work: device_flops_per_token(work, tp))
 
 
 # --- validation -----------------------------------------------------------------------------
@@ -462,19 +500,24 @@ def estimate_step_time(
     pp = 1 if pipeline is None else pipeline.pp
     dims = _resolve_layout(dp_replicate, dp_shard, world_size, tp, pp, ep)
     r, s, t = dims.dp_replicate, dims.dp_shard, dims.tp
-    problem = tensor_parallel_problem(model_args, t)
+    # An MoE feed-forward is held whole by TP: only attention's sizes must split.
+    problem = tensor_parallel_problem(model_args, t, split_ffn=not getattr(model_args, "n_experts", 0))
     if problem is not None:
         raise ValueError(problem)
     _check_experts(model_args, ep)
 
     # compute: a TP group shares its data-parallel rank's tokens, each device 1/t of the FLOPs
-    # of its pipeline rank's stages (the whole model without PP); the busiest rank sets the pace
+    # of its pipeline rank's stages (the whole model without PP) but all of their MoE layers';
+    # the busiest rank sets the pace
     model_flops = flops_per_token(model_args, seq_len)
     fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
-    work = rank_work(model_args, seq_len, fraction, pipeline)
+    work = rank_work(model_args, seq_len, fraction, pipeline, t)
     micro_tokens = local_batch_size * seq_len  # per data-parallel rank
-    stage_tokens = micro_tokens * grad_accum_steps / t  # through each device's stages
-    compute_s = compute_seconds(work.flops + work.recompute_flops, stage_tokens, hw.peak_flops, efficiency)
+    rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
+    seconds = functools.partial(compute_seconds, tokens=rank_tokens, peak_flops=hw.peak_flops, efficiency=efficiency)
+    compute_s = seconds(device_flops_per_token(work, t))
+    redundant_s = seconds((work.moe_flops + work.moe_recompute_flops) * (1 - 1 / t))
+    stage_tokens = rank_tokens / t  # each device's share of its data-parallel rank's tokens
 
     # communication: FSDP and the replicas move each device's 1/t of its stages' dense weights
     # over the shard group, and its n_experts / ep experts (which TP does not split) over the
@@ -504,6 +547,7 @@ def estimate_step_time(
         sequence_parallel,
         loss_parallel,
         recomputed_blocks,
+        work.moe_layers,
     )
     spans = functools.partial(group_spans_nodes, r, s, t, hw.gpus_per_node, pp=pp, ep=ep)
     shard_link, shard_bw = link(hw, s, spans("shard"))
@@ -520,7 +564,7 @@ def estimate_step_time(
     reduce_s = reduce_b / replicate_bw
     data_parallel_s, tp_s = gather_s + scatter_s + reduce_s, tp_b / tp_bw
     ep_b = grad_accum_steps * moe_all_to_all_bytes(
-        model_args, work, micro_tokens, p_bytes, t, sequence_parallel, ep, ac_mode, selective_ac_option
+        model_args, work, micro_tokens, p_bytes, ep, ac_mode, selective_ac_option
     )
     ep_s = ep_b / ep_bw
     bubble, pp_b, pp_exposed_b = 0.0, 0.0, 0.0
@@ -558,6 +602,7 @@ def estimate_step_time(
         tokens_per_device_per_micro_batch=micro_tokens / t,
         tokens_per_device_per_step=device_tokens,
         compute_s=compute_s,
+        redundant_compute_s=redundant_s,
         all_gather_bytes=gather_b,
         reduce_scatter_bytes=scatter_b,
         all_reduce_bytes=reduce_b,
@@ -595,7 +640,7 @@ def estimate_step_time(
             None if math.isinf(heavy_bw) else threshold_tokens_per_device(hw.peak_flops, heavy_bw)
         ),
         break_even_tokens_per_device=break_even_tokens(
-            data_parallel_s, grad_accum_steps, work.flops + work.recompute_flops, hw.peak_flops, efficiency
+            data_parallel_s, grad_accum_steps, t * device_flops_per_token(work, t), hw.peak_flops, efficiency
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
@@ -607,24 +652,22 @@ def moe_all_to_all_bytes(
     work: RankWork,
     micro_tokens: float,
     activation_bytes: int,
-    tp: int,
-    sequence_parallel: bool,
     ep: int,
     ac_mode: str,
     selective_ac_option: str,
 ) -> float:
     """Per-device all-to-all bytes of one micro-batch through the busiest rank's MoE layers
-    (communication.expert_all_to_all_bytes): the tokens entering a MoE layer on a device are the
-    data-parallel rank's micro-batch, split over the TP group by sequence parallel; the layers
-    activation checkpointing re-runs are its recomputed blocks' share of the MoE layers. 0 for
-    a dense model or ep 1."""
+    (communication.expert_all_to_all_bytes): the tokens entering a MoE layer on a device are all
+    of the data-parallel rank's micro-batch, whatever the TP degree (every TP rank runs the MoE
+    layer whole on them, sequence parallel or not, and exchanges them with the EP ranks of its
+    own TP index); the layers activation checkpointing re-runs are its recomputed blocks' share
+    of the MoE layers. 0 for a dense model or ep 1."""
     if ep == 1 or not work.moe_layers:
         return 0.0
-    tokens = micro_tokens / tp if sequence_parallel and tp > 1 else micro_tokens
     recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
     recomputed_moe = recomputed_blocks * work.moe_layers // work.blocks
     return expert_all_to_all_bytes(
-        tokens,
+        micro_tokens,
         model_args.top_k,
         model_args.dim,
         activation_bytes,

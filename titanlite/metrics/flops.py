@@ -29,6 +29,7 @@ class ParamCounts:
     head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
     idle_experts: int = 0  # routed experts' weights a token does not meet: all but its top_k in each MoE layer
     experts: tuple[int, ...] = ()  # each block's routed experts' weights (0 for a dense block), in order
+    moe_active: int = 0  # weights a token meets in the MoE layers (routers and its top_k experts): not split by TP
 
     @property
     def root(self) -> int:
@@ -59,6 +60,7 @@ def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
         _numel(model.norm) + model.output.weight.numel(),
         idle_expert_params(model),
         tuple(routed_expert_params(block) for block in model.layers.values()),
+        active_moe_params(model),
     )
 
 
@@ -82,6 +84,13 @@ def _idle_expert_params(moe: MoE) -> int:
     """Of one MoE layer's stacked experts, the weights of the n_experts - top_k a token skips."""
     per_expert = _numel(moe.experts) // moe.args.n_experts
     return (moe.args.n_experts - moe.args.top_k) * per_expert
+
+
+def active_moe_params(module: torch.nn.Module) -> int:
+    """Of the MoE layers in ``module``, the weights one token meets: each layer's router and
+    its top_k experts (the layer's weights less the experts it skips). Tensor parallelism holds
+    these whole on every rank and runs them on all of the data-parallel rank's tokens."""
+    return sum(_numel(moe) - _idle_expert_params(moe) for moe in _moe_layers(module))
 
 
 def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) -> int:

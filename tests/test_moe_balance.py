@@ -45,11 +45,11 @@ def test_balancing_keys_reach_the_model_built_on_meta():
     plan = plan_run(job_config, world_size=1)
     moe = next(module for module in meta_model(job_config, plan.model_args).modules() if isinstance(module, MoE))
     flavor = get_model_args("qwen3", "tiny_moe")
-    # The key set, and the flavor's default for the other (the bias on, the loss off).
+    # The key set, and the flavor's default for the other (off, as both are in the flavors).
     assert moe.args.router_aux_loss_coef == 0.25 and flavor.moe_aux_loss_coef == 0
-    assert moe.args.bias_update_rate == flavor.moe_bias_update_rate == 1e-3
-    job_config = parse_args(tiny_args(overrides | {"model.moe_bias_update_rate": 0}))
-    assert plan_run(job_config, world_size=1).model_args.moe_bias_update_rate == 0
+    assert moe.args.bias_update_rate == flavor.moe_bias_update_rate == 0
+    job_config = parse_args(tiny_args(overrides | {"model.moe_bias_update_rate": 1e-3}))
+    assert plan_run(job_config, world_size=1).model_args.moe_bias_update_rate == 1e-3
 
 
 # --- the auxiliary loss's gradients -----------------------------------------------------

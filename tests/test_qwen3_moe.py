@@ -18,7 +18,7 @@ from tests.helpers import full_weights, hf_tensors, load_script, tiny_args, trai
 from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import BASE_ARGS, REFERENCE, assert_same_training, train_and_report
-from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
+from tests.test_pipeline_parity import NO_HANG, assert_pipeline_trains_like_one_process, pp_args
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
 from titanlite.checkpoint.load import load_model
@@ -175,6 +175,8 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
 # --- one process vs FSDP 2 and PP 2 ----------------------------------------------------------
 
 MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+# The expert bias on: it must train under every layout as the weights do.
+BIAS = [*MOE, "--model.moe_bias_update_rate=0.001"]
 
 
 def seeded_logits(folder: str, dump: str) -> torch.Tensor:
@@ -189,8 +191,9 @@ def seeded_logits(folder: str, dump: str) -> torch.Tensor:
     return logits
 
 
+PP_MOE = pp_args("1F1B", 4, 2, *BIAS)
 # Load balancing both ways: the auxiliary loss on, and the expert bias (on by default).
-BALANCED = ["--training.local_batch_size=4", "--model.moe_aux_loss_coef=0.1", *MOE]
+BALANCED = ["--training.local_batch_size=4", "--model.moe_aux_loss_coef=0.1", *BIAS]
 
 
 def train_balanced(extra_args: list[str], dump: str) -> dict:
@@ -198,15 +201,17 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
     collectives of one bias update (after a forward's counts) counted at the dispatcher."""
     trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
     records = trainer.train()
-    with torch.no_grad():
-        trainer.model(TOKENS)  # training mode: the layers count its tokens
+    params = full_weights(trainer.model)  # before the update below moves the bias once more
     counted = HostSyncs()
-    with counted:
-        trainer.balancer.after_step(trainer.optimizer)
+    if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
+        with torch.no_grad():
+            trainer.model(TOKENS)  # training mode: the layers count its tokens
+        with counted:
+            trainer.balancer.after_step(trainer.optimizer)
     report = {
         "loss": [r.loss for r in records],
         "grad_norm": [r.grad_norm for r in records],
-        "params": full_weights(trainer.model),
+        "params": params,
         "syncs": counted.report(),
         "ops": set(counted.other_ops),
         "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
@@ -221,12 +226,12 @@ def runs(hf_moe, tmp_path_factory):
         return str(tmp_path_factory.mktemp(name))
 
     jobs = {
-        "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
-        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *MOE],)),
+        "reference": Job(1, train_balanced, ([*REFERENCE.args[0], *BIAS], dump("reference"))),
+        "fsdp2": Job(2, train_and_report, (["--training.local_batch_size=4", *BIAS],)),
         # The same micro-batches: 2 accumulation steps of 4 sequences, or 2 ranks of 4.
         "balanced reference": Job(1, train_balanced, (BALANCED, dump("balanced_reference"))),
         "balanced fsdp2": Job(2, train_balanced, (BALANCED, dump("balanced_fsdp2"))),
-        "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
+        "pp2": Job(2, train_balanced, ([*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *PP_MOE], dump("pp2"))),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
     }
     return run_jobs_on_ranks(2, jobs)
@@ -273,6 +278,16 @@ def test_load_balancing_under_fsdp_matches_single_process(runs):
         assert mine["step"] == step and 1 <= mine[tags.MOE_MAX_LOAD] <= 4  # 4 experts: at most 4x the mean
         for tag in moe_tags:
             assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (step, tag)
+
+
+def test_the_expert_load_under_a_pipeline_is_one_process_load(runs):
+    """Each stage's layers, gathered to rank 0's metrics; torch's first-step shape inference
+    (an extra forward per stage) is not counted."""
+    ours, theirs = runs["pp2"][0]["metrics"], runs["reference"][0]["metrics"]
+    assert len(ours) == len(theirs) == 8
+    for mine, expected in zip(ours, theirs, strict=True):
+        for tag in [tags.MOE_MAX_LOAD] + [tags.moe_layer_load(block) for block in range(3)]:
+            assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
 
 
 def test_the_bias_update_sums_counts_without_a_host_sync(runs):

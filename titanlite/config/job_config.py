@@ -123,8 +123,8 @@ class Model:
 
     moe_bias_update_rate: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
     """MoE models only: step of the auxiliary-loss-free expert bias (DeepSeek-V3's), updated after every optimizer step
-    from the token counts of all data-parallel ranks; 0 turns it off. Unset: the flavor's value (1e-3 for qwen3's MoE
-    flavors)."""
+    from the token counts of all data-parallel ranks (DeepSeek-V3 uses 1e-3); 0 turns it off. Unset: the flavor's value
+    (0 for qwen3's MoE flavors: a Qwen3-MoE trained with the bias does not export to transformers, which has none)."""
 
 
 @dataclass

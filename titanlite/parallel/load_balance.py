@@ -44,6 +44,9 @@ class ExpertLoadBalancer:
         for layer in self.layers:
             layer.aux_loss_step_tokens = step_tokens
         self.step_load: torch.Tensor | None = None  # [layers here] float32: max / mean of the last step
+        pipeline = getattr(model, "pipeline", None)
+        if pipeline is not None:
+            forget_metadata_inference(pipeline.stages, self.layers)
         self.step_aux_loss: torch.Tensor | None = None  # 0-dim: this rank's share of the last step's
 
     @torch.no_grad()
@@ -86,3 +89,22 @@ class ExpertLoadBalancer:
         held = values[self.n_layers : 2 * self.n_layers]
         loads = {block: values[block] for block in range(self.n_layers) if held[block] > 0.5}
         return loads, values[-1] if self.aux_loss_on else None
+
+
+def forget_metadata_inference(stages: list, layers: list[MoE]) -> None:
+    """torch 2.13's pipeline stages learn their tensors' shapes at the first step by running
+    each stage's forward (and backward) once more, the later stages on uninitialised inputs:
+    those forwards would count as routed tokens (and add a NaN to the auxiliary loss's
+    tally). The inference ends, before any real micro-batch, with each stage's
+    _post_metadata_inference_cleanup: the layers' counts start again from 0 after it."""
+    for stage in stages:
+        cleanup = getattr(stage, "_post_metadata_inference_cleanup", None)
+        if cleanup is None:  # a torch that infers otherwise: nothing known to run extra forwards
+            continue
+
+        def cleanup_and_reset(cleanup=cleanup):
+            cleanup()
+            for layer in layers:
+                layer.reset_load()
+
+        stage._post_metadata_inference_cleanup = cleanup_and_reset

@@ -45,10 +45,12 @@ class Qwen3Args:
     (router_aux_loss_coef); 0: no such loss, as transformers trains by default
     (output_router_logits off). Used when n_experts is set; a run sets it with the key of
     the same name in [model]."""
-    moe_bias_update_rate: float = 1e-3
-    """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step; 0: the
-    bias stays 0. On by default, at the 1e-3 that DeepSeek-V3 reports; used when n_experts is
-    set; a run sets it with the key of the same name in [model]."""
+    moe_bias_update_rate: float = 0.0
+    """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step (1e-3 in
+    DeepSeek-V3); 0: the bias stays 0. Off by default: Qwen3-MoE has no such bias, so a model
+    trained with it routes in a way transformers' Qwen3MoeForCausalLM cannot reproduce from
+    the exported weights. Used when n_experts is set; a run sets it with the key of the same
+    name in [model]."""
 
     def __post_init__(self):
         if self.n_experts and (self.top_k < 1 or self.moe_hidden_dim < 1):

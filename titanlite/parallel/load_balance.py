@@ -44,10 +44,10 @@ class ExpertLoadBalancer:
         for layer in self.layers:
             layer.aux_loss_step_tokens = step_tokens
         self.step_load: torch.Tensor | None = None  # [layers here] float32: max / mean of the last step
-        pipeline = getattr(model, "pipeline", None)
+        self.step_aux_loss: torch.Tensor | None = None  # 0-dim: this rank's share of the last step's
+        pipeline = getattr(model, "pipeline", None)  # a LocalModel's, under pipeline parallelism
         if pipeline is not None:
             forget_metadata_inference(pipeline.stages, self.layers)
-        self.step_aux_loss: torch.Tensor | None = None  # 0-dim: this rank's share of the last step's
 
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer, *_) -> None:

@@ -167,3 +167,13 @@ def test_moe_check_rejects_a_wrong_grouped_kernel(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith(
         "moe benchmark: check failed: shape 8/2/64/64/256: output differs between grouped and loop by "
     )
+
+
+def test_moe_balance_quick_prints_each_setting_and_the_loads():
+    lines = _run("moe_balance.py", "--quick")
+    rows = {line.split()[0]: line.split() for line in lines if line.split()[0] in ("none", "bias", "aux")}
+    assert list(rows) == ["none", "bias", "aux"], lines
+    # The same model, seed and batches: the first step routes alike in every setting.
+    assert len({row[1] for row in rows.values()}) == 1, lines
+    assert all(1 <= float(value) <= 4 for row in rows.values() for value in row[1:4]), lines  # 4 experts, top 2
+    assert lines[-1].startswith("max/mean expert load, mean of the last 2 steps: none "), lines

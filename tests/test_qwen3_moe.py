@@ -17,26 +17,26 @@ import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
-from tests.helpers import hf_tensors, load_script, tiny_args, train_tiny
+from tests.helpers import full_weights, hf_tensors, load_script, tiny_args, train_tiny
+from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import (
-    MOE_REFERENCE,
+    BASE_ARGS,
     NO_LP,
     NO_SP,
+    REFERENCE,
     SELECTIVE_OP,
     TP2,
     assert_same_training,
     train_and_report,
 )
-from tests.test_parity import (
-    TINY_MOE as MOE,
-)
-from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
+from tests.test_pipeline_parity import NO_HANG, assert_pipeline_trains_like_one_process, pp_args
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, REPO, SCRIPTS, TINY_HF_SHAPE, TOKENS, hf_greedy, save_random
 from titanlite import train
 from titanlite.checkpoint.load import load_model
 from titanlite.config import parse_args
 from titanlite.estimate import floor
+from titanlite.metrics import tags
 from titanlite.metrics.flops import active_params, count_params, flops_per_token
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import args_to_hf_config
@@ -190,6 +190,10 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
 
 # --- one process vs FSDP 2, PP 2 and TP 2 ---------------------------------------------------
 
+MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+# The expert bias on: it must train under every layout as the weights do.
+BIAS = [*MOE, "--model.moe_bias_update_rate=0.001"]
+
 
 def seeded_logits(folder: str, dump: str) -> torch.Tensor:
     """The logits of a run seeded from a Hugging Face folder (checkpoint.initial_load_in_hf),
@@ -203,6 +207,35 @@ def seeded_logits(folder: str, dump: str) -> torch.Tensor:
     return logits
 
 
+PP_MOE = pp_args("1F1B", 4, 2, *BIAS)
+# Load balancing both ways: the auxiliary loss on, and the expert bias (on by default).
+BALANCED = ["--training.local_batch_size=4", "--model.moe_aux_loss_coef=0.1", *BIAS]
+
+
+def train_balanced(extra_args: list[str], dump: str) -> dict:
+    """train_and_report's run, with the MoE metrics its JSONL logged, and the host syncs and
+    collectives of one bias update (after a forward's counts) counted at the dispatcher."""
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
+    records = trainer.train()
+    params = full_weights(trainer.model)  # before the update below moves the bias once more
+    counted = HostSyncs()
+    if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
+        with torch.no_grad():
+            trainer.model(TOKENS)  # training mode: the layers count its tokens
+        with counted:
+            trainer.balancer.after_step(trainer.optimizer)
+    report = {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "params": params,
+        "syncs": counted.report(),
+        "ops": set(counted.other_ops),
+        "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
+    }
+    dist.destroy_process_group() if dist.is_initialized() else None
+    return report
+
+
 # Attention split over 2 TP ranks, the MoE feed-forward whole on both, running on the same
 # tokens: the two cases switch sequence parallel (the MoE's input all-gathered, its output cut
 # back to the rank's part), loss parallel, activation checkpointing and accumulation on and
@@ -210,14 +243,14 @@ def seeded_logits(folder: str, dump: str) -> torch.Tensor:
 # gradient is already the whole one: a reduction over tp would double it, which the grad
 # norms and the weights would show.
 TP_LAYOUTS = {
-    "tp2": ["--training.local_batch_size=8", *TP2, *MOE],
+    "tp2": ["--training.local_batch_size=8", *TP2, *BIAS],
     "tp2_no_sp_no_lp_selective_ac_op_accum": [
         "--training.local_batch_size=4",
         *TP2,
         *NO_SP,
         *NO_LP,
         *SELECTIVE_OP,
-        *MOE,
+        *BIAS,
     ],
 }
 
@@ -236,14 +269,20 @@ def resume_from(step_folder: str, dump: str, extra_args: list[str]) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(hf_moe, tmp_path_factory):
+    def dump(name: str) -> str:
+        return str(tmp_path_factory.mktemp(name))
+
     tp2_dump, resumed_dump = tmp_path_factory.mktemp("tp2"), tmp_path_factory.mktemp("resumed")
     saving = {"tp2": ["--checkpoint.enable", f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={tp2_dump}"]}
     step_folder = str(tp2_dump / "checkpoint" / f"step-{SAVE_AT}")
-    fsdp2 = ["--training.local_batch_size=4", *MOE]
+    fsdp2 = ["--training.local_batch_size=4", *BIAS]
     jobs = {
-        "reference": MOE_REFERENCE,
+        "reference": Job(1, train_balanced, ([*REFERENCE.args[0], *BIAS], dump("reference"))),
         "fsdp2": Job(2, train_and_report, (fsdp2,)),
-        "pp2": Job(2, train_pipeline, (pp_args("1F1B", 4, 2, *MOE),)),
+        # The same micro-batches: 2 accumulation steps of 4 sequences, or 2 ranks of 4.
+        "balanced reference": Job(1, train_balanced, (BALANCED, dump("balanced_reference"))),
+        "balanced fsdp2": Job(2, train_balanced, (BALANCED, dump("balanced_fsdp2"))),
+        "pp2": Job(2, train_balanced, ([*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *PP_MOE], dump("pp2"))),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
     } | {
         f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
@@ -270,6 +309,47 @@ def test_the_moe_reference_run_learns(runs):
 def test_moe_under_fsdp_matches_single_process(runs):
     for rank_run in runs["fsdp2"]:
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+
+
+def test_the_expert_bias_moves_and_resumes_with_the_weights(runs):
+    # The bias is a saved buffer: a checkpoint (the state dict) holds it, so a resume routes
+    # as the interrupted run did; the parity tests above compare it with the weights.
+    bias = runs["reference"][0]["params"]["layers.0.feed_forward.expert_bias"]
+    assert bias.abs().max() > 1e-4 and bias.sum().abs() < 1e-6  # moved, and centred
+
+
+def test_load_balancing_under_fsdp_matches_single_process(runs):
+    """The auxiliary loss's gradients, the bias from counts summed over the 2 ranks, and the
+    metrics equal one process's that ran the same micro-batches one after the other."""
+    reference = runs["balanced reference"][0]
+    for rank_run in runs["balanced fsdp2"]:
+        assert_same_training(rank_run, reference, rtol=1e-5)
+    # The auxiliary loss changes the routers' training (it is not lost on the way).
+    gate = "layers.0.feed_forward.gate.weight"
+    assert (reference["params"][gate] - runs["reference"][0]["params"][gate]).abs().max() > 1e-4
+    ours, theirs = runs["balanced fsdp2"][0]["metrics"], reference["metrics"]
+    assert len(ours) == len(theirs) == 8
+    moe_tags = [tags.MOE_MAX_LOAD, tags.MOE_AUX_LOSS] + [tags.moe_layer_load(block) for block in range(3)]
+    for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
+        assert mine["step"] == step and 1 <= mine[tags.MOE_MAX_LOAD] <= 4  # 4 experts: at most 4x the mean
+        for tag in moe_tags:
+            assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (step, tag)
+
+
+def test_the_expert_load_under_a_pipeline_is_one_process_load(runs):
+    """Each stage's layers, gathered to rank 0's metrics; torch's first-step shape inference
+    (an extra forward per stage) is not counted."""
+    ours, theirs = runs["pp2"][0]["metrics"], runs["reference"][0]["metrics"]
+    assert len(ours) == len(theirs) == 8
+    for mine, expected in zip(ours, theirs, strict=True):
+        for tag in [tags.MOE_MAX_LOAD] + [tags.moe_layer_load(block) for block in range(3)]:
+            assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
+
+
+def test_the_bias_update_sums_counts_without_a_host_sync(runs):
+    for rank_run in runs["balanced fsdp2"]:
+        assert rank_run["syncs"] == "none"
+        assert {"c10d.allreduce_", "aten.sign"} <= rank_run["ops"]  # the mode saw the update run
 
 
 def test_moe_pipeline_matches_single_process(runs):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig, value_text
-from titanlite.config.job_config import SPLIT_BACKWARD_SCHEDULES
+from titanlite.config.job_config import MOE_BALANCING_KEYS, SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.parallelize import moe_layers
@@ -53,12 +53,28 @@ def model_vocab_size(job_config: JobConfig, flavor_vocab_size: int, tokenizer) -
 
 
 def run_model_args(job_config: JobConfig, tokenizer=None):
-    """The model args a run builds: its flavor's, with the run's sequence length and a
-    vocabulary sized for ``tokenizer`` (default: the run's, loaded here)."""
+    """The model args a run builds: its flavor's, with the run's sequence length, a
+    vocabulary sized for ``tokenizer`` (default: the run's, loaded here) and the run's MoE
+    load balancing where [model] sets it."""
     tokenizer = tokenizer or load_tokenizer(job_config)
     flavor = get_model_args(job_config.model.name, job_config.model.flavor)
     vocab_size = model_vocab_size(job_config, flavor.vocab_size, tokenizer)
-    return replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
+    balancing = moe_balancing(job_config, flavor)
+    return replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size, **balancing)
+
+
+def moe_balancing(job_config: JobConfig, flavor_args) -> dict:
+    """The MoE load-balancing keys [model] sets, under the model args' names (the same); a
+    ConfigError for a model without MoE layers, which has nothing to balance."""
+    model = job_config.model
+    chosen = {key: getattr(model, key) for key in MOE_BALANCING_KEYS if getattr(model, key) is not None}
+    if chosen and not getattr(flavor_args, "is_moe", False):
+        key = next(iter(chosen))
+        raise ConfigError(
+            f"model.{key} ({chosen[key]}) applies to MoE models only, and {model.name} {model.flavor} has no MoE "
+            "layers; leave it unset"
+        )
+    return chosen
 
 
 def tokenizer_for_estimate(job_config: JobConfig) -> tuple[object, str | None]:

@@ -45,6 +45,7 @@ from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
     LAYOUT_ENTRIES_ADDED_LATER,
+    balance_expert_load,
     build_loader,
     build_metrics,
     build_run_model,
@@ -144,6 +145,7 @@ class Trainer(Stateful):
 
         # 7. Metrics and held-out loss.
         self.metrics = build_metrics(job_config, self.plan, self.rank, self.device)
+        self.balancer = balance_expert_load(self.plan, model, self.optimizer, self.metrics, mesh, self.global_tokens)
         self.validator = build_run_validator(
             job_config,
             self.plan,

@@ -23,7 +23,7 @@ from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, local_trainable_mib, log_startup
 from titanlite.metrics.flops import param_counts
-from titanlite.metrics.processor import MetricsProcessor
+from titanlite.metrics.processor import MetricsProcessor, moe_load_metrics
 from titanlite.parallel import (
     first_error_on_any_rank,
     init_distributed,
@@ -32,6 +32,7 @@ from titanlite.parallel import (
     world_size_from_env,
 )
 from titanlite.parallel.expert_parallel import expert_parallel_summary
+from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.validation import Validator, build_validator
@@ -220,6 +221,20 @@ def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch
         flops_per_token(plan.model_args, job_config.training.seq_len),
         resolve_peak_flops(job_config.metrics.peak_tflops, device),
     )
+
+
+def balance_expert_load(
+    plan: RunPlan, model: nn.Module, optimizer, metrics: MetricsProcessor, mesh, step_tokens: int
+) -> ExpertLoadBalancer | None:
+    """For an MoE model: its layers' load balancing after every optimizer step, and their
+    expert load (and auxiliary loss) in the metrics. ``step_tokens``: the tokens of one
+    optimizer step over all ranks, which each forward's auxiliary loss is weighted against."""
+    if not getattr(plan.model_args, "is_moe", False):
+        return None
+    balancer = ExpertLoadBalancer(model, plan.model_args.n_layers, plan.parallel_dims, mesh, step_tokens)
+    optimizer.register_step_post_hook(balancer.after_step)
+    metrics.add_source(lambda: moe_load_metrics(*balancer.step_metrics()))
+    return balancer
 
 
 def build_run_validator(

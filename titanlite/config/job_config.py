@@ -59,10 +59,14 @@ MINUS_ONE_OR_POSITIVE = Range("-1 or >= 1", lambda value: value == -1 or value >
 MINUS_ONE_OR_AT_LEAST_ZERO = Range("-1 or >= 0", lambda value: value >= -1)
 FRACTION = Range("in [0, 1]", lambda value: 0 <= value <= 1)
 POSITIVE_OR_UNSET = Range("> 0 or unset", lambda value: value is None or value > 0)
+AT_LEAST_ZERO_OR_UNSET = Range(">= 0 or unset", lambda value: value is None or value >= 0)
 FRACTION_OR_UNSET = Range("in [0, 1] or unset", lambda value: value is None or 0 <= value <= 1)
 # A decay of 1 would never move away from the first value.
 FRACTION_BELOW_ONE = Range("in [0, 1)", lambda value: 0 <= value < 1)
 SELECTIVE_AC_OPTION = Range("'op' or a positive integer", _is_selective_ac_option)
+
+# The [model] keys that set an MoE model's load balancing, each under its model args' name.
+MOE_BALANCING_KEYS = ("moe_aux_loss_coef", "moe_bias_update_rate")
 
 # ---------------------------------------------------------------------------
 # Dataset names, each written once
@@ -112,6 +116,15 @@ class Model:
 
     hf_assets_path: str | None = None
     """Folder (or file) holding a Hugging Face tokenizer.json; unset means the built-in byte tokenizer."""
+
+    moe_aux_loss_coef: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
+    """MoE models only: weight of the auxiliary load-balancing loss (transformers' router_aux_loss_coef) added to the
+    training loss; 0 turns it off. Unset: the flavor's value (0 for qwen3's MoE flavors)."""
+
+    moe_bias_update_rate: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
+    """MoE models only: step of the auxiliary-loss-free expert bias (DeepSeek-V3's), updated after every optimizer step
+    from the token counts of all data-parallel ranks (DeepSeek-V3 uses 1e-3); 0 turns it off. Unset: the flavor's value
+    (0 for qwen3's MoE flavors: a Qwen3-MoE trained with the bias does not export to transformers, which has none)."""
 
 
 @dataclass

@@ -74,6 +74,8 @@ _CONSOLE_FIELDS = (
     (tags.TPS, "tps", "blue", lambda v: f"{v:,.0f}"),
     (tags.TFLOPS, "tflops", "cyan", _small),
     (tags.MFU, "mfu", "magenta", lambda v: f"{v:.2f}%"),
+    (tags.MOE_MAX_LOAD, "moe_load", "yellow", lambda v: f"{v:.2f}"),
+    (tags.MOE_AUX_LOSS, "aux_loss", "green", lambda v: f"{v:.4f}"),
     (tags.VAL_LOSS, "val_loss", "green", lambda v: f"{v:.4f}"),
     (tags.VAL_PERPLEXITY, "val_ppl", "green", _small),
 )

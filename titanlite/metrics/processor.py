@@ -8,7 +8,7 @@ memory for the window since the previous log, then sends everything to the logge
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -29,11 +29,30 @@ class StepRecord:
     tokens_per_second: float
 
 
+def moe_load_metrics(loads: dict[int, float], aux_loss: float | None) -> dict[str, float]:
+    """The MoE tags of a step: each layer's expert load ({block index: max / mean}), the
+    largest of them and the auxiliary loss (None: off, not logged)."""
+    if not loads:
+        return {}
+    metrics = {tags.moe_layer_load(block): load for block, load in sorted(loads.items())}
+    metrics[tags.MOE_MAX_LOAD] = max(loads.values())
+    if aux_loss is not None:
+        metrics[tags.MOE_AUX_LOSS] = aux_loss
+    return metrics
+
+
 class MetricsProcessor:
     def __init__(self, logger: MetricLogger, monitor: MemoryMonitor, flops_per_token: int, peak_flops: float | None):
         self.logger, self.monitor = logger, monitor
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        # Callables giving more {tag: value} at each log step (called on every rank, so they
+        # may take part in a collective), e.g. the MoE layers' expert load.
+        self.sources: list[Callable[[], dict[str, float]]] = []
         self._start_window()
+
+    def add_source(self, source: Callable[[], dict[str, float]]) -> None:
+        """Log ``source()``'s numbers with every step's."""
+        self.sources.append(source)
 
     def _start_window(self) -> None:
         self.window_start = time.perf_counter()
@@ -74,6 +93,8 @@ class MetricsProcessor:
         if self.peak_flops:
             metrics[tags.MFU] = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
         metrics.update(self.monitor.stats())
+        for source in self.sources:
+            metrics.update(source())
         self.logger.log(metrics, step)
         self.monitor.reset_peak()
         self._start_window()

@@ -25,6 +25,10 @@ NUM_ALLOC_RETRIES = "memory/num_alloc_retries"
 NUM_OOMS = "memory/num_ooms"
 RSS_GIB = "memory/rss(GiB)"  # CPU runs: the process's resident memory
 PEAK_RSS_GIB = "memory/peak_rss(GiB)"
+# MoE models only: expert load is max / mean (token, expert) pairs per expert over the
+# logged step's global batch (1: perfectly even); the auxiliary loss only when it is on.
+MOE_MAX_LOAD = "moe_metrics/max_load_imbalance"  # the largest over the MoE layers
+MOE_AUX_LOSS = "moe_metrics/aux_loss"
 VAL_LOSS = "validation_metrics/loss"
 VAL_PERPLEXITY = "validation_metrics/perplexity"
 
@@ -48,6 +52,13 @@ ALL_TAGS = (
     NUM_OOMS,
     RSS_GIB,
     PEAK_RSS_GIB,
+    MOE_MAX_LOAD,
+    MOE_AUX_LOSS,
     VAL_LOSS,
     VAL_PERPLEXITY,
 )
+
+
+def moe_layer_load(layer: int) -> str:
+    """The tag of one MoE layer's expert load (max / mean), by its block index."""
+    return f"moe_metrics/load_imbalance_layer_{layer}"

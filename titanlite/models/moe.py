@@ -219,7 +219,15 @@ class MoE(nn.Module):
         # counts start from 0. Integers, so exact at any count, and left as they are when the
         # model is cast to another floating-point dtype.
         self.register_buffer("tokens_per_expert", torch.empty(args.n_experts, dtype=torch.int64), persistent=False)
+        # The auxiliary losses of the forwards since the last reset_load(), each weighted by its
+        # share of aux_loss_step_tokens, kept by the first MoE layer of each model (or stage)
+        # forward (see add_load_balancing_loss): what the metrics read. Not saved.
+        self.register_buffer("aux_loss_sum", torch.empty((), dtype=torch.float32), persistent=False)
         self.last_router_stats: RouterStats | None = None
+        # The tokens of one optimizer step over all ranks, set by the trainer: each forward's
+        # auxiliary loss weighs its tokens' share of them, so that the summed gradients are the
+        # mean over the step's forwards. None: every forward weighs 1.
+        self.aux_loss_step_tokens: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -253,15 +261,19 @@ class MoE(nn.Module):
             self.last_router_stats = RouterStats(counts.float(), routing.probs.sum(dim=0), n_tokens)
 
     @torch.no_grad()
-    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """One step of the auxiliary-loss-free balancing: experts that got fewer tokens than
         the mean are raised by bias_update_rate, those that got more are lowered, and the step
         is centred so that the biases keep a mean of 0. ``tokens_per_expert`` is this layer's
-        count, all-reduced first over the ranks that saw different tokens. Runs on the device
-        (no value is read on the host)."""
+        count, all-reduced first over the ranks that saw different tokens. ``skip``: a flag on
+        the device (non-zero: the optimizer step was not applied, and neither is this one).
+        Runs on the device (no value is read on the host)."""
         load = tokens_per_expert.float()
         step = self.args.bias_update_rate * torch.sign(load.mean() - load)
-        self.expert_bias += step - step.mean()
+        step = step - step.mean()
+        if skip is not None:
+            step = step * (skip == 0)
+        self.expert_bias += step
 
     def load_imbalance(self) -> torch.Tensor:
         """max / mean of the accumulated tokens per expert (1 is a perfectly even load), as a
@@ -272,6 +284,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_load(self) -> None:
         self.tokens_per_expert.zero_()
+        self.aux_loss_sum.zero_()
 
     def init_buffers(self) -> None:
         """The counts: never saved, so a model whose weights were loaded needs them zeroed too."""
@@ -295,6 +308,42 @@ def load_balancing_loss(stats: Sequence[RouterStats]) -> torch.Tensor:
     tokens_per_expert = torch.stack([stat.token_counts for stat in stats]).sum(0) / n_tokens
     mean_prob = torch.stack([stat.prob_sums for stat in stats]).sum(0) / n_tokens
     return tokens_per_expert.numel() * torch.sum(tokens_per_expert * mean_prob)
+
+
+class _AddLossGradient(torch.autograd.Function):
+    """The identity on ``output``, whose backward also gives ``loss`` (a 0-dim tensor) the
+    gradient 1: the loss's gradients join the training loss's without its value joining the
+    loss function's (which under pipeline parallelism only the last stage computes)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return grad_output, torch.ones((), dtype=ctx.loss_dtype, device=ctx.loss_device)
+
+
+def add_load_balancing_loss(output: torch.Tensor, layers: Sequence[MoE]) -> torch.Tensor:
+    """``output`` of the forward (of a model, or of one pipeline stage) that ran the MoE
+    ``layers``, made to carry their auxiliary loss's gradient when it is on and the forward
+    trains: router_aux_loss_coef x load_balancing_loss of the layers' stats (pooled over these
+    layers, as transformers pools over a model's) x this forward's share of the step's tokens
+    (aux_loss_step_tokens). The gradient reaches the routers through the backward of
+    ``output``; the loss itself is added to the first layer's aux_loss_sum for the metrics.
+    Every layer's stats are used once and dropped."""
+    stats = [layer.last_router_stats for layer in layers if layer.last_router_stats is not None]
+    for layer in layers:
+        layer.last_router_stats = None
+    if not stats or not layers[0].training or not torch.is_grad_enabled():
+        return output
+    first = layers[0]
+    share = stats[0].n_tokens / first.aux_loss_step_tokens if first.aux_loss_step_tokens else 1.0
+    loss = load_balancing_loss(stats) * share
+    with torch.no_grad():
+        first.aux_loss_sum += loss.detach()
+    return _AddLossGradient.apply(output, first.args.router_aux_loss_coef * loss)
 
 
 # --- Hugging Face's per-expert weights ----------------------------------------------

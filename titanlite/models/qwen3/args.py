@@ -40,6 +40,17 @@ class Qwen3Args:
     """Hidden size of each expert's SwiGLU (moe_intermediate_size); used when n_experts is set."""
     norm_topk_prob: bool = True
     """Rescale each token's top_k router probabilities to sum to 1 (Qwen3-MoE does)."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of transformers' auxiliary load-balancing loss in the training loss
+    (router_aux_loss_coef); 0: no such loss, as transformers trains by default
+    (output_router_logits off). Used when n_experts is set; a run sets it with the key of
+    the same name in [model]."""
+    moe_bias_update_rate: float = 0.0
+    """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step (1e-3 in
+    DeepSeek-V3); 0: the bias stays 0. Off by default: Qwen3-MoE has no such bias, so a model
+    trained with it routes in a way transformers' Qwen3MoeForCausalLM cannot reproduce from
+    the exported weights. Used when n_experts is set; a run sets it with the key of the same
+    name in [model]."""
 
     def __post_init__(self):
         if self.n_experts and (self.top_k < 1 or self.moe_hidden_dim < 1):
@@ -50,14 +61,15 @@ class Qwen3Args:
         return self.n_experts > 0
 
     def moe_args(self) -> MoEArgs:
-        """The feed-forward's MoE layer. Load balancing stays off (no auxiliary loss, no
-        expert bias) until the trainer adds the loss and updates the bias."""
+        """The feed-forward's MoE layer, with the run's load balancing."""
         return MoEArgs(
             dim=self.dim,
             n_experts=self.n_experts,
             top_k=self.top_k,
             hidden_dim=self.moe_hidden_dim,
             norm_topk_prob=self.norm_topk_prob,
+            router_aux_loss_coef=self.moe_aux_loss_coef,
+            bias_update_rate=self.moe_bias_update_rate,
         )
 
     @property
@@ -72,12 +84,15 @@ class Qwen3Args:
     def architecture(self) -> dict:
         """The hyper-parameters that decide what the model computes, for telling whether two
         args describe the same model. max_seq_len is left out: it only sizes the RoPE tables,
-        so weights carry over to any length."""
-        return {name: value for name, value in asdict(self).items() if name != "max_seq_len"}
+        so weights carry over to any length; so is the load balancing, which only steers
+        training (a run may resume with other settings)."""
+        return {name: value for name, value in asdict(self).items() if name not in _NOT_ARCHITECTURE}
 
     def with_seq_len(self, seq_len: int) -> "Qwen3Args":
         return replace(self, max_seq_len=seq_len)
 
+
+_NOT_ARCHITECTURE = ("max_seq_len", "moe_aux_loss_coef", "moe_bias_update_rate")
 
 # What the published sizes share (their config.json files): the 151,936-id vocabulary,
 # 128-wide heads, 8 key/value heads, RoPE base 1,000,000 and RMSNorm epsilon 1e-6. The three

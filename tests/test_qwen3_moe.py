@@ -22,6 +22,7 @@ from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import (
     BASE_ARGS,
+    FULL_AC,
     NO_LP,
     NO_SP,
     REFERENCE,
@@ -288,6 +289,9 @@ def runs(hf_moe, tmp_path_factory):
         f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
         for name, args in TP_LAYOUTS.items()
     }
+    # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
+    # and the counting stay eager inside the compiled blocks.
+    jobs["fsdp2 compiled full ac"] = Job(2, train_and_report, ([*fsdp2, *FULL_AC, "--compile.enable"],))
     # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
     jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
     return run_jobs_on_ranks(2, jobs)
@@ -350,6 +354,11 @@ def test_the_bias_update_sums_counts_without_a_host_sync(runs):
     for rank_run in runs["balanced fsdp2"]:
         assert rank_run["syncs"] == "none"
         assert {"c10d.allreduce_", "aten.sign"} <= rank_run["ops"]  # the mode saw the update run
+
+
+def test_compiled_moe_blocks_under_full_checkpointing_match_single_process(runs):
+    for rank_run in runs["fsdp2 compiled full ac"]:
+        assert_same_training(rank_run, runs["reference"][0], rtol=1e-4)  # test_parity's bound for compiled runs
 
 
 def test_moe_pipeline_matches_single_process(runs):

@@ -138,6 +138,13 @@ def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, g
     if grouped:
         offsets = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
+    return _linear_per_expert(x, weight, counts)
+
+
+# Eager also inside a compiled block (which breaks its graph here): the split sizes are read
+# on the host, and the compiler cannot size the pieces from values it does not know.
+@torch.compiler.disable
+def _linear_per_expert(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     rows = x.split(counts.tolist())
     # unbind, not weight[e]: each index's backward fills a zero tensor the size of the whole
     # stacked weight (cost growing with the square of the expert count); unbind's stacks once.
@@ -248,6 +255,10 @@ class MoE(nn.Module):
         out = (per_pair * routing.weights.unsqueeze(-1)).sum(dim=1)
         return out.view(shape)
 
+    # Eager also inside a compiled block (which breaks its graph here): the compiler refuses
+    # state kept across calls inside activation checkpointing's traced region, and eager code
+    # can tell the recomputation from the forward.
+    @torch.compiler.disable
     def _record(self, routing: Routing, counts: torch.Tensor, n_tokens: int) -> None:
         """Keep what the load balancing and the metrics read later. A forward that activation
         checkpointing runs again during the backward pass routes the same tokens again and is

@@ -27,7 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -319,12 +319,17 @@ def keep_compiled_graphs_per_rank() -> None:
 
 def apply_compile(layers: nn.ModuleDict) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused
-    and FSDP's per-block hooks stay between graphs. A block with expert-parallel experts is
-    compiled in pieces: the experts' call stays eager (ExpertParallelExperts.__call__), the
-    code before and after it is compiled."""
+    and FSDP's per-block hooks stay between graphs. A block with an MoE layer is compiled in
+    pieces around what stays eager (the layer's counting, the float32 loop over experts,
+    expert-parallel experts' call). torch.utils.checkpoint runs eagerly as a whole when its
+    region breaks the graph, so under activation checkpointing such a block is compiled
+    inside its checkpoint wrapper, not around it."""
     for block in layers.values():
-        expert_parallel = any(isinstance(module, ExpertParallelExperts) for module in block.modules())
-        block.compile(fullgraph=not expert_parallel)
+        has_moe = any(isinstance(module, MoE) for module in block.modules())
+        if has_moe and isinstance(block, CheckpointWrapper):
+            block._checkpoint_wrapped_module.compile()
+        else:
+            block.compile(fullgraph=not has_moe)
 
 
 def apply_fsdp(

@@ -134,6 +134,16 @@ def test_a_trained_qwen3_moe_checkpoint_exports_to_transformers_with_its_logits(
         assert (theirs(run.tokens).logits - run.logits).abs().max().item() <= 1e-5
 
 
+def test_exporting_a_run_that_trained_the_expert_bias_says_it_is_dropped(tmp_path, capsys):
+    run = train_tiny(tmp_path / "run", ["--model.name=qwen3", "--model.flavor=tiny_moe", *BIAS[2:]])
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    capsys.readouterr()
+    assert export.main([str(run.step_dir), str(tmp_path / "hf")]) == 0
+    said = capsys.readouterr().out  # where titanlite's log handler writes
+    assert "trained an expert bias (model.moe_bias_update_rate 0.001)" in said
+    assert "the exported model routes without it" in said
+
+
 def test_the_published_moe_shapes_and_their_active_parameters():
     """Qwen3-30B-A3B and Qwen3-235B-A22B: 30.5 B and 235 B parameters, of which a token's
     matmuls meet 3.3 B and 22 B with the embedding (the names' "A3B" and "A22B"); FLOPs count

@@ -195,6 +195,15 @@ def export_to_hf(
     check_output(out_dir)
     metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
+    if getattr(description.args, "moe_bias_update_rate", 0) > 0:
+        # transformers' MoE models route by the router's probabilities alone: the exported
+        # model chooses its experts without the bias the run trained, unlike the run's model.
+        logger.warning(
+            "%s: the run trained an expert bias (model.moe_bias_update_rate %g) that Hugging Face's "
+            "format has no place for; the exported model routes without it",
+            step_dir,
+            description.args.moe_bias_update_rate,
+        )
     tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
     special_ids = hf_tokenizer.special_ids(tokenizer_json)  # reads the tokenizer before anything is written
     # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.

@@ -7,36 +7,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from titanlite.config import LRScheduler, Optimizer
-from titanlite.parallel.grad_norm import group_by_mesh
 
-
-class _StepPerMesh:
-    """An optimizer whose update runs once per device mesh of its parameters. The foreach
-    and fused kernels take a list of tensors that DTensor requires on one mesh, and under
-    expert parallelism the experts live on another mesh than the dense parameters. Each
-    step splits every param group by mesh for the kernels' sake only: the groups the
-    learning-rate schedule sets and the checkpoint saves stay as they were built, so a
-    checkpoint's optimizer state reads back on any layout."""
-
-    def step(self, closure=None):
-        whole = self.param_groups
-        self.param_groups = [dict(group, params=params) for group in whole for params in group_by_mesh(group["params"])]
-        try:
-            return super().step(closure)
-        finally:
-            self.param_groups = whole
-
-
-# torch's optimizers with that step, under their own names (what the config's optimizer.name says).
-class AdamW(_StepPerMesh, torch.optim.AdamW):
-    pass
-
-
-class Adam(_StepPerMesh, torch.optim.Adam):
-    pass
-
-
-_OPTIMIZERS = {"AdamW": AdamW, "Adam": Adam}
+_OPTIMIZERS = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 
 
 def build_optimizer(parameters, config: Optimizer) -> torch.optim.Optimizer:

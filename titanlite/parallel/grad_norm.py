@@ -10,8 +10,9 @@ from torch.distributed.tensor import DTensor
 
 def group_by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``tensors`` in lists of one device mesh each (plain tensors together), in first-seen
-    order. DTensor's foreach kernels take one mesh per call: under expert parallelism the
-    experts live on another mesh than the dense parameters, and a single call over both fails."""
+    order. Clipping's foreach multiply takes one mesh per call ("Cannot run aten.mul.Tensor on
+    inputs with different meshes"): under expert parallelism the experts live on another mesh
+    than the dense parameters, and a single call over both fails."""
     groups: dict[object, list[torch.Tensor]] = {}
     for tensor in tensors:
         groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)

@@ -47,6 +47,7 @@ a temporary folder, removed at the end.
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -86,8 +87,9 @@ TPS, TFLOPS, MFU, STEP_TIME, MAX_ACTIVE = (
 )
 
 
-def register_flavor() -> None:
-    LLAMA3_FLAVORS.setdefault(FLAVOR, MODEL_ARGS)
+def register_flavor(heads: int) -> None:
+    """bench1b with `heads` query heads (the head size is dim / heads; gpu_check's model has 32)."""
+    LLAMA3_FLAVORS[FLAVOR] = dataclasses.replace(MODEL_ARGS, n_heads=heads)
 
 
 def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
@@ -114,10 +116,11 @@ def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
         "1",
     ]
     argv += ["--compile.enable", "--compile.components", "model,loss"] if options.compile else []
+    argv += ["--ema.enable"] if options.ema else []
     return argv + ["--metrics.peak_tflops", str(options.peak_tflops)] if options.peak_tflops else argv
 
 
-def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
+def _worker(rank: int, argv: list[str], port: int, cpu_only: bool, heads: int) -> None:
     os.environ.update(
         RANK="0",
         LOCAL_RANK="0",
@@ -129,7 +132,7 @@ def _worker(rank: int, argv: list[str], port: int, cpu_only: bool) -> None:
     )
     if cpu_only:  # the dry run stays on the CPU even where a GPU exists
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    register_flavor()  # spawned workers start with the built-in flavor table
+    register_flavor(heads)  # spawned workers start with the built-in flavor table
 
     from titanlite.config import parse_args
     from titanlite.train import Trainer
@@ -201,7 +204,8 @@ def print_report(options, device_name: str, model_args, summary: dict, predicted
         f"llama3 {f'{DRY_RUN_FLAVOR} (CPU dry run)' if options.cpu_dry_run else FLAVOR}, {params / 1e6:,.1f} M params; "
         f"seq {options.seq_len} x local batch {options.batch}; bf16 autocast, "
         f"{'compile (model, loss)' if options.compile else 'no compile'}, "
-        f"selective AC ({options.ac_option}); median of steps {summary['steps'][0]}..{summary['steps'][1]}\n"
+        f"selective AC ({options.ac_option}); {options.heads} heads, EMA {'on' if options.ema else 'off'}; "
+        f"median of steps {summary['steps'][0]}..{summary['steps'][1]}\n"
     )
     print("| source | tokens/s | TFLOPs | MFU % | step s | max active GiB |")
     print("|---|---|---|---|---|---|")
@@ -237,6 +241,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="local batch size")
     parser.add_argument("--ac-option", default="op", help="selective AC option: op, or every N-th block")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak when the table lacks the GPU")
+    parser.add_argument("--heads", type=int, default=16, help="query heads of bench1b (dim 2048 / heads each)")
+    parser.add_argument("--ema", action="store_true", help="keep the weights' moving average, as gpu_check does")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="leave the model eager")
     parser.add_argument("--cpu-dry-run", action="store_true", help="run the same code on CPU with the tiny model")
     options = parser.parse_args(argv)
@@ -256,12 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
     if not options.peak_tflops and peak_flops_per_device(device_name) is None:
         raise SystemExit(f"gpu_mfu: no peak for {device_name} in metrics.flops; pass --peak-tflops")  # cuda-only
-    register_flavor()
+    register_flavor(options.heads)
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-mfu-") as dump:
         argv = trainer_argv(options, dump)
-        mp.start_processes(
-            _worker, args=(argv, free_port(), options.cpu_dry_run), nprocs=1, start_method="spawn", join=True
-        )
+        args = (argv, free_port(), options.cpu_dry_run, options.heads)
+        mp.start_processes(_worker, args=args, nprocs=1, start_method="spawn", join=True)
         summary = summarise(read_metrics(Path(dump)), options.warmup)
     model_args = LLAMA3_FLAVORS[DRY_RUN_FLAVOR if options.cpu_dry_run else FLAVOR]
     predicted, why = estimate(argv, "NVIDIA H100 80GB HBM3" if options.cpu_dry_run else device_name)

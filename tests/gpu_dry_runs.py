@@ -1,8 +1,8 @@
 """What tests/test_gpu_check.py runs under coverage, in one process: the CPU dry runs of the
-GPU scripts (benchmarks/gpu_check.py, gpu_mfu.py, checkpoint_stall.py), their "no GPU"
-exits, and each refusal they make, with its message checked. Run with no CUDA device
-visible (CUDA_VISIBLE_DEVICES=""). Any failed expectation raises, so the exit status says
-whether everything held; coverage then says what ran."""
+GPU scripts (benchmarks/gpu_check.py, gpu_mfu.py, gpu_memory.py, gpu_float8.py,
+checkpoint_stall.py), their "no GPU" exits, and each refusal they make, with its message
+checked. Run with no CUDA device visible (CUDA_VISIBLE_DEVICES=""). Any failed expectation
+raises, so the exit status says whether everything held; coverage then says what ran."""
 
 import contextlib
 import io
@@ -16,6 +16,8 @@ sys.path.insert(0, str(BENCHMARKS))
 
 import checkpoint_stall  # noqa: E402
 import gpu_check  # noqa: E402
+import gpu_float8  # noqa: E402
+import gpu_memory  # noqa: E402
 import gpu_mfu  # noqa: E402
 
 
@@ -73,6 +75,37 @@ def main() -> None:
     raised(lambda: gpu_mfu.summarise([], 3), RuntimeError, "no step after the 3 warm-up steps")
     assert gpu_mfu.estimate([], "a CPU")[1] == "the estimator has no hardware row for a CPU"
     assert gpu_mfu.estimate(["--training.steps", "x"], "NVIDIA H100 80GB HBM3")[1].startswith("estimator failed")
+
+    # --- gpu_memory --------------------------------------------------------------------------
+    assert printed(gpu_memory.main, []) == ["no GPU: skipped"]
+    with tempfile.TemporaryDirectory() as scratch:
+        argv = ["--cpu-dry-run", "--modes", "eager", "--snapshots", f"{scratch}/snaps", "--json", f"{scratch}/m.json"]
+        lines = printed(gpu_memory.main, argv)
+    assert any(line.startswith("| eager | 128 |") for line in lines), lines
+    assert any(line.startswith("  estimate: ") for line in lines), lines
+    # The allocator trace the CUDA run replays, written out: 100 B freed before a 120 B block
+    # makes the peak (baseline 1000 + 50 + 120); a free of a block from before recording began
+    # (addr 9) counts too.
+    frame = {"filename": "/x/titanlite/models/llama/model.py", "line": 148, "name": "forward"}
+    torch_frame = {"filename": "/t/functional.py", "line": 1, "name": "f"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame]},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 100},
+        {"action": "alloc", "addr": 3, "size": 120, "frames": [frame]},
+        {"action": "free_requested", "addr": 9, "size": 30},
+        {"action": "free_requested", "addr": 3, "size": 120},
+    ]
+    live = gpu_memory.live_at_peak(trace, baseline=1000)
+    assert (live["peak_bytes"], live["peak_site"]) == (1170, "models/llama/model.py:148 forward"), live
+    assert [(g["site"], g["bytes"]) for g in live["groups"]] == [("models/llama/model.py:148 forward", 120), ("?", 50)]
+    lines = printed(lambda _: gpu_memory.print_live(live, {"parameters": 2**30}), [])
+    assert "0.00 GiB before it (parameters 1.00)" in lines[0] and len(lines) == 3, lines
+
+    # --- gpu_float8 --------------------------------------------------------------------------
+    assert printed(gpu_float8.main, []) == ["no GPU: skipped"]
+    lines = printed(gpu_float8.main, ["--cpu-dry-run", "--recipes", "tensorwise"])
+    assert lines[-2].startswith("| bf16 | ") and lines[-1].startswith("| tensorwise | "), lines
 
     # --- checkpoint_stall --------------------------------------------------------------------
     lines = printed(checkpoint_stall.main, ["--cpu-dry-run"])

@@ -1,8 +1,8 @@
 """The GPU scripts' CPU dry runs execute every line the CUDA runs execute.
 
-tests/gpu_dry_runs.py runs the dry runs of benchmarks/gpu_check.py, gpu_mfu.py and
-checkpoint_stall.py (and their refusals) under coverage, with their spawned rank processes
-measured too; every line of those scripts that did not run must end with the CUDA-only
+tests/gpu_dry_runs.py runs the dry runs of benchmarks/gpu_check.py, gpu_mfu.py,
+gpu_memory.py, gpu_float8.py and checkpoint_stall.py (and their refusals) under coverage,
+with their spawned rank processes measured too; every line of those scripts that did not run must end with the CUDA-only
 marker (gpu_check.CUDA_ONLY). A GPU is hidden from the run, so the same lines run on a
 machine that has one."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = ("gpu_check.py", "gpu_mfu.py", "checkpoint_stall.py")
+SCRIPTS = ("gpu_check.py", "gpu_mfu.py", "gpu_memory.py", "gpu_float8.py", "checkpoint_stall.py")
 CUDA_ONLY = "# cuda-only"  # gpu_check.CUDA_ONLY, kept apart so the coverage run stays the first import
 
 

@@ -48,13 +48,18 @@ from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.parallel.parallel_dims import ParallelDims
 
-# Ops whose outputs per-op selective checkpointing keeps: the matmuls and the attention
-# kernels, which are most of the FLOPs. Everything else (norms, RoPE, SwiGLU's gate) is
-# cheap elementwise work and is recomputed in backward.
+# Ops whose outputs per-op selective checkpointing keeps: the matmuls (plain, grouped for
+# MoE experts, and float8's scaled ones) and the attention kernels, which are most of the
+# FLOPs; and float8's per-tensor amax (max.default, one number), which would otherwise read
+# a whole activation again. Everything else (norms, RoPE, SwiGLU's gate) is cheap
+# elementwise work and is recomputed in backward.
 _aten = torch.ops.aten
-_SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default} | {
+_SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.max.default} | {
     getattr(_aten, name).default
     for name in (
+        "_grouped_mm",
+        "_scaled_mm",
+        "_scaled_grouped_mm",
         "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention",

@@ -363,6 +363,13 @@ class CheckpointManager:
             raise CheckpointError(value)
         return value
 
+    def _refuse_other_model(self, path: Path) -> None:
+        """Before any weight is read, a checkpoint of another model is refused by what it
+        recorded (a model state that can tell, as ModelState does)."""
+        refuse = getattr(self.states[MODEL], "refuse_other_model", None)
+        if refuse is not None:
+            refuse(path, self.folder)
+
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
             dcp.load(state, storage_reader=FileNamingReader(str(path)), process_group=self.process_group)
@@ -400,7 +407,7 @@ class CheckpointManager:
         if not self.in_use:
             return []
         self.wait()
-        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states)))
+        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states), self._refuse_other_model))
         if plan is None:
             return []
         path, parts = plan

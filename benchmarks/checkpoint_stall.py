@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from rank_process import end_rank, free_port, keep_stager_between_saves, torchrun_environment
+from rank_process import end_rank, free_port, torchrun_environment
 from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import CheckpointManager, complete_steps
@@ -199,7 +199,6 @@ def measure(folder: str, repeats: int, flavor: str) -> dict:
 
 def _worker(rank: int, world_size: int, port: int, folder: str, repeats: int, result_file: str, dry_run: bool) -> None:
     torchrun_environment(rank, world_size, port, LOG_RANK="")  # INFO lines would interleave with the table
-    keep_stager_between_saves()
     if dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The ranks share the machine's cores; more threads than cores per rank only thrash.

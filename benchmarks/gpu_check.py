@@ -63,12 +63,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rank_process import (  # noqa: E402
-    free_port,
-    keep_stager_between_saves,
-    quiet_every_rank_lines,
-    torchrun_environment,
-)
+from rank_process import free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
 from titanlite.metrics import tags  # noqa: E402
 from titanlite.metrics.flops import count_params, flops_per_token  # noqa: E402
@@ -442,7 +437,6 @@ def _worker(_, port: int, dry_run: bool, out: str) -> None:
     from titanlite.parallel import pick_device
 
     torchrun_environment(0, 1, port, LOG_RANK="")
-    keep_stager_between_saves()
     if dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     sizes = DRY_RUN_SIZES if dry_run else GPU_SIZES

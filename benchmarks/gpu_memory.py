@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import gpu_check  # noqa: E402
-from rank_process import free_port, keep_stager_between_saves, quiet_every_rank_lines, torchrun_environment  # noqa: E402
+from rank_process import free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
 
 STEPS = 8  # 2 warm-up steps (compilation, allocator growth), 5 steady ones, 1 recorded
 WARMUP = 2
@@ -131,7 +131,6 @@ def _worker(_, argv: list[str], port: int, dry_run: bool, out: str, snapshot: st
     from titanlite.train import Trainer
 
     torchrun_environment(0, 1, port, LOG_RANK="")
-    keep_stager_between_saves()
     if dry_run:
         import os
 

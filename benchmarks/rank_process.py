@@ -6,8 +6,6 @@ import os
 import socket
 from typing import NoReturn
 
-import torch
-
 from titanlite.parallel import destroy_distributed, exit_process
 
 
@@ -29,21 +27,6 @@ def torchrun_environment(rank: int, world_size: int, port: int, **extra: str) ->
         MASTER_PORT=str(port),
         **extra,
     )
-
-
-def keep_stager_between_saves() -> None:
-    """Let a DefaultStager serve more than one save under a torch older than the project's pin.
-
-    torch before 2.13 closes the stager's StateDictStager at the end of every staging,
-    which empties its copy dispatch table and drops its cached pinned buffers, so the
-    second save through the same stager (as CheckpointManager makes) fails with
-    `KeyError: <class 'type'>`; 2.13 closes it only in DefaultStager.close(). The GPU
-    machines lent to the project run their image's torch (2.11), not the pin, so the GPU
-    scripts keep the table and the buffers to the end of the process, as 2.13 does."""
-    from torch.distributed.checkpoint._state_dict_stager import StateDictStager
-
-    if tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 13):
-        StateDictStager.close = lambda self: None  # older torch only
 
 
 def quiet_every_rank_lines() -> None:

@@ -22,10 +22,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.staging import DefaultStager
 
 from tests.helpers import NoArgs, StepCounter, full_weights, tiny_args
 from tests.multiprocess import Job, run_jobs_on_ranks
-from titanlite.checkpoint import CheckpointManager, ModelDescription, ModelState, complete_steps, top_level_names
+from titanlite.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    ModelDescription,
+    ModelState,
+    complete_steps,
+    stager,
+    top_level_names,
+)
 from titanlite.config import Checkpoint, parse_args
 from titanlite.train import SYNC_EVERY, Trainer
 
@@ -634,3 +643,43 @@ def test_sigterm_on_a_single_process_saves_and_exits_0(tmp_path):
     assert _load_everything(folder / f"step-{saved}")["train_state.step"] == saved
     # How long the stop took, against the time the launchers would give it.
     assert re.search(r"stop signal: saved \d+\.\d s after it, of the 300 s the launchers give", output), output
+
+
+# --- 6. async_with_pinned_mem under torch before 2.13 ------------------------------------
+
+
+def _close_after_every_staging(monkeypatch) -> None:
+    """DefaultStager as torch before 2.13 runs it: its staging.py differs from 2.13's (and
+    its _state_dict_stager.py in nothing but an assert's form) in that _stage ends by
+    closing the inner StateDictStager, as this does."""
+    stage = DefaultStager._stage
+
+    def stage_then_close(self, state_dict, **kwargs):
+        staged = stage(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", stage_then_close)
+
+
+@pytest.mark.parametrize("kept_open", [True, False], ids=["kept-open", "as-torch-leaves-it"])
+def test_async_with_pinned_mem_saves_again_under_torch_before_2_13(tmp_path, monkeypatch, kept_open):
+    """The manager keeps its one stager open between saves where torch would close it; left
+    as torch leaves it, the second save fails as it did on the lent GPU machines (2.11), as
+    one CheckpointError whether the copy failed before async_save returned or after."""
+    _close_after_every_staging(monkeypatch)
+    monkeypatch.setattr(stager, "CLOSES_AFTER_EVERY_STAGING", kept_open)
+    manager, model, train_state = _manager(tmp_path, interval=1, async_mode="async_with_pinned_mem")
+    if not kept_open:
+        with pytest.raises(
+            CheckpointError, match=re.escape("step-2 in") + ".*" + re.escape("KeyError: <class 'type'>")
+        ):
+            _train_with_manager(manager, model, train_state, steps=2)
+        return
+    _train_with_manager(manager, model, train_state, steps=3)
+    assert list(complete_steps(tmp_path / "checkpoint")) == [1, 2, 3]
+    resumed, resumed_model, resumed_state = _manager(tmp_path)
+    assert resumed.load() == ["model", "train_state"]
+    assert resumed_state.step == 3
+    assert torch.equal(resumed_model.weight, model.weight)  # step 3's weights, not an earlier save's
+    resumed.close()

@@ -1,5 +1,6 @@
 """A checkpoint says which model it holds, and refuses to load into another one."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,10 +10,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from titanlite.checkpoint import ModelDescription, ModelState
+from tests.helpers import NoArgs
+from titanlite import train as train_module
+from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState
+from titanlite.config import Checkpoint
 from titanlite.models.llama import LLAMA2_FLAVORS, LlamaArgs, Transformer
+from titanlite.train import main
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+DISTRIBUTED_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOG_RANK")
 SMALL = [
     "--training.seq_len",
     "32",
@@ -43,13 +49,72 @@ def test_checkpoint_records_the_model_description(llama3_checkpoint):
     assert {"model_args.name", "model_args.flavor", "model_args.args.dim", "model_args.args.n_kv_heads"} <= keys.keys()
 
 
-def test_resuming_into_another_model_shape_is_one_line(llama3_checkpoint):
-    result = train(llama3_checkpoint, "--training.steps", "4", "--model.name", "llama2")
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2
-    assert len(lines) == 1 and "Traceback" not in result.stderr
-    assert lines[0].startswith("titanlite: checkpoint error:")
-    assert "step-2" in lines[0] and "layers.0.attention.wk.weight" in lines[0]
+def _spy_on_loads(monkeypatch) -> list[set[str]]:
+    """The top-level keys of every dcp.load call from now on."""
+    calls, load = [], dcp.load
+
+    def spying_load(state_dict, *args, **kwargs):
+        calls.append(set(state_dict))
+        return load(state_dict, *args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", spying_load)
+    return calls
+
+
+def _no_rank_may_start(*args, **kwargs):
+    raise AssertionError("the run got past its checks and started a process group")
+
+
+OTHER_MODELS = {
+    "same-family": (
+        ["--model.name", "llama2"],
+        r"holds model llama3 debugmodel, this run builds llama2 debugmodel \(they differ in "
+        r"kv_heads 4 -> 16, rope_theta 500000.0 -> 10000.0, vocab_size 2048 -> \d+, checkpoint -> run\)",
+    ),
+    "other-family": (
+        ["--model.name", "qwen3", "--model.flavor", "tiny"],
+        r"holds model llama3 debugmodel, this run builds qwen3 tiny;",
+    ),
+    "preflight": (  # what run_train.sh and the Slurm script run before torchrun
+        ["--model.name", "llama2", "--job.validate_only"],
+        r"holds model llama3 debugmodel, this run builds llama2 debugmodel \(they differ in kv_heads",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", OTHER_MODELS)
+def test_starting_on_another_models_checkpoint_is_one_line_before_any_weight_is_read(
+    llama3_checkpoint, case, monkeypatch, capsys, quiet_process_state
+):
+    for key in DISTRIBUTED_ENV:  # one process, as in the launchers' preflight
+        monkeypatch.delenv(key, raising=False)
+    loads = _spy_on_loads(monkeypatch)
+    monkeypatch.setattr(train_module, "start_processes", _no_rank_may_start)
+    args, names = OTHER_MODELS[case]
+    capsys.readouterr()
+    status = main(["--job.dump_folder", str(llama3_checkpoint), *SMALL, "--training.steps", "4", *args])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and "Traceback" not in out + err, (status, out, err)
+    step_dir = llama3_checkpoint / "checkpoint" / "step-2"
+    assert lines[0].startswith(f"titanlite: checkpoint error: {step_dir}: the checkpoint "), lines[0]
+    assert re.search(names, lines[0]), lines[0]
+    remedy = f"pick another job.dump_folder or remove the old checkpoints in {step_dir.parent}"
+    assert lines[0].endswith(remedy), lines[0]
+    assert loads == [{"model_args"}]  # the description alone, no weight
+
+
+def test_the_manager_refuses_another_model_before_reading_a_weight(llama3_checkpoint, monkeypatch):
+    """As on the ranks, which leave the check to the manager's load (rank 0 reads, all raise)."""
+    with torch.device("meta"):
+        model = Transformer(LLAMA2_FLAVORS["debugmodel"])
+    state = ModelState(model, ModelDescription("llama2", "debugmodel", LLAMA2_FLAVORS["debugmodel"]))
+    manager = CheckpointManager({"model": state}, Checkpoint(enable=True), str(llama3_checkpoint))
+    loads = _spy_on_loads(monkeypatch)
+    with pytest.raises(CheckpointError, match=r"step-2: the checkpoint holds model llama3 debugmodel, .*kv_heads"):
+        manager.load()
+    manager.close()
+    assert loads == [{"model_args"}]
 
 
 def description(**changes) -> dict:
@@ -70,7 +135,7 @@ def test_same_shapes_but_other_hyperparameters_are_refused():
         model = Transformer(LLAMA2_FLAVORS["debugmodel"])
     state = ModelState(model, ModelDescription.from_state(description(), "test"))
     saved = {"model_args": description(rope_theta=500000.0, norm_eps=1e-6)}
-    with pytest.raises(ValueError, match=r"differ in norm_eps, rope_theta"):
+    with pytest.raises(ValueError, match=r"differ in norm_eps 1e-06 -> 1e-05, rope_theta 500000.0 -> 10000.0, "):
         state.load_state_dict(saved)
 
 
@@ -108,3 +173,15 @@ def test_the_same_model_spelled_another_way_is_not_different():
     assert run.differences(imported) == []
     other_heads = ModelDescription("llama3", "hf", LlamaArgs(dim=64, n_heads=8, n_kv_heads=8, multiple_of=192))
     assert run.differences(other_heads) == ["kv_heads", "n_heads"]
+
+
+def test_a_checkpoint_that_records_no_model_fails_on_the_first_weight_of_another_shape(tmp_path):
+    """A checkpoint written by another tool (torchtitan's) says nothing of its model: then
+    the load itself names the weight whose shape differs, in one line."""
+    dcp.save(torch.nn.Linear(4, 5).state_dict(), checkpoint_id=str(tmp_path / "step-0"), no_dist=True)
+    state = ModelState(torch.nn.Linear(4, 3), ModelDescription("linear", "4x3", NoArgs()))
+    manager = CheckpointManager({"model": state}, Checkpoint(initial_load_path=str(tmp_path / "step-0")), str(tmp_path))
+    message = r"step-0: loading failed on rank 0: ValueError: Size mismatch .*torch.Size\(\[5\]\) .*\[3\]\) for bias$"
+    with pytest.raises(CheckpointError, match=message):
+        manager.load()
+    manager.close()

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint import CheckpointError
+from titanlite.checkpoint import CheckpointError, ModelDescription
 from titanlite.checkpoint.hf import seed_from_hf
+from titanlite.checkpoint.steps import refuse_start_from_other_model
 from titanlite.config import ConfigError, JobConfig, show_config_warnings
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
@@ -42,14 +43,20 @@ logger = logging.getLogger("titanlite")
 
 def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     """(plan, tokenizer, training windows): every check made before a process group or tensor
-    exists (layout, memory floor, tokenizer, data). A problem is a ConfigError; a key this
-    layout ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
+    exists (layout, memory floor, the model of the checkpoint to start from, tokenizer, data).
+    A problem is a ConfigError (a CheckpointError for that checkpoint); a key this layout
+    ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
     warnings = unused_layout_keys(job_config, plan.parallel_dims)
     if plan.pipeline is not None and microbatch_warning(plan.pipeline) is not None:
         warnings.append(microbatch_warning(plan.pipeline))
     show_config_warnings(warnings)
     check_memory_floor(job_config, plan)
+    if "RANK" not in os.environ:
+        # The launchers' preflight, or a run of one process. Ranks leave it to the checkpoint
+        # manager, where rank 0 alone reads the shared folder and tells the others.
+        description = ModelDescription.of_run(job_config.model, plan.model_args, plan.tokenizer_vocab_size)
+        refuse_start_from_other_model(job_config.checkpoint, job_config.job.dump_folder, description)
     tokenizer, windows = load_tokenizer_and_data(job_config, plan)
     return plan, tokenizer, windows
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from titanlite.checkpoint.files import read_checkpoint_metadata, single_process
+from titanlite.checkpoint.files import CheckpointError, read_checkpoint_metadata, single_process
 from titanlite.data import tokenizer_file
 from titanlite.registry import get_model_spec
 
@@ -80,6 +80,24 @@ class ModelDescription:
         ours, theirs = self.args.architecture(), other.args.architecture()
         return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
 
+    def mismatch(self, recorded: dict) -> str | None:
+        """What tells the model a checkpoint recorded (its "model_args", as to_state writes
+        them) from this one, in words; None when it is the same model."""
+        try:
+            theirs = ModelDescription.from_state(recorded, "the checkpoint's model_args", type(self.args))
+        except ValueError:  # another family's hyper-parameters
+            return f"the checkpoint holds model {recorded['name']} {recorded['flavor']}, this run builds {self}"
+        names = self.differences(theirs)
+        if not names:
+            return None
+        ours, saved = self.args.architecture(), theirs.args.architecture()
+        values = ", ".join(f"{name} {saved.get(name)} -> {ours.get(name)}" for name in names)
+        different = f"they differ in {values}, checkpoint -> run"
+        return f"the checkpoint holds model {theirs}, this run builds {self} ({different})"
+
+    def __str__(self) -> str:
+        return f"{self.name} {self.flavor}"
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Weight name -> shape, as the model class lays them out (built on the meta device,
         which allocates nothing)."""
@@ -118,13 +136,39 @@ def _nest(flat_keys: list[str], prefix: str) -> dict:
     return root
 
 
-def read_model_description(step_dir: str | Path) -> ModelDescription:
-    """The description a step-N folder recorded; ValueError naming the folder when it has none."""
-    step_dir = Path(step_dir)
+def read_recorded(step_dir: Path) -> dict | None:
+    """The "model_args" a step-N folder recorded, as to_state wrote them (only they are read,
+    no weight); None when it records none (a checkpoint written by another tool)."""
     metadata = read_checkpoint_metadata(step_dir)
     keys = [k for k in metadata.state_dict_metadata if k.startswith(MODEL_ARGS + ".")]
     if not keys:
-        raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")
+        return None
     state = {MODEL_ARGS: _nest(keys, MODEL_ARGS)}
     single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
-    return ModelDescription.from_state(state[MODEL_ARGS], str(step_dir))
+    return state[MODEL_ARGS]
+
+
+def read_model_description(step_dir: str | Path) -> ModelDescription:
+    """The description a step-N folder recorded; ValueError naming the folder when it has none."""
+    step_dir = Path(step_dir)
+    recorded = read_recorded(step_dir)
+    if recorded is None:
+        raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")
+    return ModelDescription.from_state(recorded, str(step_dir))
+
+
+def refuse_other_model(step_dir: Path, ours: ModelDescription, run_folder: Path) -> None:
+    """CheckpointError when the checkpoint in `step_dir` records another model than `ours`,
+    told from its description before any weight is read: DCP would fail on every rank at the
+    first tensor of another shape, naming only that tensor. A checkpoint that records no
+    description (torchtitan's) is left to the load. `run_folder`: the run's own checkpoint
+    folder, which says what to do about it."""
+    recorded = read_recorded(step_dir)
+    mismatch = None if recorded is None else ours.mismatch(recorded)
+    if mismatch is None:
+        return
+    if step_dir.parent == run_folder:
+        remedy = f"to train this model, pick another job.dump_folder or remove the old checkpoints in {run_folder}"
+    else:
+        remedy = "checkpoint.initial_load_path must name a checkpoint of the model this run builds"
+    raise CheckpointError(f"{step_dir}: {mismatch}; {remedy}")

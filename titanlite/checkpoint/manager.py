@@ -45,6 +45,7 @@ from titanlite.checkpoint.files import (
     stored_prefixes,
 )
 from titanlite.checkpoint.manifest import write_manifest
+from titanlite.checkpoint.stager import close_stager, keep_open_between_saves
 from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
 from titanlite.dtypes import DTYPES
@@ -107,6 +108,7 @@ class CheckpointManager:
                     use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=True, use_non_blocking_copy=cuda
                 )
             )
+            keep_open_between_saves(self._stager)  # torch before 2.13 closes it after each save
         if self.process_group is None:
             # One process saves alone on purpose; DCP warns about that at every save and load.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -295,10 +297,16 @@ class CheckpointManager:
             torch.cuda.current_stream().synchronize()  # cuda-only
 
     def wait_for_staging(self) -> None:
-        """Block until the save in flight has copied the state; call before changing weights."""
-        if self._staging is not None:
-            self._staging.result()
-            self._staging = None
+        """Block until the save in flight has copied the state; call before changing weights.
+        A copy that failed is not raised here: the save's write fails with it, and wait()
+        settles that failure like any other (DCP itself reports a copy that failed before
+        async_save returned only through the write)."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                staging.result()
+            except DCP_FAILURES:
+                pass  # the write, waiting on the same copy, fails with the same error
 
     def wait(self, agree: bool = True) -> None:
         """Block until the save in flight is on disk (and published); a failed one is
@@ -322,7 +330,7 @@ class CheckpointManager:
         finally:
             self._writes.shutdown()
             if self._stager is not None:
-                self._stager.close()
+                close_stager(self._stager)
 
     # --- purging -----------------------------------------------------------------------
 
@@ -354,6 +362,13 @@ class CheckpointManager:
         if status == "error":
             raise CheckpointError(value)
         return value
+
+    def _refuse_other_model(self, path: Path) -> None:
+        """Before any weight is read, a checkpoint of another model is refused by what it
+        recorded (a model state that can tell, as ModelState does)."""
+        refuse = getattr(self.states[MODEL], "refuse_other_model", None)
+        if refuse is not None:
+            refuse(path, self.folder)
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
@@ -392,7 +407,7 @@ class CheckpointManager:
         if not self.in_use:
             return []
         self.wait()
-        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states)))
+        plan = self._agree(lambda: plan_load(self.folder, self.config, list(self.states), self._refuse_other_model))
         if plan is None:
             return []
         path, parts = plan

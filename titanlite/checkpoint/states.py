@@ -5,6 +5,8 @@ parameter-name keys and sharded (DTensor) values, so DCP can reshard them on loa
 other layout.
 """
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -15,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription
+from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription, refuse_other_model
 from titanlite.registry import MODELS
 
 
@@ -53,16 +55,14 @@ class ModelState(Stateful):
         # is now in self._recorded too: compare it with the run's own description, and record
         # the run's again for the saves to come.
         self._recorded = self.description.to_state()
-        if saved is not None:
-            ours = self.description
-            theirs = ModelDescription.from_state(saved, "the checkpoint's model_args", type(ours.args))
-            different = ours.differences(theirs)
-            if different:
-                raise ValueError(
-                    f"the checkpoint holds model {theirs.name} {theirs.flavor}, this run builds "
-                    f"{ours.name} {ours.flavor} (they differ in {', '.join(different)})"
-                )
+        mismatch = None if saved is None else self.description.mismatch(saved)
+        if mismatch is not None:
+            raise ValueError(mismatch)
         set_model_state_dict(self.model, state_dict)
+
+    def refuse_other_model(self, step_dir: Path, run_folder: Path) -> None:
+        """Before the load: CheckpointError when `step_dir` records another model than this."""
+        refuse_other_model(step_dir, self.description, run_folder)
 
 
 class OptimizerState(Stateful):

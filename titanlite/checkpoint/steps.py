@@ -1,12 +1,21 @@
 """Choosing among a run's step folders: which ones a purge keeps, and which checkpoint a
-run starts from and which of its parts it loads."""
+run starts from, which of its parts it loads, and (in the preflight) whether it holds the
+model the run builds."""
 
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from titanlite.checkpoint.files import CheckpointError, complete_steps, delete_step_folder, top_level_names
+from titanlite.checkpoint.description import ModelDescription, refuse_other_model
+from titanlite.checkpoint.files import (
+    DCP_FAILURES,
+    CheckpointError,
+    complete_steps,
+    delete_step_folder,
+    top_level_names,
+)
 from titanlite.checkpoint.manifest import check_data_files, verify_manifest
 from titanlite.config import CHECKPOINT_PARTS, Checkpoint
 from titanlite.files import fsync_path
@@ -62,7 +71,7 @@ def _set_aside_newer_than(folder: Path, load_step: int, steps: dict[int, Path]) 
 
 
 def _load_step_source(folder: Path, load_step: int, steps: dict[int, Path]) -> Path:
-    """The step folder checkpoint.load_step names, after setting the newer ones aside."""
+    """The step folder checkpoint.load_step names."""
     if load_step not in steps:
         available = ", ".join(map(str, steps)) or "none"
         raise CheckpointError(
@@ -73,12 +82,12 @@ def _load_step_source(folder: Path, load_step: int, steps: dict[int, Path]) -> P
             f"checkpoint.load_step {load_step}: {steps[load_step]} holds model weights only and cannot "
             "resume a run; start from its weights with checkpoint.initial_load_path instead"
         )
-    _set_aside_newer_than(folder, load_step, steps)
     return steps[load_step]
 
 
 def resume_source(folder: Path, config: Checkpoint) -> tuple[Path, bool] | None:
-    """The checkpoint to start from and whether to load the model only."""
+    """The checkpoint to start from and whether to load the model only. Only looks: the
+    preflight asks it too, and the newer steps a load_step abandons stay where they are."""
     steps = complete_steps(folder) if config.enable else {}
     if config.load_step >= 0:
         return _load_step_source(folder, config.load_step, steps), False
@@ -126,8 +135,17 @@ def check_files(path: Path, checksums: bool) -> None:
         raise CheckpointError(f"{error}; to resume from an earlier checkpoint, set checkpoint.load_step") from None
 
 
-def plan_load(folder: Path, config: Checkpoint, part_names: list[str]) -> tuple[Path, list[str]] | None:
-    """The checkpoint to start from and the parts (of `part_names`, in order) to load from it, or None."""
+def loads_model(config: Checkpoint, model_only: bool) -> bool:
+    """Whether a start from a checkpoint (`model_only`: from its weights alone) loads them."""
+    return model_only or MODEL not in config.exclude_from_loading
+
+
+def plan_load(
+    folder: Path, config: Checkpoint, part_names: list[str], check_model: Callable[[Path], None] | None = None
+) -> tuple[Path, list[str]] | None:
+    """The checkpoint to start from and the parts (of `part_names`, in order) to load from it,
+    or None. `check_model(path)` may refuse the checkpoint when its model part is loaded;
+    only once every check passed are the steps newer than a load_step set aside."""
     source = resume_source(folder, config)
     if source is None:
         return None
@@ -138,6 +156,29 @@ def plan_load(folder: Path, config: Checkpoint, part_names: list[str]) -> tuple[
     missing = [name for name in wanted if name not in available]
     if MODEL in missing:
         raise CheckpointError(f"{path}: the checkpoint holds no model weights")
+    if check_model is not None and loads_model(config, model_only):
+        check_model(path)
     for name in missing:
         logger.warning("%s holds no '%s'; it starts fresh", path, name)
+    if config.load_step >= 0:
+        _set_aside_newer_than(folder, config.load_step, complete_steps(folder))
     return path, [name for name in wanted if name in available]
+
+
+def refuse_start_from_other_model(config: Checkpoint, dump_folder: str, ours: ModelDescription) -> None:
+    """The preflight's look at the checkpoint a run would start from, in one process before
+    any rank starts: CheckpointError when it records another model than `ours` (or when
+    load_step or initial_load_path names none, as the ranks would say). A description that
+    cannot be read is left to the ranks' load, whose checks name the damaged file."""
+    if not (config.enable or config.initial_load_path is not None):
+        return
+    folder = Path(dump_folder) / config.folder
+    source = resume_source(folder, config)
+    if source is None or not loads_model(config, model_only=source[1]):
+        return
+    try:
+        refuse_other_model(source[0], ours, folder)
+    except CheckpointError:
+        raise
+    except DCP_FAILURES as error:
+        logger.debug("preflight: the model description of %s could not be read (%s)", source[0], error)

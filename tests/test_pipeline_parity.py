@@ -6,7 +6,8 @@ Every run trains test_parity's tiny model from the same seed on the same global 
 schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
 micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2, TP 2
 (with and without sequence and loss parallel) and DDP 2, and with compiled blocks; and
-Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
+Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process. With DDP and gradient
+accumulation, the replicas all-reduce once per optimizer step (counted at the dispatcher).
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
 norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
@@ -15,10 +16,15 @@ so the weights of a run are the union of its ranks'.
 Every run is a job of one launch of 4 rank processes (RUNS, the `runs` fixture).
 """
 
+import contextlib
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
@@ -32,6 +38,7 @@ from tests.test_parity import (
     REFERENCE,
     REPLICATE2,
     SELECTIVE_OP,
+    STEPS,
     TINY_MOE,
     TP2,
     assert_same_training,
@@ -46,16 +53,43 @@ from titanlite.train import Trainer
 NO_HANG = ["--comm.init_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
 
 
+class AllReduceCounter(TorchDispatchMode):
+    """Counts the all-reduces over one process group where every ProcessGroup's all-reduce
+    passes, FSDP's included: c10d's allreduce_ op at the dispatcher."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group, self.count = group, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.allreduce_.default and dist.ProcessGroup.unbox(args[1]) is self.group:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp_units_with_parameters(part: nn.Module) -> int:
+    """The FSDP units of a model part that hold parameters of their own, which each reduce
+    their gradients (a stage's root holds none when all its modules are blocks)."""
+    units = [module for module in part.modules() if isinstance(module, FSDPModule)]
+    count = 0
+    for unit in units:
+        inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units for p in sub.parameters()}
+        count += any(id(p) not in inner for p in unit.parameters())
+    return count
+
+
 def train_pipeline(extra_args: list[str]) -> dict:
-    """Train with pipeline parallelism; what train_and_report returns, plus how often the
-    schedule ran and which schedule class ran it."""
+    """Train with pipeline parallelism; what train_and_report returns, plus which schedule
+    class ran and the all-reduces over the replicas' group in each of its runs (with replicas)."""
     trainer = Trainer(parse_args(BASE_ARGS + NO_HANG + ["--parallelism.pipeline_parallel_degree=2"] + extra_args))
-    schedule = trainer.pipeline.schedule
-    step_schedule, schedule_steps = schedule.step, []
+    schedule, dims = trainer.pipeline.schedule, trainer.plan.parallel_dims
+    replicas = trainer.mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+    step_schedule, replica_all_reduces = schedule.step, []
 
     def counted_step(*args, **kwargs):
-        schedule_steps.append(len(schedule_steps))
-        return step_schedule(*args, **kwargs)
+        with AllReduceCounter(replicas) if replicas is not None else contextlib.nullcontext() as counter:
+            step_schedule(*args, **kwargs)
+        replica_all_reduces.append(counter.count if replicas is not None else 0)
 
     schedule.step = counted_step
     max_losses, log_step = [], trainer.metrics.log_step
@@ -72,7 +106,9 @@ def train_pipeline(extra_args: list[str]) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "params": full_weights(trainer.model),
         "schedule": type(schedule).__name__,
-        "schedule_steps": len(schedule_steps),
+        "schedule_steps": len(replica_all_reduces),
+        "replica_all_reduces": replica_all_reduces,
+        "fsdp_units": sum(fsdp_units_with_parameters(part) for part in trainer.pipeline.parts),
     }
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -121,7 +157,10 @@ COMPOSED = {
     "pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2),
     "pp2_tp2_no_sp_no_lp_zbv_m2_accum2": pp_args("ZBVZeroBubble", 4, 2, *TP2, *NO_SP, *NO_LP),
     "pp2_ddp2_gpipe_m2_accum2": pp_args("GPipe", 2, 1, *REPLICATE2),
+    "pp2_ddp2_zbv_m2_accum2": pp_args("ZBVZeroBubble", 2, 1, *REPLICATE2),
 }
+# The layouts above with replicas (FSDP2's replicate dimension: DDP is HSDP over shard groups of one).
+REPLICATED = [name for name in COMPOSED if "ddp2" in name]
 
 # Qwen3-MoE at PP 2 x TP 2: the attention split over tp, the MoE feed-forward whole on both
 # TP ranks of each stage; against the MoE's own single process.
@@ -155,6 +194,16 @@ def test_moe_pipeline_with_tensor_parallelism_matches_single_process(runs, layou
 @pytest.mark.parametrize("layout", COMPILED)
 def test_compiled_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0], rtol=1e-4)
+
+
+def test_replicas_all_reduce_once_per_optimizer_step(runs):
+    # Counted at the dispatcher in each pipeline run (2 accumulation steps of 8 optimizer
+    # steps): torch's stage turns the replicas' all-reduce on for every run; only the last
+    # run of a step makes it, one per FSDP unit of the rank's stages that holds parameters.
+    for name in REPLICATED:
+        for run in runs[name]:
+            assert run["fsdp_units"] > 0
+            assert run["replica_all_reduces"] == [0, run["fsdp_units"]] * STEPS, name
 
 
 def test_the_largest_data_parallel_loss_counts_the_stage_that_holds_the_loss(runs):

@@ -4,9 +4,12 @@ Every run trains test_parity's tiny model from the same seed on the same global 
 (8 sequences a step, 8 steps, float32) and must match its single-process reference within
 1e-5 in every step's loss and grad norm and in the final weights: PP 2 with each of torch's
 schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
-micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2, TP 2
-(with and without sequence and loss parallel) and DDP 2, and with compiled blocks; and
-Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
+micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2 (the
+zero-bubble schedules too), TP 2 (with and without sequence and loss parallel) and DDP 2, and
+with compiled blocks; and Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
+PP 2 in bf16 without FSDP (the schedule under autocast) matches a bf16 single process to
+test_parity's bf16 tolerance. With DDP and gradient accumulation, the replicas all-reduce
+once per optimizer step (counted at the dispatcher).
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
 norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
@@ -15,10 +18,15 @@ so the weights of a run are the union of its ranks'.
 Every run is a job of one launch of 4 rank processes (RUNS, the `runs` fixture).
 """
 
+import contextlib
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
@@ -32,9 +40,11 @@ from tests.test_parity import (
     REFERENCE,
     REPLICATE2,
     SELECTIVE_OP,
+    STEPS,
     TINY_MOE,
     TP2,
     assert_same_training,
+    train_and_report,
 )
 from titanlite.config import parse_args
 from titanlite.config.job_config import PIPELINE_SCHEDULES
@@ -46,18 +56,50 @@ from titanlite.train import Trainer
 NO_HANG = ["--comm.init_timeout_seconds=60", "--comm.train_timeout_seconds=30"]
 
 
-def train_pipeline(extra_args: list[str]) -> dict:
-    """Train with pipeline parallelism; what train_and_report returns, plus how often the
-    schedule ran and which schedule class ran it."""
+class AllReduceCounter(TorchDispatchMode):
+    """Counts the all-reduces over one process group where every ProcessGroup's all-reduce
+    passes, FSDP's included: c10d's allreduce_ op at the dispatcher."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group, self.count = group, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.c10d.allreduce_.default and dist.ProcessGroup.unbox(args[1]) is self.group:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def fsdp_units_with_parameters(part: nn.Module) -> int:
+    """The FSDP units of a model part that hold parameters of their own, which each reduce
+    their gradients (a stage's root holds none when all its modules are blocks)."""
+    units = [module for module in part.modules() if isinstance(module, FSDPModule)]
+    count = 0
+    for unit in units:
+        inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units for p in sub.parameters()}
+        count += any(id(p) not in inner for p in unit.parameters())
+    return count
+
+
+def train_pipeline(extra_args: list[str], record_matmul_dtypes: bool = False) -> dict:
+    """Train with pipeline parallelism; what train_and_report returns, plus which schedule
+    class ran, the all-reduces over the replicas' group in each of its runs (with replicas)
+    and, when asked, the dtypes of every Linear's output in them."""
     trainer = Trainer(parse_args(BASE_ARGS + NO_HANG + ["--parallelism.pipeline_parallel_degree=2"] + extra_args))
-    schedule = trainer.pipeline.schedule
-    step_schedule, schedule_steps = schedule.step, []
+    schedule, dims = trainer.pipeline.schedule, trainer.plan.parallel_dims
+    replicas = trainer.mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
+    step_schedule, replica_all_reduces = schedule.step, []
 
     def counted_step(*args, **kwargs):
-        schedule_steps.append(len(schedule_steps))
-        return step_schedule(*args, **kwargs)
+        with AllReduceCounter(replicas) if replicas is not None else contextlib.nullcontext() as counter:
+            step_schedule(*args, **kwargs)
+        replica_all_reduces.append(counter.count if replicas is not None else 0)
 
     schedule.step = counted_step
+    matmul_dtypes = set()
+    if record_matmul_dtypes:
+        for linear in (m for part in trainer.pipeline.parts for m in part.modules() if isinstance(m, nn.Linear)):
+            linear.register_forward_hook(lambda module, args, output: matmul_dtypes.add(str(output.dtype)))
     max_losses, log_step = [], trainer.metrics.log_step
 
     def logged(step, loss, max_loss, *args, **kwargs):
@@ -72,7 +114,10 @@ def train_pipeline(extra_args: list[str]) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "params": full_weights(trainer.model),
         "schedule": type(schedule).__name__,
-        "schedule_steps": len(schedule_steps),
+        "schedule_steps": len(replica_all_reduces),
+        "replica_all_reduces": replica_all_reduces,
+        "fsdp_units": sum(fsdp_units_with_parameters(part) for part in trainer.pipeline.parts),
+        "matmul_dtypes": sorted(matmul_dtypes),
     }
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -121,7 +166,12 @@ COMPOSED = {
     "pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2),
     "pp2_tp2_no_sp_no_lp_zbv_m2_accum2": pp_args("ZBVZeroBubble", 4, 2, *TP2, *NO_SP, *NO_LP),
     "pp2_ddp2_gpipe_m2_accum2": pp_args("GPipe", 2, 1, *REPLICATE2),
+    "pp2_ddp2_zbv_m2_accum2": pp_args("ZBVZeroBubble", 2, 1, *REPLICATE2),
+    "pp2_fsdp2_zbv_m4": pp_args("ZBVZeroBubble", 4, 1),
+    "pp2_fsdp2_interleaved_zero_bubble_m2_accum2": pp_args("InterleavedZeroBubble", 2, 1),
 }
+# The layouts above with replicas (FSDP2's replicate dimension: DDP is HSDP over shard groups of one).
+REPLICATED = [name for name in COMPOSED if "ddp2" in name]
 
 # Qwen3-MoE at PP 2 x TP 2: the attention split over tp, the MoE feed-forward whole on both
 # TP ranks of each stage; against the MoE's own single process.
@@ -132,12 +182,25 @@ MOE_COMPOSED = {"moe_pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2, *TINY_MOE)}
 # test_parity's compiled layouts (to 1e-4: the compiled kernels round differently).
 COMPILED = {"compiled_pp2_interleaved1f1b_m2_accum2": pp_args("Interleaved1F1B", 4, 2, *COMPILE)}
 
+# bf16 compute without FSDP: the whole schedule under autocast, against a single process
+# that autocasts too, to test_parity's bf16 tolerance.
+BF16 = ["--training.mixed_precision_param=bfloat16"]
+BF16_RTOL = 2e-2
+BF16_PIPELINE = {"bf16_zbv_m2_accum2": pp_args("ZBVZeroBubble", 4, 2, *BF16)}
+BF16_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *BF16],))
+
+
+def whole_weights(rank_runs: list[dict], ref: dict) -> dict:
+    """The weights of a run, each rank's stages' together; checks that no rank holds them all
+    (a rank holding the whole model would not be pipelining)."""
+    for run in rank_runs:
+        assert 0 < len(run["params"]) < len(ref["params"])
+    return {name: value for run in rank_runs for name, value in run["params"].items()}
+
 
 def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict, rtol: float = 1e-5) -> None:
-    everyones = {name: value for run in rank_runs for name, value in run["params"].items()}
+    everyones = whole_weights(rank_runs, ref)
     for run in rank_runs:  # every rank must agree, not only rank 0
-        # Only its stages' weights: a rank holding the whole model would not be pipelining.
-        assert 0 < len(run["params"]) < len(ref["params"])
         # Its own weights, completed by the other stages' ranks' to the whole model's names.
         assert_same_training({**run, "params": {**everyones, **run["params"]}}, ref, rtol=rtol)
 
@@ -155,6 +218,32 @@ def test_moe_pipeline_with_tensor_parallelism_matches_single_process(runs, layou
 @pytest.mark.parametrize("layout", COMPILED)
 def test_compiled_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0], rtol=1e-4)
+
+
+def test_replicas_all_reduce_once_per_optimizer_step(runs):
+    # Counted at the dispatcher in each pipeline run (2 accumulation steps of 8 optimizer
+    # steps): torch's stage turns the replicas' all-reduce on for every run; only the last
+    # run of a step makes it, one per FSDP unit of the rank's stages that holds parameters.
+    for name in REPLICATED:
+        for run in runs[name]:
+            assert run["fsdp_units"] > 0
+            assert run["replica_all_reduces"] == [0, run["fsdp_units"]] * STEPS, name
+
+
+def test_bf16_pipeline_without_fsdp_autocasts_and_matches_single_process(runs):
+    ref = runs["bf16 reference"][0]
+    for name, rank_runs in ((name, runs[name]) for name in BF16_PIPELINE):
+        for run in rank_runs:
+            # Every Linear of every stage computed in bf16: the schedule ran under autocast.
+            assert run["matmul_dtypes"] == ["torch.bfloat16"], name
+            assert run["loss"] == pytest.approx(ref["loss"], rel=BF16_RTOL)
+            assert run["grad_norm"] == pytest.approx(ref["grad_norm"], rel=BF16_RTOL)
+        everyones = whole_weights(rank_runs, ref)
+        assert everyones.keys() == ref["params"].keys()
+        for key, value in ref["params"].items():
+            # A tensor's difference against its size: one wrong Adam update (up to lr = 3e-3
+            # an entry) moves a block's matrix (entries of about 1.5e-2) by some 20 %.
+            assert (everyones[key] - value).norm() <= BF16_RTOL * value.norm(), (name, key)
 
 
 def test_the_largest_data_parallel_loss_counts_the_stage_that_holds_the_loss(runs):
@@ -245,7 +334,9 @@ RUNS = {
     "stuck peer": Job(4, stuck_peer, (pp_args("GPipe", 2, 1, *REPLICATE2),)),
     "reference": REFERENCE,
     "moe reference": MOE_REFERENCE,
+    "bf16 reference": BF16_REFERENCE,
     **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED}.items()},
+    **{name: Job(2, train_pipeline, (args, True)) for name, args in BF16_PIPELINE.items()},
 }
 
 

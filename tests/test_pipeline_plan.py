@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import generate_stage_to_rank_mappin
 
 from tests.helpers import TINY, tiny_args
 from titanlite.config import ConfigError, parse_args
-from titanlite.config.job_config import PIPELINE_SCHEDULES
+from titanlite.config.job_config import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.pipeline import microbatch_warning, plan_pipeline
@@ -247,6 +247,24 @@ def test_plan_run_with_pipeline(world_size, overrides, strategy, dp_shard):
     # PP ranks of one pipeline read the same batch: only the data-parallel ranks divide it.
     assert plan.global_batch_size == 4 * dims.dp_degree
     assert plan.pipeline.stage_modules == plan_of(model_args=TINY).stage_modules
+
+
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)
+def test_split_backward_refuses_compiled_blocks_and_fsdp_resharding_after_forward(schedule):
+    # 4 micro-batches: enough for every one of them (DualPipeV takes one per stage).
+    split = {SCHEDULE: schedule, "training.local_batch_size": 4, MICROBATCH: 1}
+    refused = rf"^parallelism\.pipeline_parallel_schedule {schedule} splits the backward, which "
+    with pytest.raises(ConfigError, match=refused + "compiled blocks do not support; "):
+        plan_run(pipeline_config({**split, "compile.enable": True}), world_size=2)
+    always = {**split, "parallelism.fsdp_reshard_after_forward": "always"}
+    with pytest.raises(ConfigError, match=refused + "loses the weights' gradients of stages that FSDP reshards after"):
+        plan_run(pipeline_config(always), world_size=4)
+    # Without FSDP nothing reshards; FSDP's default under PP keeps a stage gathered for the run.
+    assert plan_run(pipeline_config(always), world_size=2).pipeline.schedule == schedule
+    assert plan_run(pipeline_config(split), world_size=4).parallel_dims.fsdp_applied
+    # Schedules without the split take both.
+    compiled = {**always, SCHEDULE: "Interleaved1F1B", "compile.enable": True}
+    assert plan_run(pipeline_config(compiled), world_size=4).pipeline.schedule == "Interleaved1F1B"
 
 
 def test_no_pipeline_plan_without_pp():

@@ -127,7 +127,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
     if pipeline is not None:
-        check_pipeline_compile(job_config, pipeline.schedule)
+        check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
         raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one data-parallel rank")
 
@@ -238,14 +238,32 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
         )
 
 
-def check_pipeline_compile(job_config: JobConfig, schedule: str) -> None:
-    """Compiled blocks cannot take a split backward (torch 2.13): their compiled backward
-    frees its saved buffers after the inputs' gradient, and with that reuse turned off
-    the weights' gradients came out wrong (grad norm 2e-4 off at the first step)."""
-    if schedule in SPLIT_BACKWARD_SCHEDULES and job_config.compile.enable and "model" in job_config.compile.components:
+def check_split_backward(job_config: JobConfig, schedule: str, parallel_dims: ParallelDims) -> None:
+    """What the zero-bubble schedules' split backward (inputs' gradient first, weights' later)
+    cannot take in torch 2.13.
+
+    Compiled blocks: their compiled backward frees its saved buffers after the inputs'
+    gradient, and with that reuse turned off the weights' gradients came out wrong (grad norm
+    2e-4 off at the first step).
+
+    FSDP resharding after every forward: the stage lists the weights whose gradients it defers
+    (``submod.parameters()``) when the inputs' gradient starts, before FSDP's pre-backward hook
+    gathers them again; a stage resharded after its forward lists its sharded parameters, which
+    the forward's graph never used, so the weights' step computes nothing for that micro-batch.
+    Unrefused, PP 2 x FSDP 2 under ZBVZeroBubble lost every gradient of its last stage."""
+    schedule_key = f"parallelism.pipeline_parallel_schedule {schedule}"
+    if schedule not in SPLIT_BACKWARD_SCHEDULES:
+        return
+    if job_config.compile.enable and "model" in job_config.compile.components:
         raise ConfigError(
-            f"parallelism.pipeline_parallel_schedule {schedule} splits the backward, which compiled blocks do not "
+            f"{schedule_key} splits the backward, which compiled blocks do not "
             "support; pick 1F1B or Interleaved1F1B, or leave 'model' out of compile.components"
+        )
+    if parallel_dims.fsdp_applied and job_config.parallelism.fsdp_reshard_after_forward == "always":
+        raise ConfigError(
+            f"{schedule_key} splits the backward, which loses the weights' gradients of stages that FSDP "
+            "reshards after every forward; set parallelism.fsdp_reshard_after_forward to default or never, "
+            "or pick a schedule without the split (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)"
         )
 
 

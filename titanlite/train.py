@@ -171,8 +171,8 @@ class Trainer(Stateful):
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
-            for part in self.pipeline.parts if self.pipeline is not None else [self.model]:
-                set_gradient_all_reduce(part, dims, micro_step == self.plan.grad_accum_steps - 1)
+            runs_backward = self.pipeline if self.pipeline is not None else self.model
+            set_gradient_all_reduce(runs_backward, dims, micro_step == self.plan.grad_accum_steps - 1)
             with self.metrics.data_loading():
                 # From pinned memory on CUDA: the copies queue behind the compute, no wait here.
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())

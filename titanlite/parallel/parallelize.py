@@ -385,12 +385,12 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
-def set_gradient_all_reduce(model: nn.Module, parallel_dims: ParallelDims, enabled: bool) -> None:
-    """Whether this micro-batch's backward all-reduces across replicas (DDP/HSDP): only the
-    last of a step's micro-batches needs to; earlier ones only reduce-scatter within the
-    shard group."""
+def set_gradient_all_reduce(runs_backward, parallel_dims: ParallelDims, enabled: bool) -> None:
+    """Whether this micro-step's backward all-reduces across replicas (DDP/HSDP): only a step's last
+    needs to; earlier ones only reduce-scatter within the shard group. ``runs_backward``: the
+    FSDP-wrapped model, or the Pipeline running its parts (FSDP's method name, on its stages)."""
     if parallel_dims.dp_replicate > 1:
-        model.set_requires_all_reduce(enabled)
+        runs_backward.set_requires_all_reduce(enabled)
 
 
 def parallelize_decoder(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -217,6 +218,39 @@ def prune_to_stage(model: nn.Module, keep: tuple[str, ...]) -> None:
             setattr(model, name, None)
 
 
+class _Stage(PipelineStage):
+    """torch's pipeline stage, whose gradient reduction after a pipeline run can leave the
+    replicas' all-reduce (DDP, HSDP) to a later run.
+
+    torch 2.13's stage holds FSDP's gradient reduction back during a run's backwards and
+    reduces once after the last one (``perform_reduce_grad``), turning FSDP's whole gradient
+    sync on for it, the replicas' all-reduce included, whatever was set before the run. Under
+    gradient accumulation only an optimizer step's last run needs that all-reduce: while
+    ``all_reduce_replicas`` is off, a run reduce-scatters within the shard group only, and FSDP
+    adds the sums it keeps to the last run's before that run all-reduces them, as without PP.
+    """
+
+    all_reduce_replicas = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        part = self.submod
+        if self.all_reduce_replicas or not isinstance(part, FSDPModule):
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+
+        # torch turns the sync on through this method just before it reduces; for this
+        # reduction it turns it on within the shard group only.
+        def sync_within_shard_group(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+            FSDPModule.set_requires_gradient_sync(part, requires_gradient_sync, recurse=recurse)
+            part.set_requires_all_reduce(False, recurse=recurse)
+
+        part.set_requires_gradient_sync = sync_within_shard_group
+        try:
+            super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            del part.set_requires_gradient_sync
+
+
 class Pipeline:
     """This rank's stages and the schedule that runs them.
 
@@ -239,7 +273,7 @@ class Pipeline:
         self.stage_indices = plan.rank_stages(pp_rank)
         self.parts = [build_part(plan.stage_modules[index]) for index in self.stage_indices]
         self.stages = [
-            PipelineStage(part, index, plan.num_stages, device, group=pp_group)
+            _Stage(part, index, plan.num_stages, device, group=pp_group)
             for part, index in zip(self.parts, self.stage_indices, strict=True)
         ]
         schedule_class = get_schedule_class(plan.schedule)
@@ -260,6 +294,12 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         self.schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
         return self._summed(losses)
+
+    def set_requires_all_reduce(self, enabled: bool) -> None:
+        """Whether the next runs' gradient reductions all-reduce across replicas (DDP, HSDP);
+        FSDP's name for it, so that set_gradient_all_reduce takes a pipeline as it takes a model."""
+        for stage in self.stages:
+            stage.all_reduce_replicas = enabled
 
     @torch.no_grad()
     def forward_loss(self, inputs: torch.Tensor, labels: torch.Tensor, loss_fn=None) -> torch.Tensor:

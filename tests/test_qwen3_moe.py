@@ -8,6 +8,7 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 import json
 import os
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -224,10 +225,13 @@ BALANCED = ["--training.local_batch_size=4", "--model.moe_aux_loss_coef=0.1", *B
 
 
 def train_balanced(extra_args: list[str], dump: str) -> dict:
-    """train_and_report's run, with the MoE metrics its JSONL logged, and the host syncs and
-    collectives of one bias update (after a forward's counts) counted at the dispatcher."""
-    trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
-    records = trainer.train()
+    """train_and_report's run, with the MoE metrics its JSONL logged, the host syncs and
+    collectives of one bias update (after a forward's counts) counted at the dispatcher, and
+    FSDP's warnings of a wrapped module that returned a view."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
+        records = trainer.train()
     params = full_weights(trainer.model)  # before the update below moves the bias once more
     counted = HostSyncs()
     if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
@@ -242,6 +246,7 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         "syncs": counted.report(),
         "ops": set(counted.other_ops),
         "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
+        "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
     }
     dist.destroy_process_group() if dist.is_initialized() else None
     return report
@@ -358,6 +363,14 @@ def test_the_expert_load_under_a_pipeline_is_one_process_load(runs):
     for mine, expected in zip(ours, theirs, strict=True):
         for tag in [tags.MOE_MAX_LOAD] + [tags.moe_layer_load(block) for block in range(3)]:
             assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
+
+
+def test_the_aux_loss_under_fsdp_returns_no_view_for_fsdp_to_warn_of(runs):
+    """The model's output carries the auxiliary loss's gradient through an autograd function;
+    were that output a view, FSDP would warn on every forward that its pre-backward hook
+    could be lost."""
+    for rank_run in runs["balanced fsdp2"]:
+        assert rank_run["view_warnings"] == []
 
 
 def test_the_bias_update_sums_counts_without_a_host_sync(runs):

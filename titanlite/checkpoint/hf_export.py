@@ -189,6 +189,7 @@ def export_to_hf(
     use_ema exports the ema.* weights; tokenizer (a tokenizer.json or its folder)
     overrides the tokenizer the run recorded. Returns out_dir. Bad input is a ValueError
     naming the path, raised before anything is written."""
+    hf_tokenizer.require_tokenizers()
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     dtype = _export_dtype(dtype)
     limit = None if max_shard_size is None else parse_size(max_shard_size)

@@ -6,6 +6,7 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 """
 
 import json
+import logging
 import os
 import shutil
 import warnings
@@ -42,8 +43,10 @@ from titanlite.metrics import tags
 from titanlite.metrics.flops import active_params, count_params, flops_per_token
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import args_to_hf_config
+from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec, model_from_hf_config
 from titanlite.train import Trainer
+from titanlite.trainer_setup import log_run_summary
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +192,21 @@ def test_tensor_parallelism_of_an_moe_flavor_splits_its_heads_but_not_its_feed_f
     assert problem(replace(moe, ffn_hidden_dim=97), 2) is None
     assert "FFN hidden size (97)" in problem(replace(dense, ffn_hidden_dim=97), 2)
     assert "key/value heads (2)" in problem(moe, 4)
+
+
+def test_the_start_up_line_leads_with_the_model_built_not_the_files_description(caplog):
+    """debug_model.toml describes a llama3; the command line builds a qwen3 MoE."""
+    config_file = str(REPO / "train_configs" / "debug_model.toml")
+    config = parse_args(["--job.config_file", config_file, "--model.name=qwen3", "--model.flavor=debugmodel_moe"])
+    plan = plan_run(config, world_size=1)
+    with torch.device("meta"):
+        model = get_model_spec("qwen3").model_cls(plan.model_args)
+    params = count_params(plan.model_args) / 1e6
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        log_run_summary(config, plan, model, torch.device("cpu"))
+    (line,) = caplog.messages
+    assert line.startswith(f"model qwen3 debugmodel_moe ({params:.2f} M params), single process over 1 rank(s)")
+    assert line.endswith("; job.description: llama3 debug model on CPU"), line
 
 
 def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):

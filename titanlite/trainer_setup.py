@@ -310,11 +310,12 @@ def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, s
 
 
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
-    """The one start-up line that says what runs where: model, layout and batch."""
+    """The one start-up line that says what runs where: the model built, layout and batch. The
+    job's description comes last, as written: a config file's description may name another
+    model than the command line's overrides built."""
     dims, training = plan.parallel_dims, job_config.training
     logger.info(
-        "%s: model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d",
-        job_config.job.description,
+        "model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d; job.description: %s",
         job_config.model.name,
         job_config.model.flavor,
         params_text(plan, model),
@@ -325,6 +326,7 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
         training.local_batch_size,
         dims.dp_degree,
         plan.grad_accum_steps,
+        job_config.job.description,
     )
 
 

@@ -202,6 +202,12 @@ def test_a_byte_tokenizer_run_exports_the_byte_tokenizer(tmp_path):
     assert loaded.decode([256, *byte_ids, 257], skip_special_tokens=True) == BYTE_TEXT
 
 
+def test_the_help_names_every_class_the_export_writes():
+    text = load_script(EXPORT).build_parser().format_help()
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert name in text
+
+
 def test_without_the_tokenizers_package_the_export_refuses_before_writing(tmp_path):
     """tokenizers is a dependency of titanlite; an environment that lacks it anyway (here the
     import is blocked) gets one line, exit 2 and no folder, never a folder without a tokenizer."""

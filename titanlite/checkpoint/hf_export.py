@@ -1,4 +1,5 @@
-"""Export a titanlite step-N checkpoint as a Hugging Face LlamaForCausalLM folder.
+"""Export a titanlite step-N checkpoint as a Hugging Face folder (LlamaForCausalLM,
+Qwen3ForCausalLM or Qwen3MoeForCausalLM, as the checkpoint records).
 
 Everything is decided before anything is written: the weights present and their shapes
 against the model the saved model_args build (on the meta device), the tokenizer, and

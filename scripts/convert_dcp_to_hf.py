@@ -1,4 +1,5 @@
-"""Export a titanlite checkpoint (a step-N folder) as a Hugging Face LlamaForCausalLM folder.
+"""Export a titanlite checkpoint (a step-N folder) as a Hugging Face folder of its model's
+class: LlamaForCausalLM (llama2, llama3), Qwen3ForCausalLM or Qwen3MoeForCausalLM (qwen3).
 
     python scripts/convert_dcp_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16]
         [--max-shard-size 5GB] [--ema] [--tokenizer PATH] [--push-to-hub REPO_ID]
@@ -24,7 +25,8 @@ PROG = "convert_dcp_to_hf"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, as --help rewraps it anyway
+    parser = argparse.ArgumentParser(prog=PROG, description=summary)
     parser.add_argument("checkpoint_dir", help="a step-N checkpoint folder")
     parser.add_argument("output_dir", help="the Hugging Face folder to create (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")

@@ -204,7 +204,7 @@ def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def write_word_tokenizer(folder: Path, n_words: int, specials: tuple[str, ...] = ()) -> int:
     """A word-level tokenizer.json with n_words words plus `specials`; returns its vocabulary size."""
-    from tokenizers import AddedToken, Tokenizer  # an optional dependency, as transformers above
+    from tokenizers import AddedToken, Tokenizer  # imported here, as transformers above
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
 

@@ -165,6 +165,8 @@ CASES = [
     # The model and the layout.
     Case("unknown_model_name", ["--model.name", "llama4"], r"model\.name 'llama4' is not known .*did you mean 'llama3'\?"),
     Case("unknown_model_flavor", ["--model.flavor", "tiniest"], r"model\.flavor of llama3 'tiniest' is not known"),
+    Case("flavor_in_other_case", ["--model.flavor", "8b"], r"model\.flavor of llama3 '8b' is not known .*did you mean '8B'\?$"),
+    Case("qwen3_flavor_in_other_case", ["--model.name=qwen3", "--model.flavor=4b"], r"model\.flavor of qwen3 '4b' .*did you mean '4B'\?$"),
     Case("degrees_do_not_multiply_to_world_size", ["--job.validate_only", "--parallelism.data_parallel_replicate_degree", "2",
                                                    "--parallelism.data_parallel_shard_degree", "3"],
          r"parallelism\.data_parallel_replicate_degree \(2\) x parallelism\.data_parallel_shard_degree \(3\) must equal the world size \(4\)",

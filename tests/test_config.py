@@ -1,5 +1,6 @@
 """Tests for the config parser: precedence, CLI forms, help, errors and the TOML dump."""
 
+import logging
 import os
 import re
 import subprocess
@@ -11,6 +12,7 @@ import pytest
 from titanlite.config import ConfigError, JobConfig, format_help, parse_args, to_toml
 from titanlite.config import job_config as job_config_module
 from titanlite.config.parser import tomllib  # tomllib, or tomli on Python 3.10
+from titanlite.trainer_setup import save_resolved_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -329,6 +331,23 @@ def test_defaults_round_trip(tmp_path):
     dumped.write_text(to_toml(JobConfig()))
     reloaded = parse_args(["--job.config_file", str(dumped), "--job.config_file=none"])
     assert reloaded == JobConfig()
+
+
+@pytest.mark.parametrize("print_config", [False, True])
+def test_rank_zero_saves_the_resolved_config_and_prints_it_when_asked(tmp_path, caplog, print_config):
+    dump = tmp_path / "dump"
+    config = parse_args(["--job.dump_folder", str(dump), f"--job.print_config={str(print_config).lower()}"])
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        save_resolved_config(config, rank=1)
+    assert not dump.exists()  # rank 0 writes it
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        save_resolved_config(config, rank=0)
+    saved = dump / "resolved_config.toml"
+    assert saved.read_text() == to_toml(config)
+    assert [path.name for path in dump.iterdir()] == [saved.name]  # no temporary left beside it
+    assert caplog.text.count(f"resolved config saved to {saved}") == 1
+    dumps = caplog.text.count("[training]")
+    assert dumps == (2 if print_config else 0)  # on both ranks' consoles, where their logs are shown
 
 
 # ---------------------------------------------------------------------------

@@ -202,6 +202,28 @@ def test_a_byte_tokenizer_run_exports_the_byte_tokenizer(tmp_path):
     assert loaded.decode([256, *byte_ids, 257], skip_special_tokens=True) == BYTE_TEXT
 
 
+def test_the_help_names_every_class_the_export_writes():
+    text = load_script(EXPORT).build_parser().format_help()
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        assert name in text
+
+
+def test_without_the_tokenizers_package_the_export_refuses_before_writing(tmp_path):
+    """tokenizers is a dependency of titanlite; an environment that lacks it anyway (here the
+    import is blocked) gets one line, exit 2 and no folder, never a folder without a tokenizer."""
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    out = tmp_path / "hf"
+    blocked = (
+        "import runpy, sys; sys.modules['tokenizers'] = None; "
+        f"sys.argv = [{str(EXPORT)!r}, {str(step)!r}, {str(out)!r}]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    result = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=300)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("convert_dcp_to_hf: error: ") and "'tokenizers' package" in lines[0]
+    assert no_output(tmp_path, out)
+
+
 # --- shards -------------------------------------------------------------------------------
 
 

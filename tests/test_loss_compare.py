@@ -318,23 +318,46 @@ def _git_state(repo: Path) -> list[str]:
     return [subprocess.run(["git", "-C", str(repo), *c], capture_output=True, text=True).stdout for c in commands]
 
 
-def test_a_commit_side_runs_in_a_worktree_and_leaves_the_checkout_alone(fsdp_against_one_process, tmp_path):
+# The throwaway commit's one change: a warmup twice as steep. TINY's 3 steps are all in the
+# debug config's warmup, so every update is larger; step 1's loss and grad norm come before any
+# update and cannot move.
+WARMUP = "return (step + 1) / (warmup + 1)"
+STEEPER_WARMUP = "return 2 * (step + 1) / (warmup + 1)"
+
+
+def _commit_steeper_warmup(clone: Path) -> None:
+    schedule_file = clone / "titanlite" / "optim" / "__init__.py"
+    code = schedule_file.read_text()
+    assert code.count(WARMUP) == 1, f"the throwaway change no longer applies to {schedule_file}: change another line"
+    schedule_file.write_text(code.replace(WARMUP, STEEPER_WARMUP))
+    identity = ["-c", "user.name=test", "-c", "user.email=test@example.com"]
+    subprocess.run(["git", "-C", str(clone), *identity, "commit", "-qam", "throwaway: a steeper warmup"], check=True)
+
+
+def test_a_commit_side_runs_its_own_code_in_a_worktree_and_leaves_the_checkout_alone(
+    fsdp_against_one_process, tmp_path
+):
+    """Side A is a throwaway commit whose code changes the learning rate; side B the checkout's
+    own run. They must agree at step 1 and differ from step 2: had the script run the
+    checkout's code for the commit, the sides would agree throughout."""
     _, reference, _ = fsdp_against_one_process
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "--quiet", str(REPO_ROOT), str(clone)], check=True)
-    identity = ["-c", "user.name=test", "-c", "user.email=test@example.com"]
-    subprocess.run(["git", "-C", str(clone), *identity, "commit", "--allow-empty", "-qm", "throwaway"], check=True)
+    _commit_steeper_warmup(clone)
     (clone / "untracked.txt").write_text("the user's own file\n")
     before = _git_state(clone)
+    head, side_a = before[1].strip(), tmp_path / "side_a.json"
     result = run_script(
         *TINY,
         *("--repo", str(clone), "--config", str(clone / "train_configs" / "debug_model.toml")),
-        *("--a-commit", "HEAD", "--import", str(reference), "--out", str(tmp_path / "out"), *LAYOUT_TOLERANCE),
+        *("--a-commit", "HEAD", "--import", str(reference), "--export", str(side_a), "--out", str(tmp_path / "out")),
+        *LAYOUT_TOLERANCE,
         "--no-seed-checkpoint",
     )
-    assert result.returncode == 0, _output(result)
-    head = before[1].strip()
+    assert result.returncode == 1, _output(result)  # beyond the tolerance
     assert f"side A: 1 rank(s), commit {head[:10]}" in result.stdout
+    assert "first step beyond tolerance (rtol 1e-05, atol 0): 2 (loss and grad_norm)" in result.stdout, _output(result)
+    assert read_series(side_a).source["commit"] == head
     assert _git_state(clone) == before and (clone / "untracked.txt").read_text() == "the user's own file\n"
 
 

@@ -6,8 +6,10 @@ The transformers model is built in this process (no Hub) and drawn as test_qwen3
 """
 
 import json
+import logging
 import os
 import shutil
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,8 +43,10 @@ from titanlite.metrics import tags
 from titanlite.metrics.flops import active_params, count_params, flops_per_token
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import args_to_hf_config
+from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec, model_from_hf_config
 from titanlite.train import Trainer
+from titanlite.trainer_setup import log_run_summary
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +194,21 @@ def test_tensor_parallelism_of_an_moe_flavor_splits_its_heads_but_not_its_feed_f
     assert "key/value heads (2)" in problem(moe, 4)
 
 
+def test_the_start_up_line_leads_with_the_model_built_not_the_files_description(caplog):
+    """debug_model.toml describes a llama3; the command line builds a qwen3 MoE."""
+    config_file = str(REPO / "train_configs" / "debug_model.toml")
+    config = parse_args(["--job.config_file", config_file, "--model.name=qwen3", "--model.flavor=debugmodel_moe"])
+    plan = plan_run(config, world_size=1)
+    with torch.device("meta"):
+        model = get_model_spec("qwen3").model_cls(plan.model_args)
+    params = count_params(plan.model_args) / 1e6
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        log_run_summary(config, plan, model, torch.device("cpu"))
+    (line,) = caplog.messages
+    assert line.startswith(f"model qwen3 debugmodel_moe ({params:.2f} M params), single process over 1 rank(s)")
+    assert line.endswith("; job.description: llama3 debug model on CPU"), line
+
+
 def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
     """As on its 8-GPU node of 80 GB GPUs: --job.validate_only passes, memory floor included."""
     monkeypatch.setenv("WORLD_SIZE", "8")
@@ -224,10 +243,13 @@ BALANCED = ["--training.local_batch_size=4", "--model.moe_aux_loss_coef=0.1", *B
 
 
 def train_balanced(extra_args: list[str], dump: str) -> dict:
-    """train_and_report's run, with the MoE metrics its JSONL logged, and the host syncs and
-    collectives of one bias update (after a forward's counts) counted at the dispatcher."""
-    trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
-    records = trainer.train()
+    """train_and_report's run, with the MoE metrics its JSONL logged, the host syncs and
+    collectives of one bias update (after a forward's counts) counted at the dispatcher, and
+    FSDP's warnings of a wrapped module that returned a view."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = Trainer(parse_args(BASE_ARGS + extra_args + ["--job.dump_folder", dump]))
+        records = trainer.train()
     params = full_weights(trainer.model)  # before the update below moves the bias once more
     counted = HostSyncs()
     if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
@@ -242,6 +264,7 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         "syncs": counted.report(),
         "ops": set(counted.other_ops),
         "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
+        "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
     }
     dist.destroy_process_group() if dist.is_initialized() else None
     return report
@@ -358,6 +381,14 @@ def test_the_expert_load_under_a_pipeline_is_one_process_load(runs):
     for mine, expected in zip(ours, theirs, strict=True):
         for tag in [tags.MOE_MAX_LOAD] + [tags.moe_layer_load(block) for block in range(3)]:
             assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
+
+
+def test_the_aux_loss_under_fsdp_returns_no_view_for_fsdp_to_warn_of(runs):
+    """The model's output carries the auxiliary loss's gradient through an autograd function;
+    were that output a view, FSDP would warn on every forward that its pre-backward hook
+    could be lost."""
+    for rank_run in runs["balanced fsdp2"]:
+        assert rank_run["view_warnings"] == []
 
 
 def test_the_bias_update_sums_counts_without_a_host_sync(runs):

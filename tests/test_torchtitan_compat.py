@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import write_word_tokenizer
-from titanlite.config import ConfigError, parse_args, parse_args_with_warnings, torchtitan_keys
+from titanlite.config import ConfigError, parse_args, parse_args_with_warnings, to_toml, torchtitan_keys
 from titanlite.config.schema import key_types, toml_value
 
 REPO = Path(__file__).resolve().parent.parent
@@ -113,9 +113,10 @@ def test_every_titanlite_key_is_documented():
 def test_renamed_keys_map_with_one_warning(key, tmp_path, capsys):
     new_key = RENAMED.match(ROWS[key]).group(1)
     assert new_key in key_types() and torchtitan_keys.RENAMED[key] == new_key
-    config, warnings = load(tmp_path, key, "some/folder", capsys)
+    value = True if key_types()[new_key] is bool else "some/folder"  # not the default either way
+    config, warnings = load(tmp_path, key, value, capsys)
     section, _, name = new_key.partition(".")
-    assert getattr(getattr(config, section), name) == "some/folder"
+    assert getattr(getattr(config, section), name) == value
     assert len(warnings) == 1 and key.rpartition(".")[2] in warnings[0] and name in warnings[0]
 
 
@@ -166,8 +167,10 @@ def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
 
 
 def test_command_line_torchtitan_options():
-    config, warnings = parse_args_with_warnings(["--job.print_args", "--parallelism.context_parallel_degree=1"])
-    assert len(warnings) == 2 and "--job.print_args = true" in warnings[0]
+    argv = ["--job.use_for_integration_test", "--parallelism.context_parallel_degree=1", "--job.print_args"]
+    config, warnings = parse_args_with_warnings(argv)
+    assert len(warnings) == 3 and "--job.use_for_integration_test = true" in warnings[0]
+    assert config.job.print_config is True  # a bare flag under torchtitan's older name
     with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree = 2 on the command line"):
         parse_args(["--parallelism.context_parallel_degree", "2"])
 
@@ -412,7 +415,7 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
         "filter_fqns",
         "enable",
     }
-    named = {re.search(r"\] (\w+) = ", line).group(1) for line in warnings}
+    named = {re.search(r"\] (\w+) (=|is torchtitan's name) ", line).group(1) for line in warnings}
     assert named == expected and len(warnings) == len(expected), warnings
     assert "Traceback" not in err
     # It trained torchtitan's debug model on c4_test with the 2,000-id tokenizer, bf16 compute.
@@ -420,6 +423,11 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
     (jsonl,) = (tmp_path / "outputs" / "metrics").glob("*/metrics.jsonl")
     losses = [json.loads(line)["loss_metrics/global_avg_loss"] for line in jsonl.read_text().splitlines()]
     assert len(losses) == 2 and all(7.0 < loss < 8.5 for loss in losses), losses  # about ln(2048) at the start
+    # print_args = false: the resolved config is saved (test_config reads such a file back), not printed.
+    saved = tmp_path / "outputs" / "resolved_config.toml"
+    assert f"resolved config saved to {Path('outputs') / saved.name}" in captured.out
+    assert "[training]" not in captured.out and "[training]" in saved.read_text()
+    assert saved.read_text() == to_toml(parse_args(["--job.config_file", str(path), *cpu_sized]))
 
 
 def test_torchtitan_8b_is_accepted_by_the_estimator(tmp_path, capsys):

@@ -19,21 +19,22 @@ def one_line(error: BaseException, limit: int = 500) -> str:
     return text[:limit] if text else type(error).__name__
 
 
-def closest_name(name: str, choices: Iterable[str], ignore_case: bool = False) -> str | None:
-    """The one name among ``choices`` that ``name`` most likely meant, or None. With
-    ``ignore_case`` (for names matched without regard to case) 'gpipee' is close to 'GPipe'."""
-    if ignore_case:
-        by_lower = {choice.lower(): choice for choice in choices}
-        match = closest_name(name.lower(), by_lower)
-        return by_lower[match] if match else None
-    matches = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return matches[0] if matches else None
+def closest_name(name: str, choices: Iterable[str]) -> str | None:
+    """The one name among ``choices`` that ``name`` most likely meant, or None. Closeness
+    ignores case, so a name that differs from a choice in case alone gets that choice ('8b'
+    means '8B': a difference of case in a two-letter name is too large a share for difflib
+    otherwise), and 'gpipee' is close to 'GPipe'."""
+    by_lower: dict[str, str] = {}
+    for choice in choices:
+        by_lower.setdefault(choice.lower(), choice)
+    matches = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.6)
+    return by_lower[matches[0]] if matches else None
 
 
-def unknown_name(kind: str, name: str, choices: Iterable[str], ignore_case: bool = False) -> str:
+def unknown_name(kind: str, name: str, choices: Iterable[str]) -> str:
     """ "KIND 'NAME' is not known (choose from A, B); did you mean 'A'?" (the hint when one is close)."""
     choices = list(choices)
-    close = closest_name(name, choices, ignore_case)
+    close = closest_name(name, choices)
     hint = f"; did you mean '{close}'?" if close else ""
     return f"{kind} '{name}' is not known (choose from {', '.join(choices)}){hint}"
 

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
-from titanlite.config import ConfigError, JobConfig, parse_args, to_toml
+from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
 from titanlite.loss import cross_entropy_sum, global_loss
 from titanlite.metrics import tags
@@ -56,6 +56,7 @@ from titanlite.trainer_setup import (
     log_built_model,
     log_resumed_layout,
     log_run_summary,
+    save_resolved_config,
     seed_weights_from_hf,
     start_processes,
 )
@@ -368,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config" if isinstance(error, ConfigError) else "checkpoint"
         return fail(f"titanlite: {kind} error: {error}", 2, rank0)
     try:
-        logger.info("resolved config:\n%s", to_toml(job_config))
+        save_resolved_config(job_config, trainer.rank)
         trainer.train()
     except CheckpointError as error:
         return fail(f"titanlite: checkpoint error at step {trainer.step}: {error}", 1)

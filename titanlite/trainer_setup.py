@@ -7,6 +7,7 @@ checks, which job.validate_only runs alone."""
 import dataclasses
 import logging
 import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,10 +17,11 @@ from torch.distributed.tensor import DTensor
 from titanlite.checkpoint import CheckpointError, ModelDescription
 from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.checkpoint.steps import refuse_start_from_other_model
-from titanlite.config import ConfigError, JobConfig, show_config_warnings
+from titanlite.config import ConfigError, JobConfig, show_config_warnings, to_toml
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
+from titanlite.files import write_text_atomically
 from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, local_trainable_mib, log_startup
@@ -308,11 +310,12 @@ def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, s
 
 
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
-    """The one start-up line that says what runs where: model, layout and batch."""
+    """The one start-up line that says what runs where: the model built, layout and batch. The
+    job's description comes last, as written: a config file's description may name another
+    model than the command line's overrides built."""
     dims, training = plan.parallel_dims, job_config.training
     logger.info(
-        "%s: model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d",
-        job_config.job.description,
+        "model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d; job.description: %s",
         job_config.model.name,
         job_config.model.flavor,
         params_text(plan, model),
@@ -323,7 +326,24 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
         training.local_batch_size,
         dims.dp_degree,
         plan.grad_accum_steps,
+        job_config.job.description,
     )
+
+
+RESOLVED_CONFIG_FILE = "resolved_config.toml"
+
+
+def save_resolved_config(job_config: JobConfig, rank: int) -> None:
+    """Rank 0 writes the resolved config as TOML into the dump folder and logs where; the
+    whole text goes to the console only with job.print_config (it is over a hundred lines)."""
+    text = to_toml(job_config)
+    if rank == 0:
+        path = Path(job_config.job.dump_folder) / RESOLVED_CONFIG_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomically(path, text)
+        logger.info("resolved config saved to %s (--job.print_config prints it here)", path)
+    if job_config.job.print_config:
+        logger.info("resolved config:\n%s", text)
 
 
 def seed_weights_from_hf(job_config: JobConfig, plan: RunPlan, model: nn.Module, adapter, process_group) -> None:

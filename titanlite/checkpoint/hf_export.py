@@ -1,4 +1,5 @@
-"""Export a titanlite step-N checkpoint as a Hugging Face LlamaForCausalLM folder.
+"""Export a titanlite step-N checkpoint as a Hugging Face folder (LlamaForCausalLM,
+Qwen3ForCausalLM or Qwen3MoeForCausalLM, as the checkpoint records).
 
 Everything is decided before anything is written: the weights present and their shapes
 against the model the saved model_args build (on the meta device), the tokenizer, and
@@ -189,6 +190,7 @@ def export_to_hf(
     use_ema exports the ema.* weights; tokenizer (a tokenizer.json or its folder)
     overrides the tokenizer the run recorded. Returns out_dir. Bad input is a ValueError
     naming the path, raised before anything is written."""
+    hf_tokenizer.require_tokenizers()
     step_dir, out_dir = Path(step_dir), Path(out_dir)
     dtype = _export_dtype(dtype)
     limit = None if max_shard_size is None else parse_size(max_shard_size)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from titanlite.data.tokenizer import ByteTokenizer, HFTokenizer
 
-try:  # an optional dependency: without it a byte-tokenizer run exports its weights alone
+try:  # a dependency of titanlite; an environment without it cannot export (require_tokenizers)
     import tokenizers
 except ImportError:
     tokenizers = None
@@ -35,6 +35,16 @@ logger = logging.getLogger("titanlite")
 # Files of a Hugging Face tokenizer that are copied as they are when they sit beside tokenizer.json.
 COPIED_COMPANIONS = ("special_tokens_map.json", "tokenizer.model")
 BYTE_SPECIAL_TOKENS = ("<s>", "</s>")  # ids 256 and 257, ByteTokenizer's BOS and EOS
+
+
+def require_tokenizers() -> None:
+    """Refuse an export that could not write the run's tokenizer: a folder without one makes
+    transformers fail on empty ids. A ValueError, raised before anything is written."""
+    if tokenizers is None:
+        raise ValueError(
+            "the export writes the run's tokenizer with the 'tokenizers' package, which is not importable "
+            "(it is a dependency of titanlite: pip install -e . or pip install tokenizers)"
+        )
 
 
 def byte_symbols() -> list[str]:
@@ -115,9 +125,6 @@ def write_hf_tokenizer(tokenizer_json: Path | None, folder: Path) -> None:
     ids = special_ids(tokenizer_json)
     bos_id, eos_id = ids.get("bos_token_id"), ids.get("eos_token_id")
     if tokenizer_json is None:
-        if tokenizers is None:
-            logger.info("no tokenizer files exported: the byte tokenizer's need the tokenizers package")
-            return
         tokenizer, config = byte_tokenizer(), {"split_special_tokens": True}
         saved = json.loads(tokenizer.to_str())
         logger.info("exported the byte tokenizer as tokenizer.json")

@@ -105,6 +105,10 @@ class Job:
     validate_only: bool = False
     """Check the config, model, parallel layout, tokenizer and dataset, print the plan and exit without training."""
 
+    print_config: bool = False
+    """Print the whole resolved config at start-up. Either way rank 0 saves it as resolved_config.toml in dump_folder
+    (a file --job.config_file reads back) and the console gets its path."""
+
 
 @dataclass
 class Model:

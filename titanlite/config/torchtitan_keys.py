@@ -86,13 +86,13 @@ RENAMED: dict[str, str] = {
     # Deprecated in torchtitan 0.2 itself in favour of hf_assets_path; titanlite reads
     # only tokenizer.json (and tokenizer_config.json) from that folder.
     "model.tokenizer_path": "model.hf_assets_path",
+    # torchtitan's older spelling of print_config.
+    "job.print_args": "job.print_config",
 }
 
 TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     # [job]
     "job.use_for_integration_test": _ignore(False),
-    "job.print_args": _ignore(False),
-    "job.print_config": _ignore(False),
     "job.save_config_file": _ignore(None),
     "job.custom_config_module": _only_default("", "titanlite cannot extend its config from a module; remove it"),
     # [profiling]
@@ -203,7 +203,7 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
 
 # torchtitan 0.2 keys titanlite has under the same name.
 SHARED_KEYS = (
-    "job.config_file", "job.dump_folder", "job.description",
+    "job.config_file", "job.dump_folder", "job.description", "job.print_config",
     "profiling.enable_profiling", "profiling.save_traces_folder", "profiling.profile_freq",
     "profiling.enable_memory_snapshot", "profiling.save_memory_snapshot_folder",
     "metrics.log_freq", "metrics.enable_tensorboard", "metrics.disable_color_printing",

@@ -106,9 +106,8 @@ def _check_load_step(config: JobConfig) -> None:
 def _check_pipeline_schedule(config: JobConfig) -> None:
     schedule = config.parallelism.pipeline_parallel_schedule
     if canonical_schedule(schedule) is None:
-        # Matched without regard to case, so the hint is too.
         key = "parallelism.pipeline_parallel_schedule"
-        raise ConfigError(unknown_name(key, schedule, PIPELINE_SCHEDULES, ignore_case=True))
+        raise ConfigError(unknown_name(key, schedule, PIPELINE_SCHEDULES))
 
 
 # Run in this order after the ranges; the first broken rule is the one reported.

@@ -49,7 +49,7 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` read with the optional ``tokenizers`` package."""
+    """A Hugging Face ``tokenizer.json`` read with the ``tokenizers`` package."""
 
     def __init__(self, tokenizer_path: str):
         try:

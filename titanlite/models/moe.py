@@ -329,7 +329,10 @@ class _AddLossGradient(torch.autograd.Function):
     @staticmethod
     def forward(ctx, output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.loss_dtype, ctx.loss_device = loss.dtype, loss.device
-        return output.view_as(output)
+        # The same memory, but not a view of ``output`` (``_base`` unset): FSDP warns of a
+        # wrapped module that returns a view, since an in-place op on one would drop the
+        # pre-backward hook it registers. An input returned as it is would become a view too.
+        return output.detach()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

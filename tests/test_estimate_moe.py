@@ -14,10 +14,11 @@ import pytest
 
 from titanlite.config import parse_args
 from titanlite.estimate import estimate_memory, estimate_step_time
-from titanlite.estimate.communication import expert_all_to_all_bytes, group_spans_nodes
+from titanlite.estimate.communication import group_spans_nodes
+from titanlite.estimate.compute import rank_work
+from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
 from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
 from titanlite.estimate.memory import _expert_parallel_bytes
-from titanlite.estimate.step_time import rank_work
 from titanlite.metrics import flops_per_token
 from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
 from titanlite.models.qwen3 import QWEN3_FLAVORS

@@ -2,6 +2,7 @@
 how much memory each rank needs (memory, simulated), and the floor below which a run
 surely cannot fit (floor, by arithmetic)."""
 
+from titanlite.estimate.data_parallel import threshold_tokens_per_device
 from titanlite.estimate.floor import (
     ModelStateBytes,
     check_memory_floor,
@@ -16,7 +17,6 @@ from titanlite.estimate.step_time import (
     StepTimeEstimate,
     estimate_for_job_config,
     estimate_step_time,
-    threshold_tokens_per_device,
 )
 
 __all__ = [

@@ -11,7 +11,8 @@ from titanlite.estimate.floor import (
     step_floor_bytes,
 )
 from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
-from titanlite.estimate.memory import EstimateError, MemoryEstimate, estimate_memory, fits, measure_real_memory
+from titanlite.estimate.memory import EstimateError, MemoryEstimate, estimate_memory, fits
+from titanlite.estimate.simulation import measure_real_memory
 from titanlite.estimate.step_time import (
     DEFAULT_EFFICIENCY,
     StepTimeEstimate,

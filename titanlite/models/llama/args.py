@@ -57,6 +57,14 @@ class LlamaArgs:
     def with_seq_len(self, seq_len: int) -> "LlamaArgs":
         return replace(self, max_seq_len=seq_len)
 
+    @classmethod
+    def model_cls(cls) -> type:
+        """The decoder these hyper-parameters describe: what the registry builds and what the
+        FLOP count measures (on the meta device). Imported here: model.py imports this module."""
+        from titanlite.models.llama.model import Transformer
+
+        return Transformer
+
 
 # A model small enough to train on one CPU core in about a second per step.
 # Its vocabulary is the built-in byte tokenizer's (256 bytes + BOS + EOS).

@@ -91,6 +91,14 @@ class Qwen3Args:
     def with_seq_len(self, seq_len: int) -> "Qwen3Args":
         return replace(self, max_seq_len=seq_len)
 
+    @classmethod
+    def model_cls(cls) -> type:
+        """The decoder these hyper-parameters describe: what the registry builds and what the
+        FLOP count measures (on the meta device). Imported here: model.py imports this module."""
+        from titanlite.models.qwen3.model import Qwen3Transformer
+
+        return Qwen3Transformer
+
 
 _NOT_ARCHITECTURE = ("max_seq_len", "moe_aux_loss_coef", "moe_bias_update_rate")
 

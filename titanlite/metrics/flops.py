@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite.models.moe import MoE
+from titanlite.models.moe import MoE, moe_layers
 
 # --- parameter counts ----------------------------------------------------------------------
 
@@ -62,20 +62,16 @@ def param_counts(args) -> ParamCounts:
     )
 
 
-def _moe_layers(module: torch.nn.Module) -> list[MoE]:
-    return [layer for layer in module.modules() if isinstance(layer, MoE)]
-
-
 def routed_expert_params(module: torch.nn.Module) -> int:
     """The routed experts' weights in ``module`` (all experts of every MoE layer in it; the
     routers not included): what expert parallelism splits."""
-    return sum(_numel(moe.experts) for moe in _moe_layers(module))
+    return sum(_numel(moe.experts) for moe in moe_layers(module))
 
 
 def idle_expert_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the experts' weights one token skips: in each layer
     the n_experts - top_k experts it is not routed to."""
-    return sum(_idle_expert_params(moe) for moe in _moe_layers(module))
+    return sum(_idle_expert_params(moe) for moe in moe_layers(module))
 
 
 def _idle_expert_params(moe: MoE) -> int:
@@ -88,7 +84,7 @@ def active_moe_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the weights one token meets: each layer's router and
     its top_k experts (the layer's weights less the experts it skips). Tensor parallelism holds
     these whole on every rank and runs them on all of the data-parallel rank's tokens."""
-    return sum(_numel(moe) - _idle_expert_params(moe) for moe in _moe_layers(module))
+    return sum(_numel(moe) - _idle_expert_params(moe) for moe in moe_layers(module))
 
 
 def count_params(args, include_embedding: bool = True) -> int:

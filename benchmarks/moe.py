@@ -41,7 +41,7 @@ leaves the rank, not what it keeps). Checked, per rank: those bytes equal a coun
 from the routing itself (the rank's pairs for the other rank's experts and the other rank's
 pairs for its experts, each twice per plain pass and three times per checkpointed one, plus
 the exchanged token counts), so the interception sees every all-to-all and nothing else. Printed: per rank, measured and
-estimated bytes (titanlite.estimate.communication.expert_all_to_all_bytes, the function the
+estimated bytes (titanlite.estimate.expert_parallel.expert_all_to_all_bytes, the function the
 step time uses, which assumes an even load); the last line is
 
     measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: r0, r1 (rank 0, rank 1; ...)
@@ -66,7 +66,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import end_rank, free_port, torchrun_environment  # noqa: E402
 
-from titanlite.estimate.communication import expert_all_to_all_bytes  # noqa: E402
+from titanlite.estimate.expert_parallel import expert_all_to_all_bytes  # noqa: E402
 from titanlite.models.moe import MoE, MoEArgs, grouped_mm_fits  # noqa: E402
 
 # Largest |grouped - loop| / largest |loop| of any checked tensor: a few bfloat16 roundings

@@ -531,7 +531,7 @@ def _sweep_pipelines(options) -> list[tuple[int, str | None]]:
     """(pp degree, schedule) pairs the sweep tries: no pipeline (always: the layouts PP is
     measured against), then each degree above 1 of --sweep_pp with each schedule of
     --sweep_schedules."""
-    from titanlite.config.job_config import PIPELINE_SCHEDULES, canonical_schedule
+    from titanlite.config.parallelism import PIPELINE_SCHEDULES, canonical_schedule
 
     degrees = _positive_ints("--sweep_pp", options.sweep_pp, "pipeline degrees like 1,2,4,8")
     schedules = []

@@ -1,5 +1,6 @@
 """Tests for the config parser: precedence, CLI forms, help, errors and the TOML dump."""
 
+import dataclasses
 import logging
 import os
 import re
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from titanlite.config import ConfigError, JobConfig, format_help, parse_args, to_toml
-from titanlite.config import job_config as job_config_module
 from titanlite.config.parser import tomllib  # tomllib, or tomli on Python 3.10
 from titanlite.trainer_setup import save_resolved_config
 
@@ -125,16 +125,17 @@ def test_defaults_are_not_shared_between_parses():
 
 
 def docstrings_by_plain_text() -> dict[str, str]:
-    """'section.key' -> docstring, read from job_config.py by a plain text scan.
+    """'section.key' -> docstring, read from the sections' files by a plain text scan.
 
     Independent of the parser's ast-based reader, so a broken reader fails the help test.
     A docstring may be wrapped over several lines; its lines are joined with spaces.
     """
     section_of_class = {f.type.__name__: f.name for f in JobConfig.__dataclass_fields__.values()}
+    section_files = dict.fromkeys(sys.modules[f.type.__module__].__file__ for f in dataclasses.fields(JobConfig))
     docs = {}
     section = key = None
     doc_lines = None  # the lines read so far of a field's docstring that has not ended yet
-    for line in Path(job_config_module.__file__).read_text().splitlines():
+    for line in (line for path in section_files for line in Path(path).read_text().splitlines()):
         if doc_lines is None and section and key and line.startswith('    """'):
             doc_lines = []
             line = line.replace('"""', "", 1)

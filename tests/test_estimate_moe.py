@@ -14,10 +14,11 @@ import pytest
 
 from titanlite.config import parse_args
 from titanlite.estimate import estimate_memory, estimate_step_time
-from titanlite.estimate.communication import expert_all_to_all_bytes, group_spans_nodes
+from titanlite.estimate.communication import group_spans_nodes
+from titanlite.estimate.compute import rank_work
+from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
 from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
-from titanlite.estimate.memory import _expert_parallel_bytes
-from titanlite.estimate.step_time import rank_work
+from titanlite.estimate.simulation import expert_parallel_bytes
 from titanlite.metrics import flops_per_token
 from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
 from titanlite.models.qwen3 import QWEN3_FLAVORS
@@ -300,7 +301,7 @@ def test_simulated_all_to_all_buffers_are_not_divided_by_tp():
     with_tp = replace(plan, parallel_dims=replace(plan.parallel_dims, tp=2))
     buffers = 2 * 2 * 64 * args.top_k * args.dim * 2  # all of the rank's 2 x 64 tokens, bf16 rows both ways
     for layout in (plan, with_tp):
-        assert _expert_parallel_bytes(layout, config, model, None)["buffers"] == buffers
+        assert expert_parallel_bytes(layout, config, model, None)["buffers"] == buffers
 
 
 # --- the sweep ---------------------------------------------------------------------------------

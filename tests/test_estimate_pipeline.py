@@ -12,9 +12,9 @@ import torch.distributed.pipelining.schedules as torch_schedules
 
 from titanlite.config import ConfigError, parse_args
 from titanlite.estimate import check_memory_floor, estimate_for_job_config, estimate_memory, estimate_step_time
+from titanlite.estimate.compute import rank_work
 from titanlite.estimate.floor import fullest_floor
 from titanlite.estimate.pipeline import in_flight_microbatches, stage_params
-from titanlite.estimate.step_time import rank_work
 from titanlite.metrics import flops_per_token
 from titanlite.models.llama import Transformer
 from titanlite.models.llama.args import LLAMA3_FLAVORS

@@ -24,7 +24,8 @@ from titanlite.estimate import (
     parse_hardware_overrides,
     threshold_tokens_per_device,
 )
-from titanlite.estimate.communication import recomputed_collective_blocks, ring_bytes, tensor_parallel_bytes
+from titanlite.estimate.communication import ring_bytes
+from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS

@@ -30,6 +30,7 @@ from titanlite.metrics import (
 )
 from titanlite.metrics import memory as memory_module
 from titanlite.models.llama import LLAMA2_FLAVORS, LLAMA3_FLAVORS, LlamaArgs, Transformer
+from titanlite.models.llama.model import TransformerBlock
 
 STEPS = (1, 2, 5)
 
@@ -286,6 +287,38 @@ def test_param_count_matches_meta_transformer(args):
 
 def test_llama3_8b_param_count_is_the_published_one():
     assert count_params(LLAMA3_FLAVORS["8B"]) == 8_030_261_248
+
+
+class _GatedBlock(TransformerBlock):
+    """A block with one more weight than Llama's: a gate vector on its output."""
+
+    def __init__(self, layer_id: int, args: LlamaArgs):
+        super().__init__(layer_id, args)
+        self.gate = torch.nn.Parameter(torch.ones(args.dim))
+
+
+class _GatedTransformer(Transformer):
+    block_cls = _GatedBlock
+
+
+@dataclasses.dataclass(frozen=True)
+class _GatedArgs(LlamaArgs):
+    """A family metrics.flops has never heard of: only its args name its model class."""
+
+    @classmethod
+    def model_cls(cls) -> type:
+        return _GatedTransformer
+
+
+def test_flop_count_is_taken_on_the_model_class_the_args_name():
+    shape = dict(dim=64, n_layers=3, n_heads=4, vocab_size=258, multiple_of=32)
+    llama, gated = LlamaArgs(**shape), _GatedArgs(**shape)
+    assert (
+        count_params(gated)
+        == count_params(llama) + 3 * 64
+        == sum(p.numel() for p in _GatedTransformer(gated).parameters())
+    )
+    assert flops_per_token(gated, 128) - flops_per_token(llama, 128) == 6 * 3 * 64
 
 
 def test_tflops_and_mfu_arithmetic():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titanlite.config import ConfigError, parse_args
-from titanlite.config.job_config import MOE_BALANCING_KEYS
+from titanlite.config.model import MOE_BALANCING_KEYS
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
 from titanlite.plan import plan_run

@@ -47,7 +47,7 @@ from tests.test_parity import (
     train_and_report,
 )
 from titanlite.config import parse_args
-from titanlite.config.job_config import PIPELINE_SCHEDULES
+from titanlite.config.parallelism import PIPELINE_SCHEDULES
 from titanlite.train import Trainer
 
 # A schedule that deadlocks must fail the launch, not hang it: under gloo a pipeline's sends

@@ -10,7 +10,7 @@ from torch.distributed.pipelining.schedules import generate_stage_to_rank_mappin
 
 from tests.helpers import TINY, tiny_args
 from titanlite.config import ConfigError, parse_args
-from titanlite.config.job_config import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from titanlite.config.parallelism import PIPELINE_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from titanlite.models.llama.model import Transformer
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.pipeline import microbatch_warning, plan_pipeline

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, prepare_documents
 from titanlite.config import ConfigError, parse_args
-from titanlite.config.job_config import Validation
+from titanlite.config.training import Validation
 from titanlite.data import ByteTokenizer, PreparedWindows
 from titanlite.loss import cross_entropy_sum
 from titanlite.models.llama import LlamaArgs, Transformer

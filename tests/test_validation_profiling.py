@@ -17,7 +17,8 @@ from tests.helpers import tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite import profiling as profiling_module
 from titanlite.config import parse_args
-from titanlite.config.job_config import Profiling, Validation
+from titanlite.config.metrics import Profiling
+from titanlite.config.training import Validation
 from titanlite.data import ByteTokenizer, build_documents
 from titanlite.data.sources import python_stdlib_documents, stdlib_split_files
 from titanlite.loss import cross_entropy_sum

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig, value_text
-from titanlite.config.job_config import MOE_BALANCING_KEYS, SPLIT_BACKWARD_SCHEDULES
+from titanlite.config.model import MOE_BALANCING_KEYS
+from titanlite.config.parallelism import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.parallelize import moe_layers

@@ -20,16 +20,18 @@ from titanlite.parallel import parallelize_decoder, tensor_parallel_problem
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
-    model_cls: type[nn.Module]
     flavors: dict
     parallelize_fn: Callable
     state_dict_adapter: type
-    args_cls: type
+    args_cls: type  # the hyper-parameters' dataclass, which names its model class (model_cls)
     tensor_parallel_problem: Callable  # (args, tp degree) -> why the TP plan cannot split them, or None
+
+    @property
+    def model_cls(self) -> type[nn.Module]:
+        return self.args_cls.model_cls()
 
 
 _LLAMA = dict(
-    model_cls=llama.Transformer,
     parallelize_fn=parallelize_decoder,
     state_dict_adapter=llama.LlamaStateDictAdapter,
     args_cls=llama.LlamaArgs,
@@ -41,7 +43,6 @@ MODELS = {
     # Llama's decoder with per-head query/key norms: Llama's TP plan, FSDP, AC and compile apply.
     "qwen3": ModelSpec(
         "qwen3",
-        model_cls=qwen3.Qwen3Transformer,
         flavors=qwen3.QWEN3_FLAVORS,
         parallelize_fn=parallelize_decoder,
         state_dict_adapter=qwen3.Qwen3StateDictAdapter,

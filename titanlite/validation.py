@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Data
+from titanlite.config.training import Data
 from titanlite.data import DataLoader, PreparedWindows, StreamWindows, open_windows, parse_mixture
 
 logger = logging.getLogger(__name__)

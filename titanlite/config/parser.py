@@ -135,7 +135,7 @@ def _convert(value: Any, hint: Any, from_cli: bool) -> Any:
         return _convert(value, inner, from_cli)
     scalar_converters = {bool: _to_bool, int: _to_int, float: _to_float, str: _to_str}
     if hint not in scalar_converters:
-        raise TypeError(f"job_config.py uses a field type the parser does not know: {hint!r}")
+        raise TypeError(f"a config section uses a field type the parser does not know: {hint!r}")
     return scalar_converters[hint](value, from_cli)
 
 

@@ -1,5 +1,5 @@
 """What the parser, the torchtitan key mapping and validation share: the sections and keys
-as job_config.py defines them, how a type and a value are written in messages, and
+as the section files define them, how a type and a value are written in messages, and
 ConfigError with its unknown-name wording."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 
 # ---------------------------------------------------------------------------
-# Sections, keys and their types, read from job_config.py
+# Sections, keys and their types, read from JobConfig and its sections
 # ---------------------------------------------------------------------------
 
 
@@ -53,7 +53,7 @@ def key_types() -> dict[str, Any]:
 def field_docstrings(section_cls: type) -> dict[str, str]:
     """Field name -> the string literal written right below that field, as one line.
 
-    A docstring wrapped over several lines in job_config.py reads as the same text
+    A docstring wrapped over several lines in its section's file reads as the same text
     written on one line, so --help does not depend on where the source breaks it."""
     class_node = ast.parse(textwrap.dedent(inspect.getsource(section_cls))).body[0]
     docs = {}

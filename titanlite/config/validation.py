@@ -1,5 +1,5 @@
 """Checks of a merged JobConfig: each value against the range written beside its field in
-job_config.py, then the rules that tie several keys together."""
+its section's file, then the rules that tie several keys together."""
 
 from __future__ import annotations
 
@@ -7,17 +7,11 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
-from titanlite.config.job_config import (
-    PIPELINE_SCHEDULES,
-    DatasetNeedingPath,
-    DatasetWithoutPath,
-    JobConfig,
-    PreparedDataset,
-    Range,
-    canonical_schedule,
-    field_range,
-)
+from titanlite.config.job_config import JobConfig
+from titanlite.config.parallelism import PIPELINE_SCHEDULES, canonical_schedule
+from titanlite.config.ranges import Range, field_range
 from titanlite.config.schema import ConfigError
+from titanlite.config.training import DatasetNeedingPath, DatasetWithoutPath, PreparedDataset
 from titanlite.errors import unknown_name
 
 # A dataset that reads no path would silently ignore one; one that needs a path has nothing to read without it.

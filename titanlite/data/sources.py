@@ -13,7 +13,7 @@ import os
 import sysconfig
 from collections.abc import Callable, Iterator
 
-from titanlite.config import RAW_DATASETS as DATASETS  # named once, in config/job_config.py
+from titanlite.config import RAW_DATASETS as DATASETS  # named once, in config/training.py
 
 STDLIB_SPLITS = ("train", "validation")
 

@@ -2,6 +2,7 @@
 how much memory each rank needs (memory, simulated), and the floor below which a run
 surely cannot fit (floor, by arithmetic)."""
 
+from titanlite.estimate.data_parallel import threshold_tokens_per_device
 from titanlite.estimate.floor import (
     ModelStateBytes,
     check_memory_floor,
@@ -10,13 +11,13 @@ from titanlite.estimate.floor import (
     step_floor_bytes,
 )
 from titanlite.estimate.hardware import HARDWARE, Hardware, get_hardware, parse_hardware_overrides
-from titanlite.estimate.memory import EstimateError, MemoryEstimate, estimate_memory, fits, measure_real_memory
+from titanlite.estimate.memory import EstimateError, MemoryEstimate, estimate_memory, fits
+from titanlite.estimate.simulation import measure_real_memory
 from titanlite.estimate.step_time import (
     DEFAULT_EFFICIENCY,
     StepTimeEstimate,
     estimate_for_job_config,
     estimate_step_time,
-    threshold_tokens_per_device,
 )
 
 __all__ = [

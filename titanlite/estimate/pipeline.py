@@ -1,7 +1,8 @@
 """Pipeline parallelism in the estimates, by arithmetic on the pipeline plan
 (titanlite.parallel.pipeline.PipelinePlan): how many micro-batches' activations each pp rank
 holds at its peak, how the model's parameters and FLOPs split over the ranks, and the bytes
-the stages send each other. The bubble itself is PipelinePlan.bubble.
+the stages send each other, and how the bubble and those sends stretch a rank's compute in
+the step time. The bubble itself is PipelinePlan.bubble.
 
 In-flight micro-batches, read from torch.distributed.pipelining's schedules (p pp ranks,
 v stages per rank, m micro-batches per accumulation step, rank r; a "chunk" is one
@@ -116,3 +117,36 @@ def rank_send_bytes(plan: PipelinePlan, pp_rank: int, boundary_bytes: int, accum
     last = plan.num_stages - 1
     sends = sum((stage != last) + (stage != 0) for stage in plan.rank_stages(pp_rank))
     return sends * plan.microbatches * accumulation * boundary_bytes
+
+
+def pipeline_send_bytes(
+    pipeline: PipelinePlan | None,
+    *,
+    local_batch_size: int,
+    seq_len: int,
+    dim: int,
+    tp: int,
+    sequence_parallel: bool,
+    activation_bytes: int,
+    grad_accum_steps: int,
+) -> tuple[float, float]:
+    """(bytes the busiest pp rank sends to other stages over one optimizer step, of them those
+    nothing hides): while the pipeline fills and drains, one activation forward and one
+    gradient back per stage boundary and accumulation step. Nothing without a pipeline."""
+    if pipeline is None:
+        return 0.0, 0.0
+    microbatch = local_batch_size // pipeline.microbatches
+    boundary = boundary_activation_bytes(microbatch, seq_len, dim, tp, sequence_parallel, activation_bytes)
+    sent = max(rank_send_bytes(pipeline, rank, boundary, grad_accum_steps) for rank in range(pipeline.pp))
+    return sent, 2 * (pipeline.num_stages - 1) * boundary * grad_accum_steps
+
+
+def pipelined_seconds(critical_s: float, bubble: float, sends_s: float, exposed_sends_s: float) -> float:
+    """One rank's compute (and what waits inside it) with pipeline parallelism:
+
+        max(critical / (1 - bubble), sends) + exposed sends
+
+    m micro-batches take m + p - 1 slots (p - 1 of them idle) on every rank, i.e. the
+    compute divided by 1 - bubble; the sends to other stages run beside the compute except
+    while the pipeline fills and drains. Without PP, bubble and sends are 0."""
+    return max(critical_s / (1 - bubble), sends_s) + exposed_sends_s

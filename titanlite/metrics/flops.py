@@ -12,16 +12,14 @@ from dataclasses import dataclass
 
 import torch
 
-from titanlite.models.llama import LlamaArgs, Transformer
-from titanlite.models.moe import MoE
-from titanlite.models.qwen3 import Qwen3Args, Qwen3Transformer
+from titanlite.models.moe import MoE, moe_layers
 
 # --- parameter counts ----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class ParamCounts:
-    """Parameters of titanlite's decoder (Llama's or Qwen3's), by the parts FSDP shards as units."""
+    """Parameters of a titanlite decoder (any family's), by the parts FSDP shards as units."""
 
     total: int  # every parameter once: a tied output projection is the embedding's matrix
     embedding: int  # the token embedding table
@@ -41,15 +39,15 @@ def _numel(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def model_on_meta(args: LlamaArgs | Qwen3Args) -> torch.nn.Module:
-    """titanlite's decoder for ``args`` (Llama's or Qwen3's), built on the meta device: shapes
-    only, no memory."""
+def model_on_meta(args) -> torch.nn.Module:
+    """The decoder ``args`` describe (the model class their family's args name, model_cls),
+    built on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        return Qwen3Transformer(args) if isinstance(args, Qwen3Args) else Transformer(args)
+        return args.model_cls()(args)
 
 
 @functools.lru_cache(maxsize=64)
-def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
+def param_counts(args) -> ParamCounts:
     """Counted on the model itself, built on the meta device (shapes only, no memory), so
     the counts follow the model's layout wherever it changes."""
     model = model_on_meta(args)
@@ -64,20 +62,16 @@ def param_counts(args: LlamaArgs | Qwen3Args) -> ParamCounts:
     )
 
 
-def _moe_layers(module: torch.nn.Module) -> list[MoE]:
-    return [layer for layer in module.modules() if isinstance(layer, MoE)]
-
-
 def routed_expert_params(module: torch.nn.Module) -> int:
     """The routed experts' weights in ``module`` (all experts of every MoE layer in it; the
     routers not included): what expert parallelism splits."""
-    return sum(_numel(moe.experts) for moe in _moe_layers(module))
+    return sum(_numel(moe.experts) for moe in moe_layers(module))
 
 
 def idle_expert_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the experts' weights one token skips: in each layer
     the n_experts - top_k experts it is not routed to."""
-    return sum(_idle_expert_params(moe) for moe in _moe_layers(module))
+    return sum(_idle_expert_params(moe) for moe in moe_layers(module))
 
 
 def _idle_expert_params(moe: MoE) -> int:
@@ -90,10 +84,10 @@ def active_moe_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the weights one token meets: each layer's router and
     its top_k experts (the layer's weights less the experts it skips). Tensor parallelism holds
     these whole on every rank and runs them on all of the data-parallel rank's tokens."""
-    return sum(_numel(moe) - _idle_expert_params(moe) for moe in _moe_layers(module))
+    return sum(_numel(moe) - _idle_expert_params(moe) for moe in moe_layers(module))
 
 
-def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) -> int:
+def count_params(args, include_embedding: bool = True) -> int:
     """Parameters of titanlite's decoder, each once. Without the embedding table: the weights
     a token's matmuls meet, the output projection included even when it is tied to the
     embedding (its matmul is work; the lookup is not)."""
@@ -101,14 +95,14 @@ def count_params(args: LlamaArgs | Qwen3Args, include_embedding: bool = True) ->
     return counts.total if include_embedding else sum(counts.blocks) + counts.head
 
 
-def active_params(args: LlamaArgs | Qwen3Args) -> int:
+def active_params(args) -> int:
     """The weights one token's matmuls meet: count_params without the embedding, less the
     routed experts the token is not sent to (an MoE model's top_k of n_experts per layer).
     Equal to count_params(args, include_embedding=False) for a dense model."""
     return count_params(args, include_embedding=False) - param_counts(args).idle_experts
 
 
-def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True) -> int:
+def attention_flops_per_token(args, seq_len: int, causal: bool = True) -> int:
     """Training FLOPs per token of attention's two matmuls (QK^T and scores x V), which
     involve no parameters: 12 x n_layers x n_heads x head_dim x seq_len for the whole
     [seq, seq] score matrix (2 matmuls x 2 FLOPs per multiply-add x 3 for forward and
@@ -120,7 +114,7 @@ def attention_flops_per_token(args: LlamaArgs, seq_len: int, causal: bool = True
     return whole // 2 if causal else whole
 
 
-def flops_per_token(args: LlamaArgs, seq_len: int, causal_attention: bool = True) -> int:
+def flops_per_token(args, seq_len: int, causal_attention: bool = True) -> int:
     """Training FLOPs (forward + backward) per token:
 
         6 x active_params + attention_flops_per_token

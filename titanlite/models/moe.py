@@ -310,6 +310,11 @@ class MoE(nn.Module):
         self.init_buffers()
 
 
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """The mixture-of-experts layers in ``module``, found by type (no model's module names)."""
+    return [layer for layer in module.modules() if isinstance(layer, MoE)]
+
+
 def load_balancing_loss(stats: Sequence[RouterStats]) -> torch.Tensor:
     """transformers' auxiliary load-balancing loss (Switch Transformer's) over the MoE layers
     of one forward: n_experts x sum over experts of (pairs routed to it per token) x (its mean

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
+from titanlite.models.moe import GroupedExperts, MoE, moe_layers, swiglu_experts
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.parallel.parallel_dims import ParallelDims
 
@@ -269,11 +269,6 @@ def loss_context(parallel_dims: ParallelDims, job_config: JobConfig):
 
 
 # --- Expert parallelism ----------------------------------------------------------------
-
-
-def moe_layers(model: nn.Module) -> list[MoE]:
-    """The model's mixture-of-experts layers, found by type (no model's module names)."""
-    return [module for module in model.modules() if isinstance(module, MoE)]
 
 
 def _shard_experts_by_row(param: nn.Parameter) -> Shard:

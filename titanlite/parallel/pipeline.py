@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-from titanlite.config.job_config import PIPELINE_SCHEDULES, Parallelism, canonical_schedule
+from titanlite.config.parallelism import PIPELINE_SCHEDULES, Parallelism, canonical_schedule
 
 logger = logging.getLogger("titanlite")
 

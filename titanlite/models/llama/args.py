@@ -2,6 +2,8 @@
 
 from dataclasses import asdict, dataclass, replace
 
+from titanlite.models.args import ModelArgs
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -14,7 +16,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class LlamaArgs:
+class LlamaArgs(ModelArgs):
     dim: int = 4096
     n_layers: int = 32
     n_heads: int = 32
@@ -54,8 +56,11 @@ class LlamaArgs:
         kept = {name: value for name, value in asdict(self).items() if name not in spelled}
         return {**kept, "ffn_hidden_dim": self.ffn_hidden_dim, "kv_heads": self.kv_heads}
 
-    def with_seq_len(self, seq_len: int) -> "LlamaArgs":
-        return replace(self, max_seq_len=seq_len)
+    @classmethod
+    def model_cls(cls) -> type:
+        from titanlite.models.llama.model import Transformer
+
+        return Transformer
 
 
 # A model small enough to train on one CPU core in about a second per step.

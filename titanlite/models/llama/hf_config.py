@@ -9,11 +9,9 @@ import dataclasses
 from titanlite.models.llama.args import LlamaArgs, RopeScaling
 
 
-def args_to_hf_config(args: LlamaArgs) -> dict:
-    """The LlamaConfig fields that describe the model `args` builds."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+def decoder_fields(args) -> dict:
+    """The config.json fields that every decoder built on Llama's (Qwen3's too) spells alike."""
+    return {
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_hidden_dim,
         "num_hidden_layers": args.n_layers,
@@ -25,6 +23,15 @@ def args_to_hf_config(args: LlamaArgs) -> dict:
         "rope_theta": args.rope_theta,
         "max_position_embeddings": args.max_seq_len,
         "hidden_act": "silu",
+    }
+
+
+def args_to_hf_config(args: LlamaArgs) -> dict:
+    """The LlamaConfig fields that describe the model `args` builds."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **decoder_fields(args),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "mlp_bias": False,

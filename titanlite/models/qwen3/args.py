@@ -2,11 +2,12 @@
 
 from dataclasses import asdict, dataclass, replace
 
+from titanlite.models.args import ModelArgs
 from titanlite.models.moe import MoEArgs
 
 
 @dataclass(frozen=True)
-class Qwen3Args:
+class Qwen3Args(ModelArgs):
     dim: int = 4096
     """Width of the residual stream (hidden_size)."""
     n_layers: int = 36
@@ -88,8 +89,11 @@ class Qwen3Args:
         training (a run may resume with other settings)."""
         return {name: value for name, value in asdict(self).items() if name not in _NOT_ARCHITECTURE}
 
-    def with_seq_len(self, seq_len: int) -> "Qwen3Args":
-        return replace(self, max_seq_len=seq_len)
+    @classmethod
+    def model_cls(cls) -> type:
+        from titanlite.models.qwen3.model import Qwen3Transformer
+
+        return Qwen3Transformer
 
 
 _NOT_ARCHITECTURE = ("max_seq_len", "moe_aux_loss_coef", "moe_bias_update_rate")

@@ -4,7 +4,7 @@ The one place that knows how each Qwen3 hyper-parameter is spelled on the Huggin
 side; the state-dict adapter beside it renames and permutes the weights.
 """
 
-from titanlite.models.llama.hf_config import key_reader, rope_settings
+from titanlite.models.llama.hf_config import decoder_fields, key_reader, rope_settings
 from titanlite.models.qwen3.args import Qwen3Args
 
 MODEL_TYPE = "qwen3"
@@ -19,17 +19,7 @@ def args_to_hf_config(args: Qwen3Args) -> dict:
     config = {
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": MODEL_TYPE,
-        "hidden_size": args.dim,
-        "intermediate_size": args.ffn_hidden_dim,
-        "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads,
-        "num_key_value_heads": args.n_kv_heads,
-        "head_dim": args.head_dim,
-        "vocab_size": args.vocab_size,
-        "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "max_position_embeddings": args.max_seq_len,
-        "hidden_act": "silu",
+        **decoder_fields(args),
         "tie_word_embeddings": args.tie_word_embeddings,
         "attention_bias": False,
         "use_sliding_window": False,

@@ -5,17 +5,18 @@ Every run trains test_parity's tiny model from the same seed on the same global 
 1e-5 in every step's loss and grad norm and in the final weights: PP 2 with each of torch's
 schedules (one stage per rank, looped with 2 per rank, V-shaped with 2 per rank), with 1 to 8
 micro-batches per step and with gradient accumulation, and PP 2 composed with FSDP 2 (the
-zero-bubble schedules too), TP 2 (with and without sequence and loss parallel) and DDP 2, and
-with compiled blocks; and Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
+zero-bubble schedules too), TP 2 (with and without sequence and loss parallel), DDP 2 and
+HSDP 2 x 2, and with compiled blocks; and Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
 PP 2 in bf16 without FSDP (the schedule under autocast) matches a bf16 single process to
-test_parity's bf16 tolerance. With DDP and gradient accumulation, the replicas all-reduce
-once per optimizer step (counted at the dispatcher).
+test_parity's bf16 tolerance. With DDP or HSDP and gradient accumulation, the
+replicas all-reduce once per optimizer step (counted at the dispatcher).
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,
 norm, output] (test_pipeline_plan checks the split); each rank holds only its stages' weights,
 so the weights of a run are the union of its ranks'.
 
-Every run is a job of one launch of 4 rank processes (RUNS, the `runs` fixture).
+Every run is a job of one launch of 8 rank processes (RUNS, the `runs` fixture): the 8-rank
+PP x HSDP job, then the 4- and 2-rank jobs side by side on the launch's ranks.
 """
 
 import contextlib
@@ -170,8 +171,10 @@ COMPOSED = {
     "pp2_fsdp2_zbv_m4": pp_args("ZBVZeroBubble", 4, 1),
     "pp2_fsdp2_interleaved_zero_bubble_m2_accum2": pp_args("InterleavedZeroBubble", 2, 1),
 }
+# PP 2 x HSDP (2 replicas of 2 shards), on 8 ranks: one micro-batch per step, 2 accumulation steps.
+HYBRID = {"pp2_hsdp2x2_gpipe_m1_accum2": pp_args("GPipe", 1, 1, *REPLICATE2)}
 # The layouts above with replicas (FSDP2's replicate dimension: DDP is HSDP over shard groups of one).
-REPLICATED = [name for name in COMPOSED if "ddp2" in name]
+REPLICATED = [name for name in {**COMPOSED, **HYBRID} if "ddp2" in name or "hsdp" in name]
 
 # Qwen3-MoE at PP 2 x TP 2: the attention split over tp, the MoE feed-forward whole on both
 # TP ranks of each stage; against the MoE's own single process.
@@ -205,7 +208,7 @@ def assert_pipeline_trains_like_one_process(rank_runs: list[dict], ref: dict, rt
         assert_same_training({**run, "params": {**everyones, **run["params"]}}, ref, rtol=rtol)
 
 
-@pytest.mark.parametrize("layout", [*PIPELINES, *COMPOSED])
+@pytest.mark.parametrize("layout", [*PIPELINES, *COMPOSED, *HYBRID])
 def test_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0])
 
@@ -329,7 +332,8 @@ def test_a_schedule_whose_peer_stops_fails_within_the_timeout(runs):
 
 
 RUNS = {
-    # The 4-rank jobs first: the 2-rank ones and the reference then share the ranks evenly.
+    # The largest jobs first: the smaller ones and the references then share the ranks evenly.
+    **{name: Job(8, train_pipeline, (args,)) for name, args in HYBRID.items()},
     **{name: Job(4, train_pipeline, (args,)) for name, args in {**COMPOSED, **MOE_COMPOSED}.items()},
     "stuck peer": Job(4, stuck_peer, (pp_args("GPipe", 2, 1, *REPLICATE2),)),
     "reference": REFERENCE,
@@ -342,4 +346,4 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
-    return run_jobs_on_ranks(4, RUNS)
+    return run_jobs_on_ranks(8, RUNS)

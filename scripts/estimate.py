@@ -95,7 +95,6 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument(
         "--sweep_simulate",
-        choices=SWEEP_SIMULATE,
         default="needed",
         help="the sweep's memory simulations: 'needed' (default) only the layouts that can still win, "
         "'all' every layout under its memory floor (minutes each for a large model)",
@@ -277,6 +276,8 @@ def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
     from titanlite.estimate.sweep import SweepSettings
     from titanlite.estimate.sweep import sweep as run_sweep
 
+    if options.sweep_simulate not in SWEEP_SIMULATE:
+        raise ValueError(f"--sweep_simulate {options.sweep_simulate!r}: expected {' or '.join(SWEEP_SIMULATE)}")
     settings = SweepSettings(
         sizes=tuple(_sweep_sizes(options)),
         pipelines=tuple(_sweep_pipelines(options)),

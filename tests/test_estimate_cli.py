@@ -188,6 +188,7 @@ def test_nodes_give_the_world_size(capsys):
         (["--sweep", "--sweep_sizes", "8,x"], "--sweep_sizes '8,x': expected GPU counts like 8,64"),
         (["--sweep", "--sweep_pp", "1,0"], "--sweep_pp '1,0': expected positive pipeline degrees"),
         (["--sweep", "--sweep_schedules", "1F1B,Zigzag"], "unknown schedule 'Zigzag' (choose from GPipe, 1F1B,"),
+        (["--sweep", "--sweep_simulate", "some"], "--sweep_simulate 'some': expected needed or all"),
         (
             ["--world_size", "8", "--parallelism.pipeline_parallel_degree", "3"],
             "pipeline_parallel_degree (3) must divide",
@@ -204,7 +205,8 @@ LLAMA3_70B = str(REPO / "train_configs" / "llama3_70b.toml")
 # CPU seconds the default sweep of Llama 3 70B on 64 GPUs may take. It simulates one layout's
 # memory (the winner's: every faster one is over its floor); it measured 25 to 27 s of CPU on
 # the CPU VM (2 cores shared with other work; 32 to 38 s of wall time at load averages of 3.7 to
-# 5.4). CPU time, not wall time: on shared cores the wall clock also counts the others' work.
+# 5.4), and 29 s of CPU (71 s of wall time) beside two test workers. CPU time, not wall time: on
+# shared cores the wall clock also counts the others' work.
 SWEEP_70B_CPU_SECONDS = 55
 
 
@@ -238,6 +240,21 @@ def test_the_default_sweep_for_70b_on_64_gpus_answers_within_a_bound(capsys):
         "64 GPUs: FSDP + TP 1x32x2 wins, 802 tokens/s/GPU (MFU 36.4%); TP wins: +9% over the best without TP, "
         "FSDP 1x64x1 (memory not simulated), whose data-parallel collectives"
     )
+
+
+def test_every_floor_is_below_its_simulated_peak(capsys):
+    # The premise of simulating only what can win: a layout over its floor is over its peak.
+    argv = ["--model.name=llama3", "--model.flavor=tiny", "--training.seq_len=64", "--training.local_batch_size=2"]
+    argv += ["--sweep", "--sweep_sizes", "4", "--gpus_per_node", "2", "--sweep_pp", "1,2", "--sweep_schedules", "1F1B"]
+    results = run_json(capsys, *argv, "--sweep_simulate", "all")
+    layouts = {
+        (r["layout"].get("pp", 1), r["layout"]["dp_replicate"], r["layout"]["dp_shard"], r["layout"]["tp"])
+        for r in results
+    }
+    assert layouts == {(1, 1, 4, 1), (1, 2, 2, 1), (1, 1, 2, 2), (1, 2, 1, 2), (2, 1, 2, 1), (2, 1, 1, 2)}
+    for result in results:
+        assert "floor_only" not in result["memory"] and "not_simulated" not in result
+        assert 0 < result["memory_floor"]["bytes"] <= result["memory"]["peak_bytes"], result["layout"]
 
 
 def _synthetic(world_size: int, index: int, tokens_per_s: float, key: int, floor_fits: bool) -> SweepCandidate:

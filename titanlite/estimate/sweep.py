@@ -16,6 +16,10 @@ the layouts are ranked by (tokens/s per GPU, highest first; then the sweep's ord
   simulated ("faster_fits"), except where a simulation already made for the same per-rank
   memory answers them for free.
 
+The one premise: a floor never exceeds the simulated peak of its layout (estimate.floor counts
+only what a rank surely holds; tests/test_estimate_cli.py compares the two on every layout of a
+small sweep: FSDP, HSDP, TP, DDP + TP and PP).
+
 Layouts that share per-rank memory share one simulation: a rank holds the same tensors for the
 same shard, TP, pipeline (degree and schedule) and EP degrees and batch, whatever the number of
 replicas or GPUs, so HSDP 8 x 4 x 2 at 64 GPUs and HSDP 64 x 4 x 2 at 512 are simulated once

@@ -15,6 +15,7 @@ from titanlite.estimate import check_memory_floor, estimate_for_job_config, esti
 from titanlite.estimate.compute import rank_work
 from titanlite.estimate.floor import fullest_floor
 from titanlite.estimate.pipeline import in_flight_microbatches, stage_params
+from titanlite.estimate.sweep_report import sweep_verdicts
 from titanlite.metrics import flops_per_token
 from titanlite.models.llama import Transformer
 from titanlite.models.llama.args import LLAMA3_FLAVORS
@@ -330,14 +331,14 @@ def _row(pp: int, tokens_per_s: float, fits: bool, peak_gib: float) -> dict:
 
 def test_sweep_says_when_pp_wins_and_when_it_does_not():
     nothing_else_fits = [_row(1, 900, False, 140.0), _row(2, 700, True, 60.0)]
-    assert estimate._sweep_verdicts(nothing_else_fits)[0].endswith(
+    assert sweep_verdicts(nothing_else_fits)[0].endswith(
         "PP wins: no layout without PP fits in memory (the smallest peak, FSDP 1x64x1, is 140.0 GiB of 80)"
     )
     communication_bound = [_row(1, 500, True, 60.0), _row(2, 700, True, 50.0)]
-    verdict = estimate._sweep_verdicts(communication_bound)[0]
+    verdict = sweep_verdicts(communication_bound)[0]
     assert verdict.startswith("64 GPUs: PP + FSDP 2x1x32x1 1F1B wins"), verdict
     assert "PP wins: +40% over the best without PP, FSDP 1x64x1, whose data-parallel collectives (1,500 ms" in verdict
-    loses = estimate._sweep_verdicts([_row(1, 900, True, 60.0), _row(2, 700, True, 50.0)])[0]
+    loses = sweep_verdicts([_row(1, 900, True, 60.0), _row(2, 700, True, 50.0)])[0]
     assert loses.endswith(
         "PP does not: the best with PP, PP + FSDP 2x1x32x1 1F1B, reaches 700 (-22%), its pipeline bubble idling "
         "20% of its compute (4 micro-batches)"

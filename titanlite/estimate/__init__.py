@@ -1,6 +1,7 @@
 """Estimates made before a run: how long a step takes (step_time) on which hardware,
 how much memory each rank needs (memory, simulated), and the floor below which a run
-surely cannot fit (floor, by arithmetic)."""
+surely cannot fit (floor, by arithmetic); one layout's estimate as JSON (results), and the
+sweep over layouts (sweep, with its table and verdicts in sweep_report)."""
 
 from titanlite.estimate.data_parallel import threshold_tokens_per_device
 from titanlite.estimate.floor import (

@@ -1,6 +1,7 @@
 """What one rank surely needs, by arithmetic on parameter shapes: the exact sharded model
 state, and the floor below which a run cannot fit (checked before the trainer starts)."""
 
+import copy
 import math
 import os
 from dataclasses import dataclass
@@ -162,11 +163,26 @@ def _gib(size: int) -> str:
     return f"{size / 2**30:,.1f} GiB" if size < 2**50 else f"{size / 2**30:.2e} GiB"
 
 
-def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tuple[str, dict[str, int]]]:
+def _stage_part(model: nn.Module, keep: tuple[str, ...]) -> nn.Module:
+    """The modules of one pipeline stage as prune_to_stage leaves them, without building the
+    model again and leaving ``model`` whole: a shallow copy of the model and of its block
+    container, each with its own table of children, pruned; the modules kept are shared."""
+    part, layers = copy.copy(model), copy.copy(model.layers)
+    part._modules, layers._modules = dict(model._modules), dict(model.layers._modules)
+    part.layers = layers
+    prune_to_stage(part, keep)
+    return part
+
+
+def _floors(
+    job_config: JobConfig, plan: RunPlan, compute_bytes: int, model: nn.Module | None = None
+) -> list[tuple[str, dict[str, int]]]:
     """(whose, floor) for each rank kind: one for the whole model, or with pipeline
     parallelism one per pp rank, holding its stages' modules (pruned from the model itself)
-    and, on the rank with the last stage, one micro-batch's logits."""
+    and, on the rank with the last stage, one micro-batch's logits. ``model``: the whole
+    model on meta, when the caller has one (else it is built here)."""
     training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
+    model = meta_model(job_config, model_args) if model is None else model
 
     def floor(model: nn.Module, batch_size: int) -> dict[str, int]:
         return step_floor_bytes(
@@ -184,17 +200,16 @@ def _floors(job_config: JobConfig, plan: RunPlan, compute_bytes: int) -> list[tu
 
     pipeline = plan.pipeline
     if pipeline is None:
-        return [("", floor(meta_model(job_config, model_args), training.local_batch_size))]
+        return [("", floor(model, training.local_batch_size))]
     floors = []
     for pp_rank in range(pipeline.pp):
         stages = pipeline.rank_stages(pp_rank)
-        model = meta_model(job_config, model_args)
-        prune_to_stage(model, tuple(name for stage in stages for name in pipeline.stage_modules[stage]))
+        part = _stage_part(model, tuple(name for stage in stages for name in pipeline.stage_modules[stage]))
         holds_logits = pipeline.num_stages - 1 in stages
         logits_batch = job_config.parallelism.pipeline_parallel_microbatch_size if holds_logits else 0
         whose = f"pp rank {pp_rank} (stage(s) {', '.join(map(str, stages))}) of "
-        rank_floor = floor(model, logits_batch)
-        rank_floor["unsharded stage weights and gradients"] = unsharded_stage_bytes(job_config, plan, model)
+        rank_floor = floor(part, logits_batch)
+        rank_floor["unsharded stage weights and gradients"] = unsharded_stage_bytes(job_config, plan, part)
         floors.append((whose, rank_floor))
     return floors
 
@@ -219,11 +234,13 @@ def unsharded_stage_bytes(job_config: JobConfig, plan: RunPlan, stage: nn.Module
     return params * (weight_bytes + DTYPES[training.mixed_precision_reduce].itemsize)
 
 
-def fullest_floor(job_config: JobConfig, plan: RunPlan) -> tuple[str, dict[str, int]]:
+def fullest_floor(job_config: JobConfig, plan: RunPlan, model: nn.Module | None = None) -> tuple[str, dict[str, int]]:
     """(whose, floor) of the rank with the highest floor: with pipeline parallelism the
-    fullest pp rank ("pp rank 1 (stage(s) 1) of "), else any rank ("")."""
+    fullest pp rank ("pp rank 1 (stage(s) 1) of "), else any rank (""). ``model``: the whole
+    model of ``plan.model_args`` on meta, for a caller that asks about many layouts of one
+    model (it is read, not changed); else it is built here."""
     compute_bytes = torch.empty((), dtype=DTYPES[job_config.training.mixed_precision_param]).element_size()
-    return max(_floors(job_config, plan, compute_bytes), key=lambda entry: sum(entry[1].values()))
+    return max(_floors(job_config, plan, compute_bytes, model), key=lambda entry: sum(entry[1].values()))
 
 
 def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:

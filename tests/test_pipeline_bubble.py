@@ -68,12 +68,13 @@ def test_gpipe_and_1f1b_idle_p_minus_1_of_m_plus_p_minus_1_slots(schedule, backw
 
 
 @pytest.mark.parametrize("stages_per_rank", [2, 3, 4])
-def test_interleaved_1f1b_gives_megatrons_bubble_when_m_is_a_multiple_of_p(stages_per_rank):
+def test_interleaved_1f1b_gives_megatrons_bubble_once_m_fills_a_round(stages_per_rank):
     # Megatron-LM's analysis (Narayanan et al. 2021, section 2.2.2): (p - 1) / (v m) of the
-    # compute, i.e. (p - 1) / (v m + p - 1) of the step, whatever the backward costs.
+    # compute, i.e. (p - 1) / (v m + p - 1) of the step, whatever the backward costs. torch
+    # runs m >= p micro-batches in m // p equal rounds (e.g. 10 on 4 ranks: 2 rounds of 5).
     v = stages_per_rank
     for pp in (2, 4, 8):
-        for microbatches in (pp, 2 * pp, 4 * pp):
+        for microbatches in (pp, pp + 1, 2 * pp, 2 * pp + 2, 4 * pp):
             for backward in (2.0, 3.0):
                 bubble = pipeline_bubble("Interleaved1F1B", pp, v, microbatches, backward)
                 megatron = (pp - 1) / (v * microbatches)

@@ -28,9 +28,10 @@ here: the step time adds those nothing hides (estimate.pipeline.pipelined_second
     bubble = idle / step on the busiest rank = 1 - its busy time / the step,
 
 the step ending when the last rank finishes, so that compute / (1 - bubble) is the step.
-GPipe and 1F1B give (p - 1) / (m + p - 1) whatever the ratio; Interleaved1F1B with m a
-multiple of p gives Megatron's (p - 1) / (v m) of the compute, i.e. (p - 1) / (v m + p - 1)
-of the step; the zero-bubble schedules fill most of the rest with W (tests/test_pipeline_bubble.py).
+GPipe and 1F1B give (p - 1) / (m + p - 1) whatever the ratio; Interleaved1F1B with m >= p
+(in torch's equal rounds) gives Megatron's (p - 1) / (v m) of the compute, i.e.
+(p - 1) / (v m + p - 1) of the step; the zero-bubble schedules fill most of the rest with W
+(tests/test_pipeline_bubble.py).
 """
 
 import functools

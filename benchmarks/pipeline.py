@@ -19,10 +19,11 @@ rank's busy time / the schedule's time, the estimator's convention. One more ste
 PyTorch's memory tracker on real tensors: each rank's peak bytes (not under the split-backward
 schedules, whose autograd.grad calls torch's module tracker cannot follow).
 
-Before the runs, the ranks measure what limits overlap on a shared CPU: how much slower each
-computes while the other computes too than alone (the same matmuls, one rank at a time, then
-both), and the time of one send of a stage boundary's activation (one way, median of a
-ping-pong).
+The ranks also measure what limits overlap on a shared CPU: before and after each run, how
+much slower each computes while the other computes too than alone (the same matmuls, one rank
+at a time, then both; the larger of the two figures is shown: x1 means each rank had a core
+to itself, x2 that they shared one, e.g. with another process on the machine), and once the
+time of one send of a stage boundary's activation (one way, median of a ping-pong).
 
 Predicted, in this process, with the same configuration:
   step time  estimate.step_time with a "device" measured here: the FLOP/s of one thread on
@@ -33,10 +34,14 @@ Predicted, in this process, with the same configuration:
   memory     estimate.estimate_memory on a fake process group: each rank's simulated step
              plus the activations of the micro-batches its schedule keeps in flight.
 
-Printed: one row per schedule and m with the predicted and measured bubble, the busiest rank's
-busy time over the predicted compute (the efficiency guess), the predicted and measured step
-time and their ratio, and each rank's measured and estimated peak with their ratio. The last
-lines are, per schedule,
+Printed: one row per schedule and m with the predicted and measured bubble, each rank's
+contention figure, each rank's backward calls' time over its forward calls' (the estimate takes
+2 without recomputation), the busiest rank's busy time over the predicted compute (the
+efficiency guess), the predicted and measured step time and their ratio, and each rank's
+measured and estimated peak with their ratio. measured / predicted step time is
+(busy / compute predicted) x (1 - predicted bubble) / (1 - measured bubble), near enough (the
+optimizer step and the clipping are outside the schedule): the level and the bubble's shape
+apart. The last lines are, per schedule,
 
     measured / predicted step time, PP 2 <schedule>, m = 2, 4, 8: r2, r4, r8
 """
@@ -208,7 +213,7 @@ def _measure(argv: list[str], rank: int, warmup: int, steps: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         return scheduled
 
-    contention = _contention(rank)  # just before the run, as loaded as it is
+    before = _contention(rank)  # as loaded as the machine is around the run
     times, bubbles, busiest, forwards, backwards = [], [], [], [], []
     for index in range(warmup + steps):
         dist.barrier()
@@ -226,7 +231,7 @@ def _measure(argv: list[str], rank: int, warmup: int, steps: int) -> dict:
         "bubble": statistics.median(bubbles),
         "busy_s": statistics.median(busiest),
         "backward_per_forward": statistics.median(backwards) / statistics.median(forwards),
-        "contention": contention,
+        "contention": max(before, _contention(rank)),
     }
     # torch's module tracker (under the memory tracker) fails inside the split backward's
     # autograd.grad ("A leaf node was passed to _will_engine_execute_node ..."): no peak there.

@@ -1,7 +1,7 @@
 """Pipeline parallelism on CPU ranks against the estimator: step time per schedule and
 micro-batch count (the bubble model), and per-rank peak memory (the per-stage estimate).
 
-    python benchmarks/pipeline.py              # debug model, PP 2, 4 schedules x m = 2, 4, 8 (2-3 minutes)
+    python benchmarks/pipeline.py              # debug model, PP 2, 4 schedules x m = 2, 4, 8 (70-85 s)
     python benchmarks/pipeline.py --quick      # tiny model, m = 2, one timed step each (seconds)
     python benchmarks/pipeline.py --schedules 1F1B,ZBVZeroBubble --microbatches 4,8 --seq-len 256
 

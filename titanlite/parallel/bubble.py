@@ -63,7 +63,9 @@ def _single_stage_actions(schedule: str, pp: int, microbatches: int, rank: int) 
 
 def _planner(schedule: str, pp: int, stages_per_rank: int, microbatches: int):
     """torch's schedule object with the attributes its per-rank planner reads, set as its
-    constructor sets them (which needs stages and a process group)."""
+    constructor sets them (which needs stages and a process group; torch's own printout,
+    get_schedule_ops, builds mock stages and the lowering with sends, 10-100x slower).
+    tests/test_pipeline_bubble.py holds the result to that printout."""
     schedule_class = torch_schedules.get_schedule_class(schedule)
     planner = schedule_class.__new__(schedule_class)
     planner.pp_group_size, planner.n_local_stages = pp, stages_per_rank

@@ -122,15 +122,22 @@ def test_exit_aborts_counts_the_runs_of_an_ending():
     assert line.startswith("exit_process: 0 aborts in 1 runs (0 other failures), "), line
 
 
-def test_pipeline_quick_prints_each_micro_batch_count_and_the_ratios():
+def test_pipeline_quick_prints_each_schedule_and_micro_batch_count_and_the_ratios():
     lines = _run("pipeline.py", "--quick")
-    rows = [line.split(" | ") for line in lines if line.startswith("| ") and line[2].isdigit()]
-    assert [row[0] for row in rows] == ["| 1", "| 2"], lines
-    # The bubble is (p - 1) / (m + p - 1) for p = 2; memory ratios are per stage.
-    assert [row[1] for row in rows] == ["50.0%", "33.3%"], lines
-    assert all(row[5].count(" = ") == 1 and row[6].count(" = ") == 1 for row in rows), lines
-    assert lines[-1].startswith("measured / predicted step time, PP 2 GPipe, m = 1, 2: "), lines
-    [float(ratio) for ratio in lines[-1].split(": ")[1].split(", ")]
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and line.split(" | ")[1].isdigit()]
+    schedules = ["GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"]
+    assert [(row[0], row[1]) for row in rows] == [(f"| {name}", "2") for name in schedules], lines
+    # The predicted bubble at p = m = 2: GPipe and 1F1B (p - 1) / (m + p - 1); Interleaved1F1B
+    # one round of 2 through 4 stages, 1/5; ZBV tests/test_pipeline_bubble.py's hand-worked 2/14.
+    predicted = ["33.3%", "33.3%", "20.0%", "14.3%"]
+    assert [row[2].split(" / ")[0] for row in rows] == predicted, lines
+    for row in rows:
+        float(row[2].split(" / ")[1].rstrip("%")), float(row[7])  # the measured bubble, the ratio
+        tracked = not row[0].endswith("ZBVZeroBubble")  # the split backward's memory is not tracked
+        assert all(cell.count(" = ") == tracked for cell in row[8:10]), lines
+    for name, line in zip(schedules, lines[-4:], strict=True):
+        assert line.startswith(f"measured / predicted step time, PP 2 {name}, m = 2: "), lines
+        [float(ratio) for ratio in line.split(": ")[1].split(", ")]
 
 
 def test_moe_quick_checks_both_paths_and_prints_the_ratios():

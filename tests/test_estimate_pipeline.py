@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.pipelining.schedules as torch_schedules
 
 from titanlite.config import ConfigError, parse_args
 from titanlite.estimate import check_memory_floor, estimate_for_job_config, estimate_memory, estimate_step_time
 from titanlite.estimate.compute import rank_work
 from titanlite.estimate.floor import fullest_floor
-from titanlite.estimate.pipeline import in_flight_microbatches, stage_params
+from titanlite.estimate.pipeline import backward_per_forward, in_flight_microbatches, stage_params
 from titanlite.estimate.sweep_report import sweep_verdicts
 from titanlite.metrics import flops_per_token
 from titanlite.models.llama import Transformer
 from titanlite.models.llama.args import LLAMA3_FLAVORS
+from titanlite.parallel.bubble import rank_actions
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline
 from titanlite.plan import plan_run
 
@@ -45,30 +45,13 @@ def _plan(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> Pi
 # --- in-flight micro-batches ------------------------------------------------------------------
 
 
-def _torch_rank_orders(schedule_cls, pp: int, stages_per_rank: int, microbatches: int) -> dict:
-    """The action lists torch's runtime schedule gives each rank, computed without stages or a
-    process group (the attributes its planner reads, set as its constructor sets them)."""
-    schedule = schedule_cls.__new__(schedule_cls)
-    schedule.pp_group_size, schedule.n_local_stages = pp, stages_per_rank
-    schedule._n_microbatches = microbatches
-    schedule.number_of_rounds = max(1, microbatches // pp)
-    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
-    schedule.num_stages = schedule._num_stages = pp * stages_per_rank
-    schedule._stages = [None] * stages_per_rank
-    return {rank: schedule._calculate_single_rank_operations(rank) for rank in range(pp)}
-
-
 def _most_held(actions) -> int:
-    """The most chunks whose forward ran and whose input backward has not, along the actions."""
-    kinds = torch_schedules._ComputationType
+    """The most chunks whose forward ran and whose input backward has not, along the actions
+    (kind, stage, micro-batch) torch runs on one rank (titanlite.parallel.bubble.rank_actions,
+    checked against torch's own printout in test_pipeline_bubble.py)."""
     held = most = 0
-    for action in actions:
-        if action is None:
-            continue
-        if action.computation_type == kinds.FORWARD:
-            held += 1
-        elif action.computation_type in (kinds.FULL_BACKWARD, kinds.BACKWARD_INPUT):
-            held -= 1
+    for kind, _, _ in actions:
+        held += {"F": 1, "B": -1, "I": -1}.get(kind, 0)
         most = max(most, held)
     return most
 
@@ -84,12 +67,11 @@ def _most_held(actions) -> int:
     ],
 )
 def test_in_flight_chunks_are_what_torchs_multi_stage_schedules_hold(name, stages_per_rank):
-    schedule_cls = torch_schedules.get_schedule_class(name)
     for pp in (2, 4):
         for microbatches in (1, 2, 4, 8, 12):
             if name != "ZBVZeroBubble" and microbatches > pp and microbatches % pp:
                 continue  # the looped schedules refuse it (and so does plan_pipeline)
-            orders = _torch_rank_orders(schedule_cls, pp, stages_per_rank, microbatches)
+            orders = rank_actions(name, pp, stages_per_rank, microbatches)
             plan = _plan(name, pp, stages_per_rank, microbatches)
             held = [in_flight_microbatches(plan, rank) for rank in range(pp)]
             assert held == [_most_held(orders[rank]) for rank in range(pp)], (pp, microbatches)
@@ -145,9 +127,15 @@ def test_step_time_is_the_compute_stretched_by_the_bubble(schedule, microbatches
     timing = estimate_step_time(
         LLAMA3_8B, seq_len=4096, local_batch_size=microbatches, hardware="h100", dp_shard=1, pipeline=plan
     )
-    assert timing.pp == 2 and timing.bubble == plan.bubble and timing.microbatches == microbatches
+    # Selective AC every 2nd block (the default) recomputes half the blocks' forwards in the
+    # backward: the bubble is the schedule's at that backward-to-forward ratio.
+    work = rank_work(LLAMA3_8B, 4096, 0.5, plan)
+    ratio = 2 + 3 * work.recompute_flops / work.flops
+    assert 2.4 < ratio < 2.5 and backward_per_forward(work.flops, work.recompute_flops) == round(ratio, 2)
+    assert timing.pp == 2 and timing.bubble == plan.bubble_at(round(ratio, 2)) and timing.microbatches == microbatches
+    assert timing.bubble == pytest.approx(plan.bubble, rel=1e-12)  # no split backward: the ratio does not matter
     assert timing.all_gather_bytes == timing.reduce_scatter_bytes == 0
-    pipelined = max(timing.compute_s / (1 - plan.bubble), timing.pp_s) + timing.pp_exposed_s
+    pipelined = max(timing.compute_s / (1 - timing.bubble), timing.pp_s) + timing.pp_exposed_s
     assert timing.step_s == pytest.approx(pipelined, rel=1e-12)
     assert timing.pp_link == "intra-node"
     assert f"pipeline bubble {plan.bubble:.1%}" in timing.describe()
@@ -156,15 +144,22 @@ def test_step_time_is_the_compute_stretched_by_the_bubble(schedule, microbatches
 
 
 def test_interleaving_shrinks_the_bubble_and_more_micro_batches_shrink_it_further():
-    def step_s(schedule, microbatches):
+    def step_s(schedule, microbatches, ac_mode="selective"):
         plan = _pipeline(schedule, 4, microbatches)
-        return estimate_step_time(
-            LLAMA3_8B, seq_len=4096, local_batch_size=microbatches, hardware="h100", dp_shard=1, pipeline=plan
-        )
+        common = dict(seq_len=4096, local_batch_size=microbatches, hardware="h100", dp_shard=1, ac_mode=ac_mode)
+        return estimate_step_time(LLAMA3_8B, pipeline=plan, **common)
 
     one, interleaved = step_s("1F1B", 4), step_s("Interleaved1F1B", 4)
-    assert interleaved.bubble == pytest.approx(one.bubble / 2)
+    # 1F1B idles (p - 1) / (m + p - 1) = 3/7 of the step; interleaving 2 stages per rank gives
+    # Megatron's (p - 1) / (v m) of the compute, 3/11 of the step (the closed formula used
+    # before, half of 1F1B's, undercounted it: 3/14).
+    assert one.bubble == pytest.approx(3 / 7) and interleaved.bubble == pytest.approx(3 / 11)
     assert interleaved.step_s < one.step_s
+    # The zero-bubble schedules fill most of the rest; less so when AC lengthens the inputs'
+    # gradient, whose wait the weights' gradient cannot fill.
+    zero_bubble = {ac: step_s("ZBVZeroBubble", 8, ac).bubble for ac in ("none", "full")}
+    assert zero_bubble["none"] == pytest.approx(_pipeline("ZBVZeroBubble", 4, 8).bubble, rel=1e-12)
+    assert zero_bubble["none"] < zero_bubble["full"] < step_s("Interleaved1F1B", 8).bubble
     per_microbatch = [step_s("1F1B", m).step_s / m for m in (4, 8, 16)]
     assert per_microbatch == sorted(per_microbatch, reverse=True)
 

@@ -2,7 +2,7 @@
 (titanlite.parallel.pipeline.PipelinePlan): how many micro-batches' activations each pp rank
 holds at its peak, how the model's parameters and FLOPs split over the ranks, and the bytes
 the stages send each other, and how the bubble and those sends stretch a rank's compute in
-the step time. The bubble itself is PipelinePlan.bubble.
+the step time. The bubble itself is PipelinePlan.bubble_at (titanlite.parallel.bubble).
 
 In-flight micro-batches, read from torch.distributed.pipelining's schedules (p pp ranks,
 v stages per rank, m micro-batches per accumulation step, rank r; a "chunk" is one
@@ -33,6 +33,7 @@ import torch
 
 from titanlite.metrics.flops import active_moe_params, idle_expert_params, routed_expert_params
 from titanlite.models.moe import MoE
+from titanlite.parallel.bubble import BACKWARD_PER_FORWARD
 from titanlite.parallel.pipeline import PipelinePlan
 
 
@@ -141,12 +142,23 @@ def pipeline_send_bytes(
     return sent, 2 * (pipeline.num_stages - 1) * boundary * grad_accum_steps
 
 
+def backward_per_forward(flops: float, recompute_flops: float) -> float:
+    """A chunk's backward over its forward, for the bubble (PipelinePlan.bubble_at): of the
+    model FLOPs F a third are the forward's and two thirds the backward's, and the R FLOPs
+    activation checkpointing recomputes run in the backward,
+
+        (2 F / 3 + R) / (F / 3) = 2 + 3 R / F,
+
+    rounded to 0.01 so that the bubble's cache meets few distinct values."""
+    return round(BACKWARD_PER_FORWARD + 3 * recompute_flops / flops, 2)
+
+
 def pipelined_seconds(critical_s: float, bubble: float, sends_s: float, exposed_sends_s: float) -> float:
     """One rank's compute (and what waits inside it) with pipeline parallelism:
 
         max(critical / (1 - bubble), sends) + exposed sends
 
-    m micro-batches take m + p - 1 slots (p - 1 of them idle) on every rank, i.e. the
-    compute divided by 1 - bubble; the sends to other stages run beside the compute except
-    while the pipeline fills and drains. Without PP, bubble and sends are 0."""
+    the bubble being the idle share of the step on the busiest rank (PipelinePlan.bubble_at),
+    its compute is 1 - bubble of the step; the sends to other stages run beside the compute
+    except while the pipeline fills and drains. Without PP, bubble and sends are 0."""
     return max(critical_s / (1 - bubble), sends_s) + exposed_sends_s

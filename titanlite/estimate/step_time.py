@@ -35,15 +35,17 @@ Assumptions (each is also stated where it is used):
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
   * Pipeline parallelism over p ranks (the outermost mesh dimension, so across nodes once a
     stage's ranks fill a node): each rank computes its stages only, and the step is the
-    busiest rank's compute stretched by the pipeline bubble b (PipelinePlan.bubble):
+    busiest rank's compute stretched by the pipeline bubble b (PipelinePlan.bubble_at), the
+    idle share of the step that running the schedule's own actions on a clock gives:
 
-        pipelined = compute / (1 - b),   b = (p - 1) / (m + p - 1) / (stages per rank)
+        pipelined = compute / (1 - b),   b = (p - 1) / (m + p - 1) for GPipe and 1F1B
 
-    i.e. (m + p - 1) micro-batch slots for m micro-batches' work. The activations sent between
-    stages overlap compute except while the pipeline fills and drains (one activation per
-    stage boundary each way, per accumulation step). FSDP under PP gathers each stage's
-    parameters once per accumulation step and reduce-scatters once (titanlite's default keeps
-    them gathered across micro-batches).
+    (less for the interleaved schedules, least for the zero-bubble ones, which fill the idle
+    time with weight gradients; the backward's share there counts what AC recomputes). The
+    activations sent between stages overlap compute except while the pipeline fills and drains
+    (one activation per stage boundary each way, per accumulation step). FSDP under PP gathers
+    each stage's parameters once per accumulation step and reduce-scatters once (titanlite's
+    default keeps them gathered across micro-batches).
 """
 
 import functools
@@ -62,7 +64,7 @@ from titanlite.estimate.data_parallel import (
 from titanlite.estimate.expert_parallel import moe_all_to_all_bytes
 from titanlite.estimate.hardware import Hardware, get_hardware
 from titanlite.estimate.inputs import check_choices, check_experts, positive_int, resolve_layout
-from titanlite.estimate.pipeline import pipeline_send_bytes, pipelined_seconds
+from titanlite.estimate.pipeline import backward_per_forward, pipeline_send_bytes, pipelined_seconds
 from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
 from titanlite.metrics.flops import flops_per_token, mfu
 from titanlite.models.llama.args import LlamaArgs
@@ -116,7 +118,7 @@ class StepTimeEstimate:
     pp: int
     schedule: str | None  # the pipeline schedule, None without PP
     microbatches: int  # pipeline micro-batches per accumulation step (1 without PP)
-    bubble: float  # idle fraction of the pipelined compute (PipelinePlan.bubble)
+    bubble: float  # idle share of the pipelined step on the busiest pp rank (PipelinePlan.bubble_at)
     pp_bytes: float  # activations and their gradients the busiest rank sends to other stages
     pp_link: str
     pp_s: float
@@ -283,7 +285,7 @@ def estimate_step_time(
     )
     sends = over("pp", pp_b)
     pp_exposed_s = pp_exposed_b / sends.bandwidth
-    bubble = 0.0 if pipeline is None else pipeline.bubble
+    bubble = 0.0 if pipeline is None else pipeline.bubble_at(backward_per_forward(work.flops, work.recompute_flops))
     data_parallel_s, tp_s, ep_s = data_parallel.seconds, tensor.seconds, experts.seconds
     comm_s = data_parallel_s + tp_s + sends.seconds + ep_s
 

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from titanlite.config.parallelism import PIPELINE_SCHEDULES, Parallelism, canonical_schedule
+from titanlite.parallel.bubble import BACKWARD_PER_FORWARD, pipeline_bubble
 
 logger = logging.getLogger("titanlite")
 
@@ -59,12 +60,16 @@ class PipelinePlan:
             return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return list(range(pp_rank, self.num_stages, self.pp))
 
+    def bubble_at(self, backward: float = BACKWARD_PER_FORWARD) -> float:
+        """The idle share of the step on the busiest pp rank, from a run of the schedule's own
+        actions on a clock (titanlite.parallel.bubble), a chunk's backward taking ``backward``
+        times its forward."""
+        return pipeline_bubble(self.schedule, self.pp, self.stages_per_rank, self.microbatches, backward)
+
     @property
     def bubble(self) -> float:
-        """The idle fraction of an ideal pipeline step: (p - 1) / (m + p - 1), divided by the
-        stages each rank runs when they interleave."""
-        p, m = self.pp, self.microbatches
-        return (p - 1) / (m + p - 1) / self.stages_per_rank
+        """bubble_at a backward of twice the forward (no recomputation)."""
+        return self.bubble_at()
 
 
 def _blocks_per_stage(n_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int]:

@@ -336,5 +336,5 @@ def test_sweep_says_when_pp_wins_and_when_it_does_not():
     loses = sweep_verdicts([_row(1, 900, True, 60.0), _row(2, 700, True, 50.0)])[0]
     assert loses.endswith(
         "PP does not: the best with PP, PP + FSDP 2x1x32x1 1F1B, reaches 700 (-22%), its pipeline bubble idling "
-        "20% of its compute (4 micro-batches)"
+        "20% of its step (4 micro-batches)"
     ), loses

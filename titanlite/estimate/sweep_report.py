@@ -162,7 +162,7 @@ _DIMENSIONS = {
         "PP",
         lambda result: f"PP {_degree(result, 'pp')} leaves each GPU only its stages' weights to gather and reduce",
         lambda timing: (
-            f"its pipeline bubble idling {timing['bubble']:.0%} of its compute ({timing['microbatches']} micro-batches)"
+            f"its pipeline bubble idling {timing['bubble']:.0%} of its step ({timing['microbatches']} micro-batches)"
         ),
     ),
     "ep": (

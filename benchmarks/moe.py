@@ -1,5 +1,5 @@
 """The MoE layer's grouped GEMM against its loop over experts: forward and backward time of
-titanlite/models/moe.py in bfloat16, per shape, with both paths checked equal first; then the
+titanlite/models/moe/ in bfloat16, per shape, with both paths checked equal first; then the
 bytes expert parallelism's all-to-alls really move on 2 gloo ranks against the estimator's.
 
     python benchmarks/moe.py                 # 4 shapes, 3 timed passes each (about 2 minutes on 2 vCPUs)

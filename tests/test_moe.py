@@ -1,4 +1,4 @@
-"""The mixture-of-experts layer (titanlite/models/moe.py) on its own: routing, grouped GEMM
+"""The mixture-of-experts layer (titanlite/models/moe/) on its own: routing, grouped GEMM
 against the loop over experts, dropless routing, both ways of load balancing, and parity
 with transformers' Qwen3-MoE block."""
 

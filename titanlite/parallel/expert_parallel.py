@@ -1,4 +1,4 @@
-"""Expert parallelism for one mixture-of-experts layer (titanlite/models/moe.py).
+"""Expert parallelism for one mixture-of-experts layer (titanlite/models/moe/).
 
 The experts of a MoE layer are split over the ranks of an ``ep`` mesh dimension: each rank
 keeps n_experts / ep of them, as DTensors placed Shard(0) over that dimension, so a

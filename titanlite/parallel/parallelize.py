@@ -162,7 +162,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         parallelize_module(block, tp_mesh, block_plan)
 
 
-# A mixture-of-experts feed-forward (titanlite/models/moe.py) is not split: every TP rank
+# A mixture-of-experts feed-forward (titanlite/models/moe/) is not split: every TP rank
 # holds all of its weights and runs it on all of the block's tokens, the same work on every
 # rank. Its input is made whole first (with sequence parallelism, an all-gather of the
 # sequence, as for a dense feed-forward); its output, whole, is cut back to this rank's part

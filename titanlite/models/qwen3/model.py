@@ -10,7 +10,7 @@ differences:
     k_norm, one gain vector shared by all heads) before RoPE turns them;
   - the output projection may be the token embedding itself (tie_word_embeddings): one
     parameter, saved once, under tok_embeddings.weight.
-A Qwen3-MoE model (args.n_experts > 0) has the routed experts of titanlite/models/moe.py
+A Qwen3-MoE model (args.n_experts > 0) has the routed experts of titanlite/models/moe/
 as every block's feed_forward, under that name; with the auxiliary load-balancing loss on,
 the model's output carries that loss's gradient (add_load_balancing_loss).
 Grouped-query attention, RoPE (with Qwen3's base), SwiGLU and the initialisation are

@@ -1,18 +1,24 @@
 """Tests for the Llama model: sizes, configs, RoPE, forward, init, state-dict names and the HF adapter."""
 
 import dataclasses
+import itertools
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
-from titanlite.config import ConfigError, parse_args
+from titanlite import train
+from titanlite.config import parse_args
 from titanlite.config.model import MOE_BALANCING_KEYS
+from titanlite.estimate import floor
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
+from titanlite.trainer_setup import config_ok_line
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRAIN_CONFIGS = sorted((REPO_ROOT / "train_configs").glob("*.toml"))
@@ -67,53 +73,78 @@ def test_flavor_sizes_match_published_figures(name, flavor, n_params, ffn_hidden
 # ---------------------------------------------------------------------------
 
 
-def _is_70b_or_larger(flavor: str) -> bool:
-    if not flavor.upper().endswith("B"):
-        return False
-    try:
-        return float(flavor[:-1]) >= 70
-    except ValueError:
-        return False
+@dataclass(frozen=True)
+class Launch:
+    """How a config's header comment says to start it."""
+
+    world_size: int
+    ranks_per_node: int
+    on_gpus: bool  # False: run_train.sh's CPU processes
 
 
-def _world_size_for(job_config, flavor: str) -> int:
-    replicate = job_config.parallelism.data_parallel_replicate_degree
-    shard = job_config.parallelism.data_parallel_shard_degree
-    if replicate > 0 and shard > 0:
-        return replicate * shard
-    if _is_70b_or_larger(flavor):
-        try:
-            plan_run(job_config, 8)
-        except ConfigError:
-            return 64
-    return 8
+def _header(path: Path) -> str:
+    """A config's leading comment as one line, its shell continuations joined."""
+    lines = itertools.takewhile(lambda line: line.startswith("#"), path.read_text().splitlines())
+    return " ".join(line.lstrip("#").strip().removesuffix("\\").strip() for line in lines)
+
+
+def launch_of(path: Path) -> Launch:
+    """The GPU count of a shipped config, read from the launch command its header gives (the one
+    place it is written): torchrun's nodes x processes per node, run_train.sh's NGPU, or
+    run_train.sh alone, which trains its default config with its default CPU processes."""
+    header = _header(path)
+    torchrun = re.search(r"torchrun --nnodes (\d+) --nproc_per_node (\d+) .*?--job\.config_file (\S+)", header)
+    if torchrun:
+        nodes, per_node, config = torchrun.groups()
+        assert config == f"train_configs/{path.name}", f"{path.name}'s launch command trains {config}"
+        return Launch(int(nodes) * int(per_node), int(per_node), on_gpus=True)
+    run_train = re.search(r"NGPU=(\d+) CONFIG_FILE=(\S+) \./run_train\.sh", header)
+    if run_train:
+        gpus, config = run_train.groups()
+        assert config == f"train_configs/{path.name}", f"{path.name}'s launch command trains {config}"
+        return Launch(int(gpus), int(gpus), on_gpus=True)
+    assert "./run_train.sh" in header, f"{path.name}: no launch command in its header comment"
+    script = (REPO_ROOT / "run_train.sh").read_text()
+    assert f'CONFIG_FILE="${{CONFIG_FILE:-$checkout/train_configs/{path.name}}}"' in script, (
+        f"{path.name}'s header starts ./run_train.sh bare, whose default config is another"
+    )
+    cpu_processes = int(re.search(r"else NGPU=(\d+); fi", script).group(1))
+    return Launch(cpu_processes, cpu_processes, on_gpus=False)
 
 
 # `or [None]`: an empty folder must fail below, not turn into a skipped parametrization.
 @pytest.mark.parametrize("path", TRAIN_CONFIGS or [None], ids=[p.name for p in TRAIN_CONFIGS] or ["empty"])
-def test_train_config_parses_builds_and_plans(path):
+def test_train_config_validates_at_its_own_gpu_count(path, monkeypatch, capsys, tmp_path):
+    """Every shipped config passes the real --job.validate_only (layout, memory floor of an
+    80 GiB GPU or of this host, tokenizer, data) at the world size its launch command starts,
+    and plans the flavor's model and the batch it says."""
     assert path is not None, f"no *.toml files in {REPO_ROOT / 'train_configs'}"
+    launch = launch_of(path)
+    monkeypatch.setenv("WORLD_SIZE", str(launch.world_size))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(launch.ranks_per_node))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)  # job.dump_folder "./outputs" holds no other run's checkpoint
+    if launch.on_gpus:
+        monkeypatch.setattr(floor, "device_memory_bytes", lambda device_type, ranks: (80 * 2**30, "an 80 GiB GPU"))
+    status = train.main(["--job.config_file", str(path), "--job.validate_only"])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
     job_config = parse_args(["--job.config_file", str(path)])
-    name, flavor = job_config.model.name, job_config.model.flavor
-    spec = get_model_spec(name)
-    args = get_model_args(name, flavor).with_seq_len(job_config.training.seq_len)
-    assert args.max_seq_len == job_config.training.seq_len
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    assert all(p.is_meta for p in model.parameters())
-    assert sum(p.numel() for p in model.parameters()) > 0
+    plan = plan_run(job_config, launch.world_size)
+    ok_line = printed.out.splitlines()[-1]
+    assert ok_line == config_ok_line(plan)
+    assert f" over {launch.world_size} rank(s)" in ok_line, ok_line
 
-    world_size = _world_size_for(job_config, flavor)
-    plan = plan_run(job_config, world_size)
-    assert plan.parallel_dims.world_size == world_size
-    tp = job_config.parallelism.tensor_parallel_degree
-    assert plan.parallel_dims.dp_degree * tp == world_size
+    name, flavor = job_config.model.name, job_config.model.flavor
+    args = get_model_args(name, flavor).with_seq_len(job_config.training.seq_len)
     # The flavor's args, with the load balancing a config's [model] section sets (MoE only).
     balancing = {key: getattr(job_config.model, key) for key in MOE_BALANCING_KEYS}
     assert plan.model_args == dataclasses.replace(
         args, **{key: value for key, value in balancing.items() if value is not None}
     )
-    per_micro_step = job_config.training.local_batch_size * plan.parallel_dims.dp_degree
+    dims = plan.parallel_dims
+    assert dims.pp * dims.dp_degree * dims.tp == launch.world_size
+    per_micro_step = job_config.training.local_batch_size * dims.dp_degree
     assert plan.global_batch_size == plan.grad_accum_steps * per_micro_step
 
 

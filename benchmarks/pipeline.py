@@ -73,12 +73,13 @@ CONTENTION_MATMUL = 512  # the square float32 matmul both ranks time, alone and 
 COMPUTE_CALLS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
 
-def config_argv(flavor: str, seq_len: int, microbatches: int, schedule: str) -> list[str]:
+def config_argv(flavor: str, seq_len: int, microbatches: int, schedule: str, ac_mode: str = "none") -> list[str]:
     return [
         *("--model.name", "llama3", "--model.flavor", flavor),
         *("--training.seq_len", str(seq_len), "--training.local_batch_size", str(microbatches)),
         *("--training.mixed_precision_param", "float32"),  # CPUs have no fast bf16 matmul
-        *("--activation_checkpoint.mode", "none"),  # measure the pipeline, not recomputation
+        # By default none: measure the pipeline, not recomputation.
+        *("--activation_checkpoint.mode", ac_mode, "--activation_checkpoint.selective_ac_option", "op"),
         *("--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", schedule),
         *("--parallelism.pipeline_parallel_microbatch_size", "1"),
     ]
@@ -280,7 +281,8 @@ def predict_step(argv: list[str], peak_flops: float, bandwidth: float):
         dp_shard=1,
         param_dtype="float32",
         reduce_dtype="float32",
-        ac_mode="none",
+        ac_mode=config.activation_checkpoint.mode,
+        selective_ac_option=config.activation_checkpoint.selective_ac_option,
         pipeline=plan.pipeline,
     )
 
@@ -316,6 +318,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         default="2,4,8",
         help="micro-batch counts (default 2,4,8; 1F1B skips those below its 2 stages)",
     )
+    parser.add_argument(
+        "--ac-mode",
+        default="none",
+        choices=("none", "full", "selective"),
+        help="activation checkpointing in the stages (default none; selective: per op)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per run (default 2)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per run (default 6)")
     options = parser.parse_args(argv)
@@ -338,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         # torch's 1F1B (and DualPipeV) refuses fewer micro-batches than stages.
         for m in options.microbatches:
             if m >= 2 or schedule not in ("1F1B", "DualPipeV"):
-                runs[f"{schedule} {m}"] = config_argv(options.model, options.seq_len, m, schedule)
+                runs[f"{schedule} {m}"] = config_argv(options.model, options.seq_len, m, schedule, options.ac_mode)
     print(
         f"titanlite pipeline benchmark, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before"

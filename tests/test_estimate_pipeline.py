@@ -247,6 +247,21 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_its_stages_share(tiny_memory):
         assert gpipe[rank].peak_bytes - one_f_one_b[rank].peak_bytes == extra
 
 
+def test_a_micro_batch_waiting_for_its_backward_holds_only_what_its_forward_saved():
+    # Under full activation checkpointing a waiting micro-batch keeps each block's input,
+    # not the block's recomputed activations (those exist for the one micro-batch in its
+    # backward): the further in-flight micro-batches cost far less than without checkpointing.
+    # benchmarks/pipeline.py --ac-mode full measures the peaks this gives (docs/performance.md).
+    none, full = (
+        estimate_memory(parse_args([*TINY_PP, f"--activation_checkpoint.mode={mode}"]), 2).pipeline
+        for mode in ("none", "full")
+    )
+    for rank_none, rank_full in zip(none, full, strict=True):
+        assert 0 < rank_full.microbatch_activations < rank_none.microbatch_activations / 2
+        # What the rank's peak holds beyond its one simulated micro-batch.
+        assert rank_full.peak["activations"] < rank_none.peak["activations"]
+
+
 def test_the_floor_is_per_stage_and_the_fullest_must_fit(monkeypatch):
     config = parse_args([*TINY_PP, "--parallelism.pipeline_parallel_microbatch_size=2"])
     plan = plan_run(config, 2)

@@ -87,7 +87,7 @@ class StageMemory:
     modules: tuple[str, str]  # the first and the last module its stages hold
     num_params: int
     in_flight: int  # chunks (micro-batch x stage) whose activations it holds at its peak
-    microbatch_activations: int  # the largest activation footprint of one micro-batch through one of its stages
+    microbatch_activations: int  # the most one micro-batch waiting for its backward holds in one of its stages
     peak: dict[str, int]  # CATEGORIES and "total"
 
     @property
@@ -272,7 +272,7 @@ def _estimate_pipeline(
         start,
         notes,
         peak=worst.peak,
-        activations=worst.in_flight * worst.microbatch_activations,
+        activations=worst.peak["activations"],
         measured=_summed(run.measured for run in runs),
         exact=_summed(run.exact for run in runs),
         num_params=sum(stage.num_params for stage, _, _ in ranks),
@@ -284,9 +284,12 @@ def _rank_memory(pipeline, pp_rank: int, runs: list[Simulated], cpu_offload: boo
     """One pp rank's peak from its stages' simulated steps (each of one micro-batch in flight):
     their breakdowns at their peaks added up, as if every stage peaked at once (exact for one
     stage per rank, an upper bound for several), plus the activations of the further
-    micro-batches the schedule keeps in flight, each as large as the rank's largest stage's."""
+    micro-batches the schedule keeps in flight, each what a micro-batch holds between its
+    forward and its backward in the rank's largest stage. That is less than the simulated
+    micro-batch's own peak, which under activation checkpointing also holds a block's
+    recomputed activations: one micro-batch at a time runs its backward."""
     in_flight = in_flight_microbatches(pipeline, pp_rank)
-    per_microbatch = max(run.activations for run in runs)
+    per_microbatch = max(run.held_activations for run in runs)
     peak = {name: sum(run.peak[name] for run in runs) for name in CATEGORIES}
     peak["activations"] += max(0, in_flight - len(runs)) * per_microbatch
     peak["total"] = sum(peak[name] for name in CATEGORIES)

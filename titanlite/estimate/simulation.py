@@ -106,6 +106,7 @@ class Simulated:
 
     peak: dict[str, int]
     activations: int
+    held_activations: int | None  # a pipeline stage's, per waiting micro-batch (StepMemory's)
     measured: ModelStateBytes
     exact: ModelStateBytes
     num_params: int
@@ -158,7 +159,7 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
     if ep > 1:
         changes = expert_parallel_bytes(ep_plan, job_config, model, stage_modules)
         _add_expert_parallelism(peak, exact, state(), changes)
-    return Simulated(peak, activations, measured, exact, num_params, ema_bytes)
+    return Simulated(peak, activations, step.held_activations, measured, exact, num_params, ema_bytes)
 
 
 def _add_expert_parallelism(

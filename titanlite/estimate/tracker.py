@@ -134,6 +134,10 @@ class StepMemory:
     at_start: dict[str, int]
     at_peak: dict[str, int]
     category_peaks: dict[str, int]
+    # Under a pipeline: the activation bytes the first micro-batch holds once its forward is
+    # done, what every micro-batch waiting for its backward keeps (with activation
+    # checkpointing far less than its backward's peak, which recomputes a block).
+    held_activations: int | None = None
 
 
 def prime_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, keep_gradients: bool) -> None:
@@ -174,15 +178,24 @@ def _tracking(model, optimizer, inputs):
         yield tracker, _snapshot_totals(tracker.get_tracker_snapshot())
 
 
-def _finish(tracker, at_start: dict[str, int], model, optimizer, max_norm: float) -> StepMemory:
+def _finish(
+    tracker, at_start: dict[str, int], model, optimizer, max_norm: float, held_activations: int | None = None
+) -> StepMemory:
     """Clip and step as the trainer does, still tracked; the step's figures."""
     clip_grad_norm_(model.parameters(), max_norm)
     optimizer.step()
-    return _figures(tracker, at_start)
+    return _figures(tracker, at_start, held_activations)
 
 
-def _figures(tracker, at_start: dict[str, int]) -> StepMemory:
-    return StepMemory(at_start, _snapshot_totals(tracker.get_tracker_snapshot("peak")), tracker.category_peaks)
+def _figures(tracker, at_start: dict[str, int], held_activations: int | None = None) -> StepMemory:
+    peak = _snapshot_totals(tracker.get_tracker_snapshot("peak"))
+    return StepMemory(at_start, peak, tracker.category_peaks, held_activations)
+
+
+def _activations_now(tracker, at_start: dict[str, int]) -> int:
+    """Activation bytes the tracker holds now, above those at the step's start."""
+    now = _snapshot_totals(tracker.get_tracker_snapshot())
+    return _category_sum(now, "activations") - _category_sum(at_start, "activations")
 
 
 def tracked_step(
@@ -212,7 +225,9 @@ def tracked_stage_step(
     is backpropagated; the others backpropagate a gradient shaped like their output. As
     torch.distributed.pipelining does with FSDP, every micro-batch but the last keeps the
     parameters gathered and accumulates unsharded gradients without reducing them; the last
-    reduces (the schedule reduces after the last backward)."""
+    reduces (the schedule reduces after the last backward). Also records what the first
+    micro-batch holds between its forward and its backward (StepMemory.held_activations)."""
+    held = None
     with _tracking(model, optimizer, microbatches) as (tracker, at_start):
         for index, (inputs, labels) in enumerate(microbatches):
             last = index == len(microbatches) - 1
@@ -227,9 +242,11 @@ def tracked_stage_step(
                     output = model(inputs)
                     if labels is not None:  # the last stage: the loss, its logits freed
                         output = cross_entropy_sum(output, labels) / global_tokens
+                if held is None:
+                    held = _activations_now(tracker, at_start)
                 output.backward(None if labels is not None else torch.ones_like(output))
             del output
-        return _finish(tracker, at_start, model, optimizer, max_norm)
+        return _finish(tracker, at_start, model, optimizer, max_norm, held)
 
 
 def tracked_call(model, optimizer, step) -> StepMemory:

@@ -1,6 +1,7 @@
 """The mixture-of-experts layer (titanlite/models/moe/) on its own: routing, grouped GEMM
-against the loop over experts, dropless routing, both ways of load balancing, and parity
-with transformers' Qwen3-MoE block."""
+against the loop over experts (bf16 and under autocast, empty experts, no rows, kept by
+per-op checkpointing), dropless routing, both ways of load balancing, and parity with
+transformers' Qwen3-MoE block."""
 
 import contextlib
 from dataclasses import replace
@@ -130,8 +131,11 @@ def test_expert_linear_paths_agree_with_empty_experts_and_with_no_rows():
                 (out.float() * probe[:rows]).sum().backward()
             where = f"counts {counts}, {'grouped' if grouped else 'loop'}"
             assert out.shape == (rows, 8), where
+            # The grouped path: one kernel forward, two backward (rows' and weight's gradients);
+            # none without rows.
             assert syncs.other_ops["aten._grouped_mm"] == (3 if grouped and rows else 0), where
-            assert not syncs.syncs or not grouped, f"{where}: {syncs.report()}"
+            if grouped:
+                assert not syncs.syncs, f"{where}: {syncs.report()}"
             for got, expected in ((out, expected_out), (x_in.grad, expected_x_grad), (weight_in.grad, expected_w_grad)):
                 torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2, msg=where)
 

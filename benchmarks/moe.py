@@ -1,15 +1,20 @@
 """The MoE layer's grouped GEMM against its loop over experts: forward and backward time of
-titanlite/models/moe/ in bfloat16, per shape, with both paths checked equal first; then the
-bytes expert parallelism's all-to-alls really move on 2 gloo ranks against the estimator's.
+titanlite/models/moe/ in bfloat16, per shape and precision, with both paths checked equal
+first; then the bytes expert parallelism's all-to-alls really move on 2 gloo ranks against the
+estimator's.
 
-    python benchmarks/moe.py                 # 4 shapes, 3 timed passes each (about 2 minutes on 2 vCPUs)
+    python benchmarks/moe.py                 # 4 shapes, 2 precisions, 3 timed passes each (about 5 minutes on 2 vCPUs)
+    python benchmarks/moe.py --precision autocast
     python benchmarks/moe.py --quick         # one tiny shape, one timed pass (seconds)
     python benchmarks/moe.py --shape 64,8,1024,512,1024 --repeats 5
     python benchmarks/moe.py --a2a_shape 16,4,512,256,4096 --a2a_passes 3
 
-A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). Per shape
-one bf16 MoE layer (the init's weights, seed 0; no load balancing) takes one batch of random
-tokens, both ways, switched by GroupedExperts.use_grouped_mm:
+A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). A precision
+is how the layer computes in bf16, as the trainer gets it: "bf16", weights and tokens bf16
+(FSDP's param dtype); "autocast", float32 weights and tokens under CPU autocast to bf16 (one
+process, TP or PP without FSDP), where the layer casts tokens and stacked weights itself. Per
+shape and precision one MoE layer (the init's weights, seed 0; no load balancing) takes one
+batch of random tokens, both ways, switched by GroupedExperts.use_grouped_mm:
   grouped  torch._grouped_mm, one call per projection for all experts (no host sync);
   loop     one matmul per expert, the exact fallback where grouped GEMM does not fit (it
            reads the token counts on the host).
@@ -26,10 +31,11 @@ exits 1.
 
 Timed: the forward, then the backward of sum(out²) (in float32), as one pass; each repeat
 runs both paths, so load from other work falls on both; each figure is the median over the
-repeats. Printed: a row per shape (forward and forward+backward milliseconds of each path,
-loop / grouped for both, the largest difference of the check); the last line is
+repeats. Printed: a row per precision and shape (forward and forward+backward milliseconds of each
+path, loop / grouped for both, the largest difference of the check); then a line per precision
 
     loop / grouped forward+backward time, bf16: r1, r2, ... (experts/top-k/dim/hidden/tokens: ...)
+    loop / grouped forward+backward time, autocast bf16: r1, r2, ... (experts/top-k/dim/hidden/tokens: ...)
 
 All-to-all bytes (the second half): 2 gloo ranks (spawned as torchrun would, ending as
 titanlite's ranks do) build the same float32 MoE layer of --a2a_shape, split its experts over
@@ -50,6 +56,7 @@ A ratio above 1 is a rank whose tokens go to the other rank's experts more than 
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -74,6 +81,7 @@ from titanlite.models.moe import MoE, MoEArgs, grouped_mm_fits  # noqa: E402
 TOLERANCE = 2e-2
 SHAPES = ("8,2,256,512,8192", "8,2,1024,2048,2048", "32,8,512,256,4096", "64,8,512,256,2048")
 QUICK_SHAPE = "8,2,64,64,256"
+PRECISIONS = ("bf16", "autocast")
 A2A_SHAPE = "16,4,512,256,4096"
 EP = 2
 
@@ -103,40 +111,47 @@ def grouped_gemms(out: torch.Tensor) -> int:
     return sum(type(node).__name__ == "GroupedMmBackward0" for node in seen)
 
 
-def build(shape: Shape) -> tuple[MoE, torch.Tensor]:
+def build(shape: Shape, precision: str = "bf16") -> tuple[MoE, torch.Tensor]:
+    """The layer and its tokens: bf16, or float32 for autocast to cast."""
     moe = MoE(MoEArgs(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, hidden_dim=shape.hidden))
     moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(0))
     tokens = torch.randn(shape.tokens, shape.dim, generator=torch.Generator().manual_seed(1))
-    return moe.to(torch.bfloat16), tokens.to(torch.bfloat16).requires_grad_()
+    dtype = torch.float32 if precision == "autocast" else torch.bfloat16
+    return moe.to(dtype), tokens.to(dtype).requires_grad_()
 
 
-def one_pass(moe: MoE, tokens: torch.Tensor, grouped: bool) -> tuple[float, float, torch.Tensor]:
+def one_pass(moe: MoE, tokens: torch.Tensor, grouped: bool, precision: str) -> tuple[float, float, torch.Tensor]:
     """Forward seconds, forward+backward seconds, and the output (its graph kept)."""
     moe.experts.use_grouped_mm = None if grouped else False
     moe.zero_grad(set_to_none=True)
     tokens.grad = None
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
     start = time.perf_counter()
-    out = moe(tokens)
+    with autocast:
+        out = moe(tokens)
     forward = time.perf_counter() - start
     out.float().pow(2).sum().backward()
     return forward, time.perf_counter() - start, out
 
 
-def checked_tensors(moe: MoE, tokens: torch.Tensor, grouped: bool) -> tuple[dict[str, torch.Tensor], int]:
+def checked_tensors(
+    moe: MoE, tokens: torch.Tensor, grouped: bool, precision: str
+) -> tuple[dict[str, torch.Tensor], int]:
     """The output and every gradient of one pass, and the grouped GEMMs its forward ran."""
-    _, _, out = one_pass(moe, tokens, grouped)
+    _, _, out = one_pass(moe, tokens, grouped, precision)
     tensors = {"output": out.detach(), "tokens.grad": tokens.grad.clone()}
     tensors.update({f"{name}.grad": param.grad.clone() for name, param in moe.named_parameters()})
     return tensors, grouped_gemms(out)
 
 
-def check(moe: MoE, tokens: torch.Tensor, shape: Shape) -> float:
+def check(moe: MoE, tokens: torch.Tensor, shape: Shape, precision: str = "bf16") -> float:
     """The largest relative difference between the paths; exits 1 on a failed check."""
-    grouped, grouped_calls = checked_tensors(moe, tokens, grouped=True)
-    loop, loop_calls = checked_tensors(moe, tokens, grouped=False)
+    grouped, grouped_calls = checked_tensors(moe, tokens, True, precision)
+    loop, loop_calls = checked_tensors(moe, tokens, False, precision)
+    where = f"shape {shape.label()}, {precision}"
     if grouped_calls != 3 or loop_calls != 0:
         fail(
-            f"shape {shape.label()}: the forward ran {grouped_calls} grouped GEMMs in the grouped pass and "
+            f"{where}: the forward ran {grouped_calls} grouped GEMMs in the grouped pass and "
             f"{loop_calls} in the loop pass (expected 3, one per projection, and 0)"
         )
     worst = 0.0
@@ -144,10 +159,7 @@ def check(moe: MoE, tokens: torch.Tensor, shape: Shape) -> float:
         difference = (grouped[name].float() - expected.float()).abs().max().item()
         relative = difference / max(expected.float().abs().max().item(), 1e-30)
         if not relative <= TOLERANCE:  # NaN fails too
-            fail(
-                f"shape {shape.label()}: {name} differs between grouped and loop by {relative:.3g} "
-                f"(at most {TOLERANCE})"
-            )
+            fail(f"{where}: {name} differs between grouped and loop by {relative:.3g} (at most {TOLERANCE})")
         worst = max(worst, relative)
     return worst
 
@@ -157,13 +169,13 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def measure(shape: Shape, repeats: int) -> dict:
-    moe, tokens = build(shape)
-    difference = check(moe, tokens, shape)  # also the warm-up of both paths
+def measure(shape: Shape, repeats: int, precision: str) -> dict:
+    moe, tokens = build(shape, precision)
+    difference = check(moe, tokens, shape, precision)  # also the warm-up of both paths
     times = {True: [], False: []}
     for _ in range(repeats):
         for grouped in (True, False):
-            forward, total, _ = one_pass(moe, tokens, grouped)
+            forward, total, _ = one_pass(moe, tokens, grouped, precision)
             times[grouped].append((forward, total))
     median = {
         grouped: [statistics.median(run[i] for run in runs) * 1e3 for i in (0, 1)] for grouped, runs in times.items()
@@ -332,6 +344,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, help="timed passes of each path per shape (default 3; quick 1)")
     parser.add_argument(
+        "--precision",
+        action="append",
+        choices=PRECISIONS,
+        help="bf16 (weights and tokens bf16) or autocast (float32 under autocast); repeat for both (default both)",
+    )
+    parser.add_argument(
         "--a2a_shape",
         help=f"the all-to-all half's experts,top-k,dim,hidden,tokens (default {A2A_SHAPE}; quick: the quick shape)",
     )
@@ -344,6 +362,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
             options.shapes.append(parse_shape(text))
         except ValueError as error:
             parser.error(f"--shape {text}: {error}")
+    options.precisions = options.precision or list(PRECISIONS)
     options.repeats = options.repeats if options.repeats is not None else 1 if options.quick else 3
     options.a2a_passes = options.a2a_passes if options.a2a_passes is not None else 1 if options.quick else 3
     for name in ("repeats", "a2a_passes"):
@@ -365,32 +384,34 @@ def main(argv: list[str] | None = None) -> int:
         f"titanlite MoE grouped GEMM benchmark, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads on {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before"
     )
-    print(f"bf16, forward + backward of sum(out²), median of {options.repeats} timed passes after a checked one")
+    print(f"forward + backward of sum(out²), median of {options.repeats} timed passes after a checked one")
     print()
     print(
-        "| experts | top-k | dim | hidden | tokens | grouped fwd ms | grouped fwd+bwd ms | loop fwd ms | "
+        "| precision | experts | top-k | dim | hidden | tokens | grouped fwd ms | grouped fwd+bwd ms | loop fwd ms | "
         "loop fwd+bwd ms | loop / grouped fwd | loop / grouped fwd+bwd | largest difference |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    ratios = []
-    for shape in options.shapes:
-        result = measure(shape, options.repeats)
-        (grouped_fwd, grouped_total), (loop_fwd, loop_total) = result["grouped_ms"], result["loop_ms"]
-        ratios.append(loop_total / grouped_total)
-        print(
-            f"| {shape.experts} | {shape.top_k} | {shape.dim} | {shape.hidden} | {shape.tokens} | {grouped_fwd:.1f} | "
-            f"{grouped_total:.1f} | {loop_fwd:.1f} | {loop_total:.1f} | {loop_fwd / grouped_fwd:.2f} | "
-            f"{ratios[-1]:.2f} | {result['difference']:.2g} |",
-            flush=True,
-        )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ratios = {precision: [] for precision in options.precisions}
+    for precision in options.precisions:
+        for shape in options.shapes:
+            result = measure(shape, options.repeats, precision)
+            (grouped_fwd, grouped_total), (loop_fwd, loop_total) = result["grouped_ms"], result["loop_ms"]
+            ratios[precision].append(loop_total / grouped_total)
+            print(
+                f"| {precision} | {shape.experts} | {shape.top_k} | {shape.dim} | {shape.hidden} | {shape.tokens} | "
+                f"{grouped_fwd:.1f} | {grouped_total:.1f} | {loop_fwd:.1f} | {loop_total:.1f} | "
+                f"{loop_fwd / grouped_fwd:.2f} | {ratios[precision][-1]:.2f} | {result['difference']:.2g} |",
+                flush=True,
+            )
     print(f"\nload average {os.getloadavg()[0]:.2f} after")
-    print(
-        "loop / grouped forward+backward time, bf16: "
-        + ", ".join(f"{ratio:.2f}" for ratio in ratios)
-        + " (experts/top-k/dim/hidden/tokens: "
-        + ", ".join(shape.label() for shape in options.shapes)
-        + ")"
-    )
+    for precision, values in ratios.items():
+        print(
+            f"loop / grouped forward+backward time, {'autocast bf16' if precision == 'autocast' else precision}: "
+            + ", ".join(f"{ratio:.2f}" for ratio in values)
+            + " (experts/top-k/dim/hidden/tokens: "
+            + ", ".join(shape.label() for shape in options.shapes)
+            + ")"
+        )
     print_all_to_all(options.a2a, options.a2a_passes)
     return 0
 

@@ -142,11 +142,13 @@ def test_pipeline_quick_prints_each_schedule_and_micro_batch_count_and_the_ratio
 
 def test_moe_quick_checks_both_paths_and_prints_the_ratios():
     lines = _run("moe.py", "--quick")
-    (row,) = [line.rstrip(" |").split(" | ") for line in lines if line.startswith("| 8 | 2 | 64 | 64 | 256 |")]
-    assert float(row[-1]) <= 2e-2, row  # the check's largest grouped-vs-loop difference
-    (gemm,) = [line for line in lines if line.startswith("loop / grouped forward+backward time, bf16: ")]
-    assert gemm.endswith(" (experts/top-k/dim/hidden/tokens: 8/2/64/64/256)"), lines
-    assert float(gemm.split(": ")[1].split()[0]) == float(row[-2]), lines
+    # bf16 weights and tokens, and float32 ones under autocast: a row and a ratio line each.
+    for precision, name in (("bf16", "bf16"), ("autocast", "autocast bf16")):
+        (row,) = [line.rstrip(" |").split(" | ") for line in lines if line.startswith(f"| {precision} | 8 | 2 | 64 |")]
+        assert float(row[-1]) <= 2e-2, row  # the check's largest grouped-vs-loop difference
+        (gemm,) = [line for line in lines if line.startswith(f"loop / grouped forward+backward time, {name}: ")]
+        assert gemm.endswith(" (experts/top-k/dim/hidden/tokens: 8/2/64/64/256)"), lines
+        assert float(gemm.split(": ")[1].split()[0]) == float(row[-2]), lines
     # The all-to-all half: its bytes were checked against the routing (else exit 1); a plain and
     # a checkpointed row per rank, and the measured / estimated ratio of each rank.
     rows = [line.rstrip(" |").split(" | ") for line in lines if line.startswith(("| 0 | ", "| 1 | "))]
@@ -172,7 +174,7 @@ def test_moe_check_rejects_a_wrong_grouped_kernel(monkeypatch, capsys):
         moe_benchmark.check(*moe_benchmark.build(shape), shape)
     assert exit_info.value.code == 1
     assert capsys.readouterr().err.startswith(
-        "moe benchmark: check failed: shape 8/2/64/64/256: output differs between grouped and loop by "
+        "moe benchmark: check failed: shape 8/2/64/64/256, bf16: output differs between grouped and loop by "
     )
 
 

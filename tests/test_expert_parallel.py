@@ -2,7 +2,9 @@
 unsharded layer: on 2 gloo ranks, each rank's EP 2 forward and backward on its own tokens
 equal the whole layer's on the same tokens with the same weights, the experts' gradients
 equal the whole layer's summed over both ranks' tokens, also when one expert gets every
-token and when the ranks hold different numbers of tokens. All cases run in one launch."""
+token and when the ranks hold different numbers of tokens; in bf16 (as FSDP gives it, and
+under autocast) through the grouped GEMM, also on a rank whose experts receive no rows. All
+cases run in one launch."""
 
 from dataclasses import replace
 
@@ -15,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
-from tests.test_moe import ARGS, make_moe
+from tests.test_moe import ARGS, GROUPED_MMS_PER_PASS, forward_context, make_moe
 from titanlite.models.moe import MoE, MoEArgs
 from titanlite.parallel.expert_parallel import apply_expert_parallel
 
@@ -23,26 +25,38 @@ EP = 2
 WEIGHTS = ("w1", "w2", "w3")
 
 
-def forward_backward(moe: MoE, x: torch.Tensor, probe: torch.Tensor, checkpointed: bool = False) -> dict:
+def forward_backward(
+    moe: MoE, x: torch.Tensor, probe: torch.Tensor, checkpointed: bool = False, precision: str = "as given"
+) -> dict:
     """Output, input gradient and parameter gradients (local blocks for sharded experts);
-    ``checkpointed``: the forward runs again in the backward (activation checkpointing)."""
+    ``checkpointed``: the forward runs again in the backward (activation checkpointing);
+    ``precision``: test_moe.forward_context's."""
     x = x.clone().requires_grad_(True)
-    out = checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
+    with forward_context(precision):
+        out = checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
     (out.float() * probe).sum().backward()
     grads = {name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for name, p in moe.named_parameters()}
     return {"out": out.detach(), "x_grad": x.grad, "grads": grads}
 
 
 def compare_with_whole_layer(
-    moe: MoE, batch_shape: tuple[int, int], mesh, syncs: bool = False, checkpointed: bool = False
+    moe: MoE,
+    batch_shape: tuple[int, int],
+    mesh,
+    syncs: bool = False,
+    checkpointed: bool = False,
+    precision: str = "as given",
 ) -> dict:
     """This rank's EP run and the whole layer's on the same tokens: {"ep": ..., "whole": ...},
-    the whole layer's expert gradients summed over the ranks and cut to this rank's experts."""
+    the whole layer's expert gradients summed over the ranks and cut to this rank's experts;
+    each with the grouped GEMMs it ran (counted at the dispatcher)."""
     rank = dist.get_rank()
     gen = torch.Generator().manual_seed(100 + rank)
     x = torch.randn(*batch_shape, moe.args.dim, generator=gen).to(moe.gate.weight.dtype)
     probe = torch.randn(*batch_shape, moe.args.dim, generator=gen)
-    whole = forward_backward(moe, x, probe)
+    with HostSyncs() as whole_counted:
+        whole = forward_backward(moe, x, probe, precision=precision)
+    whole["grouped_mms"] = whole_counted.other_ops["aten._grouped_mm"]
     n_local = moe.args.n_experts // EP
     for name in WEIGHTS:
         key = f"experts.{name}"
@@ -52,7 +66,8 @@ def compare_with_whole_layer(
     moe.reset_load()
     apply_expert_parallel(moe, mesh)
     with HostSyncs() as counted:
-        ep = forward_backward(moe, x, probe, checkpointed)
+        ep = forward_backward(moe, x, probe, checkpointed, precision)
+    ep["grouped_mms"] = counted.other_ops["aten._grouped_mm"]
     ep["counts"] = moe.tokens_per_expert.tolist()
     ep["syncs"] = len(counted.syncs) if syncs else None
     ep["placements"] = [moe.experts.get_parameter(name).grad.placements for name in WEIGHTS] == [(Shard(0),)] * 3
@@ -79,6 +94,12 @@ def expert_parallel_cases() -> dict:
     results["checkpointed"] = compare_with_whole_layer(checkpointed, (2, 5), mesh, checkpointed=True)
     # bfloat16 through the grouped GEMM: the split sizes are the only host sync.
     results["grouped"] = compare_with_whole_layer(make_moe(dtype=torch.bfloat16), (2, 8), mesh, syncs=True)
+    # float32 weights under autocast: the grouped GEMM too, on one process and under EP.
+    results["autocast"] = compare_with_whole_layer(make_moe(), (2, 8), mesh, syncs=True, precision="autocast")
+    # Under autocast again, with every token sent to expert 3: rank 0's experts receive no rows.
+    idle = make_moe(MoEArgs(dim=16, n_experts=4, top_k=1, hidden_dim=24, bias_update_rate=1e-3)).train()
+    idle.expert_bias[3] = 100.0
+    results["idle_rank"] = compare_with_whole_layer(idle, (2, 8), mesh, syncs=True, precision="autocast")
     # The sharded weights are the whole ones, cut by expert, under the same names.
     moe = make_moe()
     whole_state = {name: tensor.clone() for name, tensor in moe.state_dict().items()}
@@ -144,9 +165,23 @@ def test_dropless_when_every_token_goes_to_one_experts_rank(runs):
     assert per_local_expert[0].tolist() == [0, 0] and per_local_expert[1][0] == 0 and per_local_expert[1][1] > 0
 
 
-def test_grouped_gemm_under_expert_parallelism_syncs_only_for_the_split_sizes(runs):
-    assert_ep_equals_whole(runs, "grouped", tol=2e-2)
-    assert [result["grouped"]["ep"]["syncs"] for result in runs] == [1, 1]
+@pytest.mark.parametrize("case", ["grouped", "autocast"])
+def test_grouped_gemm_under_expert_parallelism_syncs_only_for_the_split_sizes(runs, case):
+    # bf16's tolerance, test_parity's: EP sums each expert's rows in another order.
+    assert_ep_equals_whole(runs, case, tol=2e-2)
+    assert [result[case]["ep"]["syncs"] for result in runs] == [1, 1]
+    # The grouped path on one process and on each EP rank, never the loop (it would sync).
+    assert [result[case]["whole"]["grouped_mms"] for result in runs] == [GROUPED_MMS_PER_PASS] * EP
+    assert [result[case]["ep"]["grouped_mms"] for result in runs] == [GROUPED_MMS_PER_PASS] * EP
+
+
+def test_grouped_gemm_on_a_rank_whose_experts_receive_no_rows(runs):
+    assert_ep_equals_whole(runs, "idle_rank", tol=2e-2)
+    assert [result["idle_rank"]["ep"]["counts"] for result in runs] == [[0, 0, 0, 16]] * EP
+    # Rank 0 runs no kernel on its empty rows, yet its experts get a (zero) gradient.
+    assert [result["idle_rank"]["ep"]["grouped_mms"] for result in runs] == [0, GROUPED_MMS_PER_PASS]
+    assert runs[0]["idle_rank"]["ep"]["grads"]["experts.w1"].abs().sum() == 0
+    assert [result["idle_rank"]["ep"]["syncs"] for result in runs] == [1, 1]
 
 
 def test_checkpointed_forward_counts_its_tokens_once(runs):

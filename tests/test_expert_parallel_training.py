@@ -4,8 +4,10 @@
 norm, final weights), with each optimizer kernel, full activation checkpointing and compiled
 blocks (1e-4 for the weights); a checkpoint written under EP 2 x TP 2 resumes under FSDP 4,
 and one written there resumes under EP 2 x FSDP 2, equal to the uninterrupted run; an EP x TP
-checkpoint exports to Hugging Face; the layouts EP cannot run are refused in one line. Every multi-rank run is a job of
-one launch of 4 ranks."""
+checkpoint exports to Hugging Face; the layouts EP cannot run are refused in one line. In bf16,
+EP 2 (FSDP's bf16) and TP 2 (autocast) train like one process (autocast) within bf16's
+tolerance, all through the grouped GEMM and never the loop over experts. Every multi-rank run
+is a job of one launch of 4 ranks."""
 
 import logging
 from pathlib import Path
@@ -18,6 +20,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import capture_log_lines, free_ports, full_weights, hf_tensors, load_script
+from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     SAVE_AT,
@@ -31,7 +34,7 @@ from tests.test_checkpoint_resume import (
     train_to_end,
 )
 from tests.test_expert_parallel import forward_backward
-from tests.test_moe import make_moe
+from tests.test_moe import GROUPED_MMS_PER_PASS, make_moe
 from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import SCRIPTS
@@ -39,6 +42,7 @@ from tests.test_tp_checkpoint import optimizer_moments, record_state_at
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
 from titanlite.models.moe import MoEArgs
+from titanlite.models.moe import experts as moe_experts
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.plan import plan_run
@@ -100,6 +104,37 @@ def train_and_report_experts(extra_args: list[str]) -> dict:
     report |= {"params": full_weights(trainer.model), "experts": experts}
     dist.destroy_process_group()
     return report
+
+
+# --- bf16: the grouped GEMM on one process (autocast) and under EP 2 (FSDP's bf16) -----------
+
+BF16 = ["--training.mixed_precision_param=bfloat16"]
+
+
+def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
+    """tiny_moe trained in bf16: losses and grad norms, the grouped GEMMs its steps ran
+    (counted at the dispatcher) and how often the loop over experts ran."""
+    real_loop, loops = moe_experts._linear_per_expert, []
+
+    def counted_loop(*args):
+        loops.append(1)
+        return real_loop(*args)
+
+    moe_experts._linear_per_expert = counted_loop  # expert_linear looks it up at each call
+    try:
+        trainer = Trainer(parse_args(BASE_ARGS + MOE + BF16 + extra_args))
+        with HostSyncs() as counted:
+            records = trainer.train()
+    finally:
+        moe_experts._linear_per_expert = real_loop
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "grouped_mms": counted.other_ops["aten._grouped_mm"],
+        "loops": len(loops),
+    }
 
 
 # --- checkpoints reshard between EP 2 x TP 2, FSDP 4 and EP 2 x FSDP 2 ---------------------
@@ -168,6 +203,10 @@ RUNS = {
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
     **{f"layout {name}": Job(n, train_and_report_experts, (extra,)) for name, (n, extra) in LAYOUTS.items()},
     "pp2_ep2": Job(4, train_pipeline, (pp_args("1F1B", 4, 2, *MOE, *EP2),)),
+    "bf16 reference": Job(1, train_bf16_counting_expert_gemms, (batch(1),)),
+    "bf16 ep2": Job(2, train_bf16_counting_expert_gemms, ([*batch(2), *EP2],)),
+    # TP alone autocasts too, the experts held whole by both TP ranks.
+    "bf16 tp2": Job(2, train_bf16_counting_expert_gemms, ([*batch(1), "--parallelism.tensor_parallel_degree=2"],)),
 }
 
 
@@ -207,6 +246,19 @@ def test_compiled_expert_parallel_training_matches_one_process(runs):
 
 def test_pipeline_with_expert_parallelism_matches_one_process(runs):
     assert_pipeline_trains_like_one_process(runs["pp2_ep2"], runs["reference"][0])
+
+
+@pytest.mark.parametrize("layout", ["ep2", "tp2"])
+def test_bf16_training_matches_one_process_through_the_grouped_gemm(runs, layout):
+    reference = runs["bf16 reference"][0]
+    # Every step (one micro-batch), each of tiny_moe's 3 MoE layers, forward and backward.
+    assert reference["grouped_mms"] == len(reference["loss"]) * 3 * GROUPED_MMS_PER_PASS
+    assert reference["loops"] == 0
+    for rank_run in runs[f"bf16 {layout}"]:
+        # As many on each rank: every rank's experts received rows at every step.
+        assert rank_run["grouped_mms"] == reference["grouped_mms"] and rank_run["loops"] == 0
+        for key in ("loss", "grad_norm"):  # test_parity's bf16 tolerance
+            torch.testing.assert_close(torch.tensor(rank_run[key]), torch.tensor(reference[key]), rtol=2e-2, atol=0)
 
 
 def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):

@@ -1,12 +1,15 @@
 """The mixture-of-experts layer (titanlite/models/moe/) on its own: routing, grouped GEMM
-against the loop over experts, dropless routing, both ways of load balancing, and parity
-with transformers' Qwen3-MoE block."""
+against the loop over experts (bf16 and under autocast, empty experts, no rows, kept by
+per-op checkpointing), dropless routing, both ways of load balancing, and parity with
+transformers' Qwen3-MoE block."""
 
+import contextlib
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.host_syncs import HostSyncs
@@ -66,35 +69,94 @@ def test_loop_over_experts_equals_the_per_token_reference_in_float32():
             torch.testing.assert_close(layer_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
 
 
-def test_grouped_gemm_equals_the_loop_in_bfloat16_without_host_syncs():
-    moe = make_moe(dtype=torch.bfloat16)
-    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2)).bfloat16()
+# Grouped GEMMs per MoE layer in one forward and backward: w1, w3 and w2 forward, and each
+# of them twice backward (the rows' gradient and the weights').
+GROUPED_MMS_PER_PASS = 9
+
+
+def forward_context(precision: str):
+    """What a forward runs in: "autocast", float32 weights and tokens under CPU autocast bf16
+    (the trainer's bf16 on one process, or TP or PP without FSDP); any other precision, the
+    dtype they have (bf16 as FSDP's param dtype gives them, or float32)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "autocast"])
+def test_grouped_gemm_equals_the_loop_in_bf16_with_empty_experts_and_no_host_sync(precision):
+    moe = make_moe(replace(ARGS, bias_update_rate=1e-3), dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    moe.expert_bias[[1, 5]] = -100.0  # experts 1 and 5 are never chosen: empty groups
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2)).to(moe.gate.weight.dtype).requires_grad_()
     results = {}
     for grouped in (True, False):
         moe.experts.use_grouped_mm = None if grouped else False
         moe.zero_grad()
+        x.grad = None
         with HostSyncs() as syncs:
-            out = moe(x)
+            with forward_context(precision):
+                out = moe(x)
             out.float().pow(2).sum().backward()
-        results[grouped] = (out, grads(moe), syncs)
+        results[grouped] = (out, grads(moe) | {"x": x.grad.clone()}, syncs)
     (grouped_out, grouped_grads, grouped_syncs), (loop_out, loop_grads, loop_syncs) = results[True], results[False]
-    assert grouped_syncs.other_ops["aten._grouped_mm"] > 0 and loop_syncs.other_ops["aten._grouped_mm"] == 0
+    assert moe.tokens_per_expert[[1, 5]].tolist() == [0, 0] and moe.tokens_per_expert.sum() == 2 * 32 * 2
+    assert grouped_syncs.other_ops["aten._grouped_mm"] == GROUPED_MMS_PER_PASS
+    assert loop_syncs.other_ops["aten._grouped_mm"] == 0
     assert not grouped_syncs.syncs, grouped_syncs.report()
-    assert loop_syncs.syncs  # the loop reads the counts on the host: the counter sees syncs
+    assert loop_syncs.syncs["Tensor.tolist"] == 3  # the loop reads the counts once per projection
     assert moe.tokens_per_expert.dtype == torch.int64  # integer counts survive the cast to bf16
+    # Parameters keep their dtype (float32 under autocast) and so do their gradients.
+    assert {grad.dtype for grad in grouped_grads.values()} == {moe.gate.weight.dtype}
     torch.testing.assert_close(grouped_out, loop_out, rtol=1.6e-2, atol=1e-2)
     for name, grad in loop_grads.items():
         torch.testing.assert_close(grouped_grads[name], grad, rtol=1.6e-2, atol=2e-2, msg=name)
 
 
-def test_expert_linear_paths_agree_with_empty_experts():
-    # Rows for experts 1 and 3 only: the others get none, which both paths must allow.
+def test_expert_linear_paths_agree_with_empty_experts_and_with_no_rows():
+    # Rows for experts 1 and 3 only: the others get none, which both paths must allow; then
+    # no rows at all (an expert-parallel rank whose experts received none).
     x = torch.randn(7, 16, generator=torch.Generator().manual_seed(3)).bfloat16()
     weight = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(4)).bfloat16()
-    counts = torch.tensor([0, 3, 0, 4])
-    expected = torch.cat([x[:3] @ weight[1].T, x[3:] @ weight[3].T])
-    for grouped in (True, False):
-        torch.testing.assert_close(expert_linear(x, weight, counts, grouped), expected, rtol=1.6e-2, atol=1e-2)
+    probe = torch.randn(7, 8, generator=torch.Generator().manual_seed(5))
+    for counts in ([0, 3, 0, 4], [0, 0, 0, 0]):
+        rows = sum(counts)
+        experts = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+        # By hand, in float32: row i times its expert's weight, and the gradients of sum(out * probe).
+        w = weight.float()[experts]
+        expected_out = torch.einsum("ri,roi->ro", x[:rows].float(), w)
+        expected_x_grad = torch.einsum("ro,roi->ri", probe[:rows], w)
+        expected_w_grad = torch.zeros(4, 8, 16).index_add_(0, experts, probe[:rows, :, None] * x[:rows, None].float())
+        for grouped in (True, False):
+            x_in, weight_in = x[:rows].clone().requires_grad_(), weight.clone().requires_grad_()
+            with HostSyncs() as syncs:
+                out = expert_linear(x_in, weight_in, torch.tensor(counts), grouped)
+                (out.float() * probe[:rows]).sum().backward()
+            where = f"counts {counts}, {'grouped' if grouped else 'loop'}"
+            assert out.shape == (rows, 8), where
+            # The grouped path: one kernel forward, two backward (rows' and weight's gradients);
+            # none without rows.
+            assert syncs.other_ops["aten._grouped_mm"] == (3 if grouped and rows else 0), where
+            if grouped:
+                assert not syncs.syncs, f"{where}: {syncs.report()}"
+            for got, expected in ((out, expected_out), (x_in.grad, expected_x_grad), (weight_in.grad, expected_w_grad)):
+                torch.testing.assert_close(got.float(), expected, rtol=1.6e-2, atol=2e-2, msg=where)
+
+
+def test_per_op_checkpointing_keeps_the_grouped_gemms():
+    """The trainer's per-op selective activation checkpointing (parallelize.py's saved ops)
+    keeps what the grouped GEMMs computed, under autocast too: its backward runs as many as
+    without checkpointing, where full checkpointing runs the forward's 3 again."""
+    from titanlite.parallel.parallelize import apply_activation_checkpointing
+
+    calls = {}
+    for mode in ("none", "selective", "full"):
+        layers = nn.ModuleDict({"0": make_moe()})
+        apply_activation_checkpointing(layers, mode, selective_option="op")
+        x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(6), requires_grad=True)
+        with HostSyncs() as counted:
+            with forward_context("autocast"):
+                out = layers["0"](x)
+            out.pow(2).sum().backward()
+        calls[mode] = counted.other_ops["aten._grouped_mm"]
+    assert calls == {"none": GROUPED_MMS_PER_PASS, "selective": GROUPED_MMS_PER_PASS, "full": GROUPED_MMS_PER_PASS + 3}
 
 
 def test_dropless_when_the_router_sends_every_token_to_one_expert():

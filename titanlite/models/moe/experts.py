@@ -11,10 +11,15 @@ from torch import nn
 from titanlite.models.init import fill_trunc_normal_
 from titanlite.models.moe.args import MoEArgs
 
+# torch's CUDA kernel (GroupMM.cu) takes fewer groups than this, one group per local expert.
+_CUDA_GROUP_LIMIT = 1024
+
 
 @lru_cache
 def _cuda_has_grouped_mm(device_index: int) -> bool:
-    # torch documents grouped GEMM for CUDA devices of compute capability 8.0 and above.
+    # torch documents grouped GEMM for CUDA devices of compute capability 8.0 and above. Its
+    # kernel runs on 9.0 and 10.x; on the others torch falls back to one matmul per group,
+    # reading the offsets on the host (GroupedBlas.cpp): still one call, no Python loop.
     return torch.cuda.get_device_capability(device_index) >= (8, 0)
 
 
@@ -27,18 +32,48 @@ def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.shape[-1] % 8 or weight.shape[-2] % 8:
         return False
     if x.device.type == "cuda":
-        return _cuda_has_grouped_mm(x.device.index or 0)
+        return _cuda_has_grouped_mm(x.device.index or 0) and weight.shape[0] < _CUDA_GROUP_LIMIT  # cuda-only
     return x.device.type == "cpu"
+
+
+def to_compute_dtype(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` in the dtype autocast computes matmuls in on its device, where autocast is on;
+    else as it is. Autocast casts the arguments of the operators on its lists only, and grouped
+    GEMM is not on the CPU's: cast here, tokens and stacked weights reach it in bf16 under
+    autocast as they do under FSDP's bf16 param dtype. The cast is differentiable: float32
+    parameters get float32 gradients."""
+    if not tensor.is_floating_point() or not torch.is_autocast_enabled(tensor.device.type):
+        return tensor
+    return tensor.to(torch.get_autocast_dtype(tensor.device.type))
 
 
 def expert_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
     """x [rows, in], sorted by expert with counts[e] rows for expert e, times each expert's
     weight[e] [out, in] transposed: [rows, out]. ``grouped`` runs one grouped GEMM; otherwise a
     loop over experts runs one matmul each (exact, any dtype, but it reads the counts on the host)."""
-    if grouped:
-        offsets = counts.cumsum(0).to(torch.int32)  # where each expert's rows end
-        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
-    return _linear_per_expert(x, weight, counts)
+    if not grouped:
+        return _linear_per_expert(x, weight, counts)
+    if x.shape[0] == 0:
+        # No rows for any expert (an expert-parallel rank whose experts received none): no
+        # kernel to run, but an empty product that still ties the weights to the graph, so
+        # that they get a zero gradient as on the ranks whose experts had rows.
+        return F.linear(x, weight[0])
+    # Where each expert's rows end, int32 as the kernel takes them; an empty expert repeats
+    # the previous offset. No padding per expert: the CUDA kernel checks a group's size only
+    # in operand layouts that neither this call nor its backward makes (GroupMMCommon.cuh),
+    # and row-major rows of 16-byte multiples start every group on an aligned address.
+    offsets = counts.cumsum(0).to(torch.int32)
+    return torch._grouped_mm(_aligned_for_cuda(x), _aligned_for_cuda(weight).transpose(-2, -1), offs=offsets)
+
+
+def _aligned_for_cuda(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied if it is on a CUDA device and starts off a 16-byte boundary (a view
+    into a larger buffer): the CUDA kernel reads its operands through TMA, which needs aligned
+    addresses, and refuses others; the CPU kernel does not ask (GroupedMMUtils.h). A compiled
+    graph needs no such copy: Inductor clones its misaligned inputs itself."""
+    if tensor.device.type != "cuda" or torch.compiler.is_compiling():
+        return tensor
+    return tensor if tensor.data_ptr() % 16 == 0 else tensor.clone()  # cuda-only
 
 
 # Eager also inside a compiled block (which breaks its graph here): the split sizes are read
@@ -61,7 +96,9 @@ def swiglu_experts(
 ) -> torch.Tensor:
     """Each expert's SwiGLU on its rows of x [rows, dim] (sorted by expert, counts[e] rows for
     expert e, of the len(counts) experts whose weights are stacked in w1, w2, w3): [rows, dim].
-    ``use_grouped_mm`` None: grouped GEMM wherever it fits; False: always the loop."""
+    ``use_grouped_mm`` None: grouped GEMM wherever it fits; False: always the loop. Under
+    autocast, tokens and weights are cast to its dtype first (to_compute_dtype)."""
+    x, w1, w2, w3 = (to_compute_dtype(tensor) for tensor in (x, w1, w2, w3))
     # w1 fitting means dim and hidden_dim both do, and so w2 and w3 fit too.
     grouped = use_grouped_mm is not False and grouped_mm_fits(x, w1)
     hidden = F.silu(expert_linear(x, w1, counts, grouped)) * expert_linear(x, w3, counts, grouped)

@@ -6,7 +6,7 @@ from torch import nn
 from titanlite.models.init import fill_trunc_normal_
 from titanlite.models.moe.args import MoEArgs
 from titanlite.models.moe.balancing import RouterStats
-from titanlite.models.moe.experts import GroupedExperts
+from titanlite.models.moe.experts import GroupedExperts, to_compute_dtype
 from titanlite.models.moe.router import Routing, count_tokens, route_logits
 
 
@@ -56,7 +56,9 @@ class MoE(nn.Module):
         # Every (token, expert) pair becomes one row; a stable sort by expert keeps each
         # expert's rows in token order.
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
-        rows = tokens[order // self.args.top_k]
+        # In autocast's dtype from here (as FSDP's bf16 gives them): expert parallelism then
+        # sends bf16 rows, and the experts take the grouped path.
+        rows = to_compute_dtype(tokens[order // self.args.top_k])
         expert_out = self.experts(rows, counts)
         per_pair = expert_out[torch.argsort(order)].view(tokens.shape[0], self.args.top_k, -1)
         out = (per_pair * routing.weights.unsqueeze(-1)).sum(dim=1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from titanlite.config import ConfigError, parse_args
-from titanlite.config.model import MOE_BALANCING_KEYS
+from titanlite.config.model import MOE_KEYS
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
 from titanlite.plan import plan_run
@@ -108,10 +108,10 @@ def test_train_config_parses_builds_and_plans(path):
     assert plan.parallel_dims.world_size == world_size
     tp = job_config.parallelism.tensor_parallel_degree
     assert plan.parallel_dims.dp_degree * tp == world_size
-    # The flavor's args, with the load balancing a config's [model] section sets (MoE only).
-    balancing = {key: getattr(job_config.model, key) for key in MOE_BALANCING_KEYS}
+    # The flavor's args, with the router and balancing a config's [model] section sets (MoE only).
+    chosen = {field: getattr(job_config.model, key) for key, field in MOE_KEYS.items()}
     assert plan.model_args == dataclasses.replace(
-        args, **{key: value for key, value in balancing.items() if value is not None}
+        args, **{field: value for field, value in chosen.items() if value is not None}
     )
     per_micro_step = job_config.training.local_batch_size * plan.parallel_dims.dp_degree
     assert plan.global_batch_size == plan.grad_accum_steps * per_micro_step

@@ -322,6 +322,22 @@ def test_a_collapsed_router_is_warned_of_once_naming_its_layers_and_the_keys():
     assert len(log.warnings()) == 1
 
 
+def test_a_run_whose_routers_collapse_says_so_once(tmp_path):
+    """A bias of 100 on experts 0 and 1 sends every token there in every layer: each step
+    logs the worst load, 2 of max 2 for 4 experts and top 2, and the third log step warns."""
+    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "model.moe_bias_update_rate": 1e-9}
+    trainer = Trainer(parse_args(tiny_args(overrides | {"training.steps": 4}) + ["--job.dump_folder", str(tmp_path)]))
+    for layer in moe_layers(trainer.model):
+        layer.expert_bias[:2] = 100.0
+    log = capture_log_lines()
+    trainer.train()
+    step_lines = [line for line in log.lines if line.startswith("step:")]
+    assert len(step_lines) == 4 and all("moe_load: 2.00 of max 2.00" in line for line in step_lines)
+    (warning,) = log.warnings()
+    assert warning.startswith("MoE routing has collapsed in layer(s) 0, 1, 2: ")
+    assert log.lines.index(warning) == log.lines.index(step_lines[2]) - 1  # with the third step's numbers
+
+
 def test_a_resumed_run_routes_with_the_saved_bias(tmp_path):
     """4 steps straight, and the same run resumed from its step-2 checkpoint: the same bias
     (a saved buffer) and so the same routing and weights at step 4."""

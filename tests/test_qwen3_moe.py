@@ -149,6 +149,16 @@ def test_exporting_a_run_that_trained_the_expert_bias_says_it_is_dropped(tmp_pat
     assert "the exported model routes without it" in said
 
 
+def test_exporting_a_run_whose_router_transformers_lacks_is_refused_before_writing(tmp_path, capsys):
+    run = train_tiny(tmp_path / "run", [*MOE, "--model.moe_score_func=sigmoid"])
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    capsys.readouterr()
+    assert export.main([str(run.step_dir), str(tmp_path / "hf")]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{run.step_dir}: this MoE model routes with moe_score_func sigmoid, which transformers'" in error
+    assert not (tmp_path / "hf").exists()
+
+
 def test_the_published_moe_shapes_and_their_active_parameters():
     """Qwen3-30B-A3B and Qwen3-235B-A22B: 30.5 B and 235 B parameters, of which a token's
     matmuls meet 3.3 B and 22 B with the embedding (the names' "A3B" and "A22B"); FLOPs count

@@ -149,16 +149,6 @@ def test_exporting_a_run_that_trained_the_expert_bias_says_it_is_dropped(tmp_pat
     assert "the exported model routes without it" in said
 
 
-def test_exporting_a_run_whose_router_transformers_lacks_is_refused_before_writing(tmp_path, capsys):
-    run = train_tiny(tmp_path / "run", [*MOE, "--model.moe_score_func=sigmoid"])
-    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
-    capsys.readouterr()
-    assert export.main([str(run.step_dir), str(tmp_path / "hf")]) == 2
-    (error,) = capsys.readouterr().err.strip().splitlines()
-    assert f"{run.step_dir}: this MoE model routes with moe_score_func sigmoid, which transformers'" in error
-    assert not (tmp_path / "hf").exists()
-
-
 def test_the_published_moe_shapes_and_their_active_parameters():
     """Qwen3-30B-A3B and Qwen3-235B-A22B: 30.5 B and 235 B parameters, of which a token's
     matmuls meet 3.3 B and 22 B with the embedding (the names' "A3B" and "A22B"); FLOPs count
@@ -387,12 +377,14 @@ def runs(hf_moe, tmp_path_factory):
     # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
     # and the counting stay eager inside the compiled blocks.
     jobs["fsdp2 compiled full ac"] = Job(2, train_and_report, ([*fsdp2, *FULL_AC, "--compile.enable"],))
-    jobs["router reference"] = Job(1, train_balanced, (ROUTER, dump("router_reference")))
+    # Its last checkpoint is the sigmoid router's that the export must refuse.
+    router_dump = dump("router_reference")
+    jobs["router reference"] = Job(1, train_balanced, ([*ROUTER, "--checkpoint.enable"], router_dump))
     for name, args in ROUTER_LAYOUTS.items():
         jobs[f"router {name}"] = Job(2, train_balanced, (args, dump(f"router_{name}")))
     # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
     jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
-    return run_jobs_on_ranks(2, jobs)
+    return run_jobs_on_ranks(2, jobs) | {"router dump": router_dump}
 
 
 def test_an_fsdp_run_seeds_from_a_transformers_folder(runs, hf_moe):
@@ -508,6 +500,16 @@ def test_the_router_options_and_losses_change_the_training(runs):
     first = options["metrics"][0]
     assert 3.0 <= first[tags.MOE_LOAD_BALANCE_LOSS] < 6.0 and 3.0 <= first[tags.MOE_SEQ_BALANCE_LOSS] < 6.0
     assert first[tags.MOE_Z_LOSS] > 0
+
+
+def test_exporting_a_router_transformers_lacks_is_refused_before_writing(runs, tmp_path, capsys):
+    step_dir = Path(runs["router dump"]) / "checkpoint" / "step-8"
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    capsys.readouterr()
+    assert export.main([str(step_dir), str(tmp_path / "hf")]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{step_dir}: this MoE model routes with moe_score_func sigmoid, which transformers'" in error
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_tp2_checkpoint_resumes_under_fsdp(runs):

@@ -72,25 +72,25 @@ def _moe_load_text(load: float, metrics: dict[str, float]) -> str:
     return f"{load:.2f}" if worst is None else f"{load:.2f} of max {worst:.2f}"
 
 
-def _loss_text(value: float, metrics: dict[str, float]) -> str:
+def _four_places(value: float, metrics: dict[str, float]) -> str:
     return f"{value:.4f}"
 
 
 # (tag, label, color, formatter of the value and the step's metrics) in the order the
 # console line shows them.
 _CONSOLE_FIELDS = (
-    (tags.LOSS, "loss", "green", _loss_text),
-    (tags.GRAD_NORM, "grad_norm", "yellow", _loss_text),
+    (tags.LOSS, "loss", "green", _four_places),
+    (tags.GRAD_NORM, "grad_norm", "yellow", _four_places),
     (tags.LR, "lr", "white", lambda v, _: f"{v:.2e}"),
     (tags.TPS, "tps", "blue", lambda v, _: f"{v:,.0f}"),
     (tags.TFLOPS, "tflops", "cyan", lambda v, _: _small(v)),
     (tags.MFU, "mfu", "magenta", lambda v, _: f"{v:.2f}%"),
     (tags.MOE_MAX_LOAD, "moe_load", "yellow", _moe_load_text),
-    (tags.MOE_AUX_LOSS, "aux_loss", "green", _loss_text),
-    (tags.MOE_LOAD_BALANCE_LOSS, "lb_loss", "green", _loss_text),
-    (tags.MOE_SEQ_BALANCE_LOSS, "seq_loss", "green", _loss_text),
-    (tags.MOE_Z_LOSS, "z_loss", "green", _loss_text),
-    (tags.VAL_LOSS, "val_loss", "green", _loss_text),
+    (tags.MOE_AUX_LOSS, "aux_loss", "green", _four_places),
+    (tags.MOE_LOAD_BALANCE_LOSS, "lb_loss", "green", _four_places),
+    (tags.MOE_SEQ_BALANCE_LOSS, "seq_loss", "green", _four_places),
+    (tags.MOE_Z_LOSS, "z_loss", "green", _four_places),
+    (tags.VAL_LOSS, "val_loss", "green", _four_places),
     (tags.VAL_PERPLEXITY, "val_ppl", "green", lambda v, _: _small(v)),
 )
 

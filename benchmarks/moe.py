@@ -224,7 +224,7 @@ def pairs_between(moe: MoE, tokens: torch.Tensor, source: int, owner: int) -> in
     from titanlite.models.moe import route
 
     with torch.no_grad():
-        experts = route(tokens, moe.gate.weight, moe.args.top_k, moe.args.norm_topk_prob).experts
+        experts = route(tokens, moe.gate.weight, moe.args).experts
     return int((experts // (moe.args.n_experts // EP) == owner).sum()) if source != owner else 0
 
 

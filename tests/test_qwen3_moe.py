@@ -184,7 +184,7 @@ def test_the_published_config_reads_back_as_the_flavor():
 
 
 def test_tensor_parallelism_of_an_moe_flavor_splits_its_heads_but_not_its_feed_forward():
-    """The MoE feed-forward is held whole on every TP rank: only the attention heads must
+    """The MoE's router and experts are held whole on every TP rank: only the attention heads must
     divide (an MoE flavor's ffn_hidden_dim is the unused dense width of its config.json)."""
     problem = get_model_spec("qwen3").tensor_parallel_problem
     moe, dense = get_model_args("qwen3", "tiny_moe"), get_model_args("qwen3", "tiny")
@@ -270,22 +270,20 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
     return report
 
 
-# Attention split over 2 TP ranks, the MoE feed-forward whole on both, running on the same
-# tokens: the two cases switch sequence parallel (the MoE's input all-gathered, its output cut
-# back to the rank's part), loss parallel, activation checkpointing and accumulation on and
-# off (test_parity adds TP 2 x FSDP 2 with full AC to its 4-rank launch). Every rank's MoE
-# gradient is already the whole one: a reduction over tp would double it, which the grad
-# norms and the weights would show.
+# Attention split over 2 TP ranks, the MoE's router and experts whole on both, each rank
+# routing its own half of the sequence: the two cases switch sequence parallel (the MoE takes
+# its input and gives its output as the rank's part of the sequence; without it, the layer cuts
+# the whole input and all-gathers its output), loss parallel, activation checkpointing,
+# accumulation and the auxiliary loss on and off (test_parity adds TP 2 x FSDP 2 with full AC
+# to its 4-rank launch). Each rank's MoE gradient is a partial sum over its tokens: a missing
+# reduction over tp would halve it, which the grad norms and the weights would show. Each case
+# is compared with the one process of its own balancing settings.
 TP_LAYOUTS = {
-    "tp2": ["--training.local_batch_size=8", *TP2, *BIAS],
-    "tp2_no_sp_no_lp_selective_ac_op_accum": [
-        "--training.local_batch_size=4",
-        *TP2,
-        *NO_SP,
-        *NO_LP,
-        *SELECTIVE_OP,
-        *BIAS,
-    ],
+    "tp2": (["--training.local_batch_size=8", *TP2, *BIAS], "reference"),
+    "tp2_no_sp_no_lp_selective_ac_op_accum_aux_loss": (
+        [*BALANCED, *TP2, *NO_SP, *NO_LP, *SELECTIVE_OP],
+        "balanced reference",
+    ),
 }
 
 
@@ -316,11 +314,13 @@ def runs(hf_moe, tmp_path_factory):
         # The same micro-batches: 2 accumulation steps of 4 sequences, or 2 ranks of 4.
         "balanced reference": Job(1, train_balanced, (BALANCED, dump("balanced_reference"))),
         "balanced fsdp2": Job(2, train_balanced, (BALANCED, dump("balanced_fsdp2"))),
+        # The auxiliary loss's statistics and the bias's counts summed over the TP ranks.
+        "balanced tp2": Job(2, train_balanced, ([*BALANCED, *TP2], dump("balanced_tp2"))),
         "pp2": Job(2, train_balanced, ([*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *PP_MOE], dump("pp2"))),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
     } | {
         f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
-        for name, args in TP_LAYOUTS.items()
+        for name, (args, _) in TP_LAYOUTS.items()
     }
     # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
     # and the counting stay eager inside the compiled blocks.
@@ -355,16 +355,19 @@ def test_the_expert_bias_moves_and_resumes_with_the_weights(runs):
     assert bias.abs().max() > 1e-4 and bias.sum().abs() < 1e-6  # moved, and centred
 
 
-def test_load_balancing_under_fsdp_matches_single_process(runs):
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_load_balancing_matches_single_process(runs, layout):
     """The auxiliary loss's gradients, the bias from counts summed over the 2 ranks, and the
-    metrics equal one process's that ran the same micro-batches one after the other."""
+    metrics equal one process's that ran the same micro-batches one after the other. Under
+    TP 2 each rank routed half of each sequence: the loss's statistics and the bias's counts
+    are summed over both."""
     reference = runs["balanced reference"][0]
-    for rank_run in runs["balanced fsdp2"]:
+    for rank_run in runs[f"balanced {layout}"]:
         assert_same_training(rank_run, reference, rtol=1e-5)
     # The auxiliary loss changes the routers' training (it is not lost on the way).
     gate = "layers.0.feed_forward.gate.weight"
     assert (reference["params"][gate] - runs["reference"][0]["params"][gate]).abs().max() > 1e-4
-    ours, theirs = runs["balanced fsdp2"][0]["metrics"], reference["metrics"]
+    ours, theirs = runs[f"balanced {layout}"][0]["metrics"], reference["metrics"]
     assert len(ours) == len(theirs) == 8
     moe_tags = [tags.MOE_MAX_LOAD, tags.MOE_AUX_LOSS] + [tags.moe_layer_load(block) for block in range(3)]
     for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
@@ -391,8 +394,9 @@ def test_the_aux_loss_under_fsdp_returns_no_view_for_fsdp_to_warn_of(runs):
         assert rank_run["view_warnings"] == []
 
 
-def test_the_bias_update_sums_counts_without_a_host_sync(runs):
-    for rank_run in runs["balanced fsdp2"]:
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+def test_the_bias_update_sums_counts_without_a_host_sync(runs, layout):
+    for rank_run in runs[f"balanced {layout}"]:
         assert rank_run["syncs"] == "none"
         assert {"c10d.allreduce_", "aten.sign"} <= rank_run["ops"]  # the mode saw the update run
 
@@ -408,8 +412,9 @@ def test_moe_pipeline_matches_single_process(runs):
 
 @pytest.mark.parametrize("layout", TP_LAYOUTS)
 def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
+    reference = runs[TP_LAYOUTS[layout][1]][0]
     for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
-        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+        assert_same_training(rank_run, reference, rtol=1e-5)
 
 
 def test_a_tp2_checkpoint_resumes_under_fsdp(runs):

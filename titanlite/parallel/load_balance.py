@@ -1,13 +1,14 @@
 """MoE load balancing over the training loop's steps.
 
 After every optimizer step that was applied, each MoE layer's token counts (accumulated by
-the layer over the step's forwards) are summed over the data-parallel ranks, the ranks
-that routed different tokens; a tensor-parallel group routes the same tokens on each of its
-ranks and counts once. Under pipeline parallelism each stage sums its own layers over its
-own data-parallel group. The sums update the auxiliary-loss-free expert bias, and the
-counts start again from 0. Everything runs on the device: no value is read on the host.
-The step's load per layer (max / mean tokens per expert) and auxiliary loss stay on the
-device for the metrics, which read them at log steps only.
+the layer over the step's forwards) are summed over the ranks that routed different tokens:
+the data-parallel ranks, and the ranks of a tensor-parallel group, each of which routes its
+own slice of the sequence (moe_tensor_parallel.py). Under pipeline parallelism each stage
+sums its own layers over its own data-parallel and tensor-parallel groups. The sums update
+the auxiliary-loss-free expert bias, and the counts start again from 0. Everything runs on
+the device: no value is read on the host. The step's load per layer (max / mean tokens per
+expert) and auxiliary loss stay on the device for the metrics, which read them at log steps
+only.
 """
 
 import re
@@ -37,8 +38,12 @@ class ExpertLoadBalancer:
         # HSDP's and DDP's data-parallel mesh is 2-D: a sum over each dimension in turn is the
         # sum over all its ranks.
         self.dp_groups = [] if dp_mesh is None else [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
+        # ... and over tp: each TP rank routes its own slice of the sequence.
+        tp_mesh = dims.tp_mesh(mesh)
+        self.dp_groups += [] if tp_mesh is None else [tp_mesh.get_group()]
         # For the metrics' one sum over all ranks: every rank of a stage holds the same load
-        # values, and the ranks of a tensor-parallel group the same auxiliary loss.
+        # values, and the ranks of a tensor-parallel group the same auxiliary loss (its
+        # statistics summed over them).
         self.ranks_per_stage, self.tp = dims.world_size // dims.pp, dims.tp
         self.aux_loss_on = any(layer.args.router_aux_loss_coef > 0 for layer in self.layers)
         for layer in self.layers:
@@ -51,7 +56,7 @@ class ExpertLoadBalancer:
 
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
-        """Sum the counts over the data-parallel ranks, update the expert biases, keep the
+        """Sum the counts over the data-parallel and TP ranks, update the expert biases, keep the
         step's load and auxiliary loss, and start the counts again. A fused optimizer runs
         every step and skips a non-finite one on the device (its found_inf flag): so do the
         biases. Other kernels are not called on such a step (titanlite.nonfinite), and its

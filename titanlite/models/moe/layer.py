@@ -1,5 +1,7 @@
 """The mixture-of-experts layer: route, sort by expert, run the experts, put back, weigh."""
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -42,6 +44,12 @@ class MoE(nn.Module):
         # auxiliary loss weighs its tokens' share of them, so that the summed gradients are the
         # mean over the step's forwards. None: every forward weighs 1.
         self.aux_loss_step_tokens: int | None = None
+        # Set by tensor parallelism, whose ranks each route their own equal slice of a forward's
+        # tokens: how many ranks share them, and a sum over those ranks whose gradient passes
+        # through unchanged. The auxiliary loss's statistics are summed so, and are those of the
+        # whole forward on every rank, as in one process.
+        self.token_ranks = 1
+        self.sum_over_token_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -78,7 +86,9 @@ class MoE(nn.Module):
             with torch.no_grad():
                 self.tokens_per_expert += counts
         if self.args.router_aux_loss_coef > 0:
-            self.last_router_stats = RouterStats(counts.float(), routing.probs.sum(dim=0), n_tokens)
+            total = self.sum_over_token_ranks or (lambda tensor: tensor)
+            token_counts, prob_sums = total(counts.float()), total(routing.probs.sum(dim=0))
+            self.last_router_stats = RouterStats(token_counts, prob_sums, n_tokens * self.token_ranks)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, skip: torch.Tensor | None = None) -> None:

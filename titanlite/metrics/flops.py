@@ -27,7 +27,7 @@ class ParamCounts:
     head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
     idle_experts: int = 0  # routed experts' weights a token does not meet: all but its top_k in each MoE layer
     experts: tuple[int, ...] = ()  # each block's routed experts' weights (0 for a dense block), in order
-    moe_active: int = 0  # weights a token meets in the MoE layers (routers and its top_k experts): not split by TP
+    moe_active: int = 0  # weights a token meets in the MoE layers (routers and its top_k experts), any TP degree
 
     @property
     def root(self) -> int:

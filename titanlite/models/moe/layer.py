@@ -55,8 +55,8 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         bias = self.expert_bias if self.args.bias_update_rate > 0 else None
-        # The router is called as a module, not read as a weight, so that hooks on it act
-        # (tensor parallelism hands it a weight held whole on every rank, as a DTensor).
+        # The router is called as a module, not read as a weight, so that parallel code can
+        # change how it multiplies (tensor parallelism: by its weight's local tensor).
         logits = self.gate(tokens)
         routing = route_logits(logits, tokens.dtype, self.args.top_k, self.args.norm_topk_prob, bias)
         counts = count_tokens(routing.experts, self.args.n_experts)

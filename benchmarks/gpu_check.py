@@ -1,4 +1,4 @@
-"""The GPU path, checked in one command on one CUDA GPU (about 5 minutes on an H100).
+"""The GPU path, checked in one command on one CUDA GPU (about 4 minutes on an H100).
 
     python benchmarks/gpu_check.py                  # on a machine with a CUDA GPU
     python benchmarks/gpu_check.py --cpu-dry-run    # the same code on the CPU, debug sizes
@@ -14,16 +14,17 @@ Otherwise it prints one table row per check and exits 1 if any check failed:
   math, with no backend allowed it must report the error.
 * Two trainings of a Llama-3-shaped 1 B model ("check1b": dim 2048, 16 blocks, 32 heads, 8
   key/value heads, vocabulary 128256), bf16 compute with float32 weights, selective
-  activation checkpointing, seq 8192, batch 1:
+  activation checkpointing per op (matmul and attention outputs kept), seq 8192, batch 1:
   - run 1, compiled, with the EMA, no checkpoint: MFU (the trainer's own figure, the median
     of WINDOWS logged windows after one warm-up window; attention counted causally, and
     beside it counted whole as torchtitan does; see docs/metrics.md), target >= 45%; host
     syncs in quiet steps; peak memory.
   - run 2, eager, saving with `async_with_pinned_mem`: MFU (reference), host syncs, and the
-    race the staging guards against. At the end of the measured windows the state is cloned
-    on the compute stream right where the save is issued (no synchronisation the training
-    lacks), training goes on, and the checkpoint read back from disk is compared with the
-    clone bit for bit, every tensor of the model, optimizer and schedule. The next interval
+    race the staging guards against. At the end of the measured windows the state is copied
+    into pinned host memory on the compute stream right where the save is issued (no
+    synchronisation the training lacks, and nothing more on the device, so the check fits an
+    80 GB card), training goes on, and the checkpoint read back from disk is compared with the
+    copy bit for bit, every tensor of the model, optimizer and schedule. The next interval
     save does the same with the guard off (CheckpointManager.wait_for_staging and
     order_staging_after_compute made no-ops) and reports whether a tear appears; only a
     tear with the guard on fails. No save falls in a measured window, each compared
@@ -135,7 +136,8 @@ def trainer_argv(sizes: Sizes, dump: str, run: str) -> list[str]:
     argv = [
         *("--model.flavor", sizes.flavor, "--job.dump_folder", dump, "--training.seq_len", str(sizes.seq_len)),
         *("--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16"),
-        *("--activation_checkpoint.mode", "selective", "--lr_scheduler.warmup_steps", "2"),
+        *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
+        *("--lr_scheduler.warmup_steps", "2"),
         *("--metrics.log_freq", str(sizes.log_freq)),
         *(("--metrics.peak_tflops", str(sizes.peak_tflops)) if sizes.peak_tflops else ()),
     ]
@@ -251,6 +253,13 @@ def _flatten(state, prefix: str = "") -> dict:
     return {prefix.rstrip("."): state}
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory, queued on the current stream: from an accelerator,
+    ``non_blocking`` makes torch allocate the copy pinned (its _to_copy does so for any
+    accelerator but MPS), so the host waits for nothing here; read it after a synchronize."""
+    return tensor.detach().to("cpu", non_blocking=True, copy=True)
+
+
 def _map_tensors(function, state):
     from torch.utils._pytree import tree_map_only
 
@@ -262,8 +271,8 @@ class SaveRace:
     is issued, moved to the host once the save has staged, compared with the checkpoint
     read back from disk, which is then deleted."""
 
-    def __init__(self, trainer, sizes: Sizes):
-        self.trainer, self.checkpointer = trainer, trainer.checkpointer
+    def __init__(self, trainer, sizes: Sizes, device: torch.device):
+        self.trainer, self.checkpointer, self.device = trainer, trainer.checkpointer, device
         self.guarded, self.unguarded = save_steps(sizes)
         self.clones: dict[int, dict] = {}
         self.rows: list[dict] = []
@@ -273,9 +282,12 @@ class SaveRace:
         def save_with_clone(step, **kwargs):
             if step in (self.guarded, self.unguarded):
                 # Queued on the current stream after this step's optimizer and EMA kernels
-                # and before the next step's: the state as saved, with no host sync.
+                # and before the next step's: the state as saved, with no host sync. The
+                # copy lands in host memory (pinned, where a non-blocking copy from an
+                # accelerator puts it), so the device holds nothing the training lacks: a
+                # clone there (18 GB for check1b) would not fit beside it on an 80 GB card.
                 collected = self.checkpointer._collect(list(self.checkpointer.states))
-                self.clones[step] = _map_tensors(lambda t: t.detach().clone(), collected)
+                self.clones[step] = _map_tensors(host_copy, collected)
             if step == self.unguarded:
                 self.checkpointer.wait_for_staging = lambda: None  # the guard off for this save
                 self.checkpointer.order_staging_after_compute = lambda: None
@@ -289,7 +301,8 @@ class SaveRace:
         saved = step - 1
         if saved not in self.clones:
             return
-        reference = _map_tensors(lambda t: t.cpu(), self.clones.pop(saved))
+        synchronize(self.device)  # the copies into host memory have landed
+        reference = self.clones.pop(saved)
         self.checkpointer.__dict__.pop("wait_for_staging", None)  # the guard back on
         self.checkpointer.__dict__.pop("order_staging_after_compute", None)
         self.checkpointer.wait()
@@ -360,7 +373,7 @@ def training_rows(sizes: Sizes, run: str, dump: str, device: torch.device) -> tu
 
     trainer = Trainer(parse_args(trainer_argv(sizes, dump, run)))
     last = trainer.job_config.training.steps
-    race = SaveRace(trainer, sizes) if run == SAVE_RUN else None
+    race = SaveRace(trainer, sizes, device) if run == SAVE_RUN else None
     syncs: list[str] = []
 
     def quiet(step: int) -> bool:
@@ -402,8 +415,7 @@ def training_rows(sizes: Sizes, run: str, dump: str, device: torch.device) -> tu
     if race is not None:
         rows += race.rows + [disk_row(sizes, race.largest_on_disk)]
     memory_tag = tags.MAX_ACTIVE_GIB if on_gpu else tags.PEAK_RSS_GIB
-    # The measured windows only: run 2's race row then clones the whole state on the device
-    # (twice), which no training holds; the first H200 run read 77.6 GiB with those clones.
+    # The measured windows only: the steps around run 2's saves are not a training's steps.
     windows_only = [r for r in records if sizes.log_freq < r["step"] <= measured_steps(sizes)]
     peak = max((r[memory_tag] for r in windows_only if memory_tag in r), default=None)
     return rows, peak
@@ -433,7 +445,11 @@ def _read_metrics(dump: Path) -> list[dict]:
     return [record for record in map(json.loads, lines) if tags.TPS in record]
 
 
-def _worker(_, port: int, dry_run: bool, out: str) -> None:
+def _worker(_, port: int, dry_run: bool, run: str, out: str) -> None:
+    """One training run (the first also takes the SDPA rows) in a process of its own: what
+    one run leaves on the device (a compiled model kept alive by the compiler's caches
+    holds its weights, moments and EMA, 22.4 GiB for check1b) must not count as the next
+    run's peak, as it did when both ran in one process (run 2 read 60.8 GiB for 38.4)."""
     from titanlite.parallel import pick_device
 
     torchrun_environment(0, 1, port, LOG_RANK="")
@@ -443,12 +459,10 @@ def _worker(_, port: int, dry_run: bool, out: str) -> None:
     register_flavors(sizes)
     quiet_every_rank_lines()
     device = pick_device()
-    rows, peaks = sdpa_rows(sizes, device), {}
-    for run in (MFU_RUN, SAVE_RUN):
-        with tempfile.TemporaryDirectory(prefix="titanlite-gpu-check-") as dump:
-            more, peaks[run] = training_rows(sizes, run, dump, device)
-            rows += more
-    Path(out).write_text(json.dumps({"rows": rows, "peak_gib": peaks, "device": device.type}))
+    rows = sdpa_rows(sizes, device) if run == MFU_RUN else []
+    with tempfile.TemporaryDirectory(prefix="titanlite-gpu-check-") as dump:
+        more, peak = training_rows(sizes, run, dump, device)
+    Path(out).write_text(json.dumps({"rows": rows + more, "peak_gib": peak, "device": device.type}))
 
 
 # --------------------------------------------------------------------------- in the parent
@@ -499,13 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = DRY_RUN_SIZES if options.cpu_dry_run else GPU_SIZES
     register_flavors(sizes)
     plan_disk(sizes)
+    results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        out = f"{scratch}/rows.json"
-        mp.start_processes(
-            _worker, args=(free_port(), options.cpu_dry_run, out), nprocs=1, start_method="spawn", join=True
-        )
-        result = json.loads(Path(out).read_text())
-    rows = result["rows"] + [memory_row(sizes, run, peak, result["device"]) for run, peak in result["peak_gib"].items()]
+        for run in (MFU_RUN, SAVE_RUN):
+            out = f"{scratch}/rows.json"
+            worker_args = (free_port(), options.cpu_dry_run, run, out)
+            mp.start_processes(_worker, args=worker_args, nprocs=1, start_method="spawn", join=True)
+            results[run] = json.loads(Path(out).read_text())
+    rows = [row for result in results.values() for row in result["rows"]]
+    rows += [memory_row(sizes, run, result["peak_gib"], result["device"]) for run, result in results.items()]
     device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
     print(f"titanlite GPU check on {device_name}, torch {torch.__version__}")
     print("| check | result | target | ok |\n|---|---|---|---|")

@@ -10,6 +10,7 @@ and estimated for Qwen3-30B-A3B at TP 1, 2, 4 and 8.
     python benchmarks/moe.py --quick         # one tiny shape, one timed pass (seconds)
     python benchmarks/moe.py --shape 64,8,1024,512,1024 --repeats 5
     python benchmarks/moe.py --a2a_shape 16,4,512,256,4096 --a2a_passes 3
+    python benchmarks/moe.py --device cuda --no_a2a   # grouped vs loop on a GPU, and the estimate (no gloo ranks)
 
 A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). A precision
 is how the layer computes in bf16, as the trainer gets it: "bf16", weights and tokens bf16
@@ -129,13 +130,19 @@ def grouped_gemms(out: torch.Tensor) -> int:
     return sum(type(node).__name__ == "GroupedMmBackward0" for node in seen)
 
 
-def build(shape: Shape, precision: str = "bf16") -> tuple[MoE, torch.Tensor]:
-    """The layer and its tokens: bf16, or float32 for autocast to cast."""
+def build(shape: Shape, precision: str = "bf16", device: str = "cpu") -> tuple[MoE, torch.Tensor]:
+    """The layer and its tokens on ``device``: bf16, or float32 for autocast to cast."""
     moe = MoE(MoEArgs(dim=shape.dim, n_experts=shape.experts, top_k=shape.top_k, hidden_dim=shape.hidden))
     moe.init_weights(out_std=0.02, generator=torch.Generator().manual_seed(0))
     tokens = torch.randn(shape.tokens, shape.dim, generator=torch.Generator().manual_seed(1))
     dtype = torch.float32 if precision == "autocast" else torch.bfloat16
-    return moe.to(dtype), tokens.to(dtype).requires_grad_()
+    return moe.to(device=device, dtype=dtype), tokens.to(device=device, dtype=dtype).requires_grad_()
+
+
+def settle(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so a time read next includes them."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def one_pass(moe: MoE, tokens: torch.Tensor, grouped: bool, precision: str) -> tuple[float, float, torch.Tensor]:
@@ -143,12 +150,18 @@ def one_pass(moe: MoE, tokens: torch.Tensor, grouped: bool, precision: str) -> t
     moe.experts.use_grouped_mm = None if grouped else False
     moe.zero_grad(set_to_none=True)
     tokens.grad = None
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    device = tokens.device
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    )
+    settle(device)
     start = time.perf_counter()
     with autocast:
         out = moe(tokens)
+    settle(device)
     forward = time.perf_counter() - start
     out.float().pow(2).sum().backward()
+    settle(device)
     return forward, time.perf_counter() - start, out
 
 
@@ -187,8 +200,8 @@ def fail(message: str) -> None:
     sys.exit(1)
 
 
-def measure(shape: Shape, repeats: int, precision: str) -> dict:
-    moe, tokens = build(shape, precision)
+def measure(shape: Shape, repeats: int, precision: str, device: str = "cpu") -> dict:
+    moe, tokens = build(shape, precision, device)
     difference = check(moe, tokens, shape, precision)  # also the warm-up of both paths
     times = {True: [], False: []}
     for _ in range(repeats):
@@ -242,7 +255,7 @@ def pairs_between(moe: MoE, tokens: torch.Tensor, source: int, owner: int) -> in
     from titanlite.models.moe import route
 
     with torch.no_grad():
-        experts = route(tokens, moe.gate.weight, moe.args.top_k, moe.args.norm_topk_prob).experts
+        experts = route(tokens, moe.gate.weight, moe.args).experts
     return int((experts // (moe.args.n_experts // EP) == owner).sum()) if source != owner else 0
 
 
@@ -504,6 +517,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the all-to-all half's experts,top-k,dim,hidden,tokens (default {A2A_SHAPE}; quick: the quick shape)",
     )
     parser.add_argument("--a2a_passes", type=int, help="forward+backward passes of each kind (default 3; quick 1)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the grouped-vs-loop half runs, e.g. cuda (the all-to-all half: CPU)"
+    )
+    parser.add_argument(
+        "--no_a2a", action="store_true", help="skip the parts on 2 gloo ranks (all-to-all bytes, TP's measured cost)"
+    )
     options = parser.parse_args(argv)
     texts = options.shape or ([QUICK_SHAPE] if options.quick else list(SHAPES))
     options.shapes = []
@@ -536,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
         f"titanlite MoE grouped GEMM benchmark, {time.strftime('%Y-%m-%d %H:%M')}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads on {os.cpu_count()} CPU cores; load average {os.getloadavg()[0]:.2f} before"
     )
+    if options.device != "cpu":
+        print(f"grouped vs loop on {options.device}: {torch.accelerator.current_accelerator()} {device_name(options)}")
     print(f"forward + backward of sum(out²), median of {options.repeats} timed passes after a checked one")
     print()
     print(
@@ -546,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {precision: [] for precision in options.precisions}
     for precision in options.precisions:
         for shape in options.shapes:
-            result = measure(shape, options.repeats, precision)
+            result = measure(shape, options.repeats, precision, options.device)
             (grouped_fwd, grouped_total), (loop_fwd, loop_total) = result["grouped_ms"], result["loop_ms"]
             ratios[precision].append(loop_total / grouped_total)
             print(
@@ -564,11 +585,16 @@ def main(argv: list[str] | None = None) -> int:
             + ", ".join(shape.label() for shape in options.shapes)
             + ")"
         )
-    reports = measure_on_two_ranks(options.a2a, options.a2a_passes)
-    print_all_to_all(options.a2a, options.a2a_passes, [report["a2a"] for report in reports])
-    print_tensor_parallel(options.a2a, [report["tp"] for report in reports])
+    if not options.no_a2a:
+        reports = measure_on_two_ranks(options.a2a, options.a2a_passes)
+        print_all_to_all(options.a2a, options.a2a_passes, [report["a2a"] for report in reports])
+        print_tensor_parallel(options.a2a, [report["tp"] for report in reports])
     print_a3b_per_rank_cost()
     return 0
+
+
+def device_name(options: argparse.Namespace) -> str:
+    return torch.cuda.get_device_name(options.device) if options.device.startswith("cuda") else ""
 
 
 if __name__ == "__main__":

@@ -1,26 +1,37 @@
-"""Expert load over training with and without load balancing: max / mean tokens per expert
+"""Expert load over training under each way of load balancing: max / mean tokens per expert
 of qwen3 debugmodel_moe, trained by the trainer in one process on the CPU.
 
-    python benchmarks/moe_balance.py                      # 3 settings x 100 steps (about 30 minutes on 2 busy vCPUs)
-    python benchmarks/moe_balance.py --quick              # tiny_moe, 4 steps each (seconds)
-    python benchmarks/moe_balance.py --steps 200 --seq-len 128 --batch 8
-    python benchmarks/moe_balance.py --settings bias --bias-rate 0.01
+    python benchmarks/moe_balance.py                        # every setting, 200 steps of 8 x 128 tokens (hours)
+    python benchmarks/moe_balance.py --quick                # tiny_moe, 4 steps of 4 settings (seconds)
+    python benchmarks/moe_balance.py --settings none,lb,bias_sigmoid --steps 1000
+    python benchmarks/moe_balance.py --settings aux --aux-coefs 0.001,0.01
 
 Each setting trains the same model from the same seed on the same batches (the built-in
-python_stdlib data, train_configs/debug_model.toml's optimizer and schedule, float32):
-  none  no balancing (model.moe_bias_update_rate = 0, model.moe_aux_loss_coef = 0);
-  bias  the auxiliary-loss-free expert bias at --bias-rate (default DeepSeek-V3's 1e-3), no
-        auxiliary loss;
-  aux   transformers' auxiliary loss at --aux-coef (default 0.01), no bias.
+python_stdlib data, train_configs/debug_model.toml's optimizer and schedule, float32), with
+every balancing key of [model] off unless the setting turns it on:
+  none                  no balancing;
+  aux@C                 transformers' pooled auxiliary loss (model.moe_aux_loss_coef) at each
+                        C of --aux-coefs;
+  lb@C                  the per-layer load-balancing loss (model.moe_load_balance_coef) at each
+                        C of --lb-coefs;
+  seq@C                 DeepSeek-V3's sequence-wise loss (model.moe_seq_balance_coef) at each C
+                        of --seq-coefs;
+  z@C                   the router z-loss (model.moe_z_loss_coef) at each C of --z-coefs;
+  bias_softmax          the expert bias at --bias-rate on the softmax router (Qwen3-MoE's);
+  bias_sigmoid          the expert bias at --bias-rate on a sigmoid router (DeepSeek-V3's);
+  bias_sigmoid_seq      the same plus the sequence-wise loss at --bias-seq-coef (DeepSeek-V3's
+                        recipe).
+--settings picks settings by name or by family (aux, lb, seq, z: every coefficient of it).
+--quick trains none, aux and lb at their first coefficient and bias_sigmoid_seq (unless
+--settings says otherwise) and plans every other setting's run without training it.
 After every optimizer step the trainer's balancer holds each MoE layer's max / mean of the
-step's (token, expert) pairs per expert (1: even; at most n_experts / top_k = 4 here); the
-benchmark keeps the largest over the layers. Printed per setting: that load at step 1, its
-mean over the first and over the last `--window` steps, the first step from which it stays
-below 1.5 (or "never"), and the last step's loss. The last line is
+step's (token, expert) pairs per expert (1: even; at most n_experts / top_k = 4 for
+debugmodel_moe); the benchmark keeps the largest over the layers. Printed per setting: that
+load at step 1, its mean over the first and over the last `--window` steps, the first step
+from which it stays below --bound (or "never"), the last step's loss and its ratio to the
+none setting's. The last line is
 
-    max/mean expert load, mean of the last W steps: none A, bias B, aux C (none / bias R)
-
-(only the settings run; the ratio where both ran).
+    max/mean expert load, mean of the last W steps: none A, aux@0.001 B, ...
 """
 
 import argparse
@@ -34,24 +45,52 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.config import parse_args  # noqa: E402
+from titanlite.config.model import MOE_BALANCING_KEYS  # noqa: E402
+from titanlite.plan import plan_run  # noqa: E402
 from titanlite.train import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# Every balancing key off and the flavor's softmax router: what each setting starts from.
+NO_BALANCING = {f"model.{key}": 0 for key in (*MOE_BALANCING_KEYS, "moe_z_loss_coef")}
+NO_BALANCING["model.moe_score_func"] = "softmax"
+LOSS_FAMILIES = {
+    "aux": "model.moe_aux_loss_coef",
+    "lb": "model.moe_load_balance_coef",
+    "seq": "model.moe_seq_balance_coef",
+    "z": "model.moe_z_loss_coef",
+}
 
 
-def settings(bias_rate: float, aux_coef: float) -> dict[str, dict]:
-    return {
-        "none": {"model.moe_bias_update_rate": 0, "model.moe_aux_loss_coef": 0},
-        "bias": {"model.moe_bias_update_rate": bias_rate, "model.moe_aux_loss_coef": 0},
-        "aux": {"model.moe_bias_update_rate": 0, "model.moe_aux_loss_coef": aux_coef},
-    }
+def settings(args: argparse.Namespace) -> dict[str, dict]:
+    """{name: the [model] overrides of the setting}, every setting the benchmark knows."""
+    table = {"none": {}}
+    for family, key in LOSS_FAMILIES.items():
+        for coef in getattr(args, f"{family}_coefs"):
+            table[f"{family}@{coef:g}"] = {key: coef}
+    bias = {"model.moe_bias_update_rate": args.bias_rate}
+    table["bias_softmax"] = bias
+    table["bias_sigmoid"] = bias | {"model.moe_score_func": "sigmoid"}
+    table["bias_sigmoid_seq"] = table["bias_sigmoid"] | {"model.moe_seq_balance_coef": args.bias_seq_coef}
+    return {name: NO_BALANCING | overrides for name, overrides in table.items()}
 
 
-EVEN_ENOUGH = 1.5  # the issue's bound for the balanced run
+def chosen_settings(table: dict[str, dict], names: str) -> dict[str, dict]:
+    """The settings ``names`` (comma-separated) picks, by name or family, in the table's order;
+    exits with one line naming an unknown one."""
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+
+    def picks(name: str, setting: str) -> bool:
+        return setting == name or setting.split("@")[0] == name
+
+    unknown = [name for name in wanted if not any(picks(name, setting) for setting in table)]
+    if unknown:
+        known = ", ".join(table)
+        sys.exit(f"moe_balance: unknown setting {unknown[0]!r}; known: {known} and the families aux, lb, seq, z")
+    return {setting: overrides for setting, overrides in table.items() if any(picks(name, setting) for name in wanted)}
 
 
-def train_setting(overrides: dict, flavor: str, steps: int, seq_len: int, batch: int) -> tuple[list[float], float]:
-    """(largest max / mean over the layers at each step, the last step's loss)."""
+def run_options(overrides: dict, flavor: str, steps: int, seq_len: int, batch: int) -> list[str]:
+    """The trainer's command line for one setting."""
     options = {
         "model.name": "qwen3",
         "model.flavor": flavor,
@@ -64,9 +103,14 @@ def train_setting(overrides: dict, flavor: str, steps: int, seq_len: int, batch:
         "metrics.enable_jsonl": False,
         **overrides,
     }
+    config_file = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml")]
+    return config_file + [f"--{key}={value}" for key, value in options.items()]
+
+
+def train_setting(options: list[str]) -> tuple[list[float], float]:
+    """(largest max / mean over the layers at each step, the last step's loss)."""
     with tempfile.TemporaryDirectory() as dump:
-        argv = ["--job.config_file", str(REPO / "train_configs" / "debug_model.toml"), "--job.dump_folder", dump]
-        trainer = Trainer(parse_args(argv + [f"--{key}={value}" for key, value in options.items()]))
+        trainer = Trainer(parse_args(options + ["--job.dump_folder", dump]))
         loads = []
         # Runs after the balancer's own hook (registered first): the step's loads are kept.
         trainer.optimizer.register_step_post_hook(lambda *_: loads.append(trainer.balancer.step_load.max()))
@@ -81,37 +125,57 @@ def first_step_staying_below(loads: list[float], bound: float) -> str:
     return "1"
 
 
-def main() -> int:
+def coefficients(text: str) -> list[float]:
+    return [float(value) for value in text.split(",") if value.strip()]
+
+
+def parse_options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--window", type=int, default=20, help="steps averaged at the start and at the end")
-    parser.add_argument("--bias-rate", type=float, default=1e-3, help="the bias setting's rate")
-    parser.add_argument("--aux-coef", type=float, default=0.01, help="the aux setting's coefficient")
-    parser.add_argument("--settings", default="none,bias,aux", help="which of none, bias, aux to run")
+    parser.add_argument("--bound", type=float, default=1.3, help="the load the 'below from' column tracks")
+    parser.add_argument("--aux-coefs", type=coefficients, default=[0.001, 0.01], help="the aux settings' weights")
+    parser.add_argument("--lb-coefs", type=coefficients, default=[0.001, 0.01], help="the lb settings' weights")
+    parser.add_argument("--seq-coefs", type=coefficients, default=[0.001, 0.01], help="the seq settings' weights")
+    parser.add_argument("--z-coefs", type=coefficients, default=[0.001, 0.01], help="the z settings' weights")
+    parser.add_argument("--bias-rate", type=float, default=1e-3, help="the bias settings' rate")
+    parser.add_argument("--bias-seq-coef", type=float, default=1e-4, help="bias_sigmoid_seq's sequence-wise weight")
+    parser.add_argument("--settings", default="all", help="names or families, comma-separated (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny_moe, 4 steps of 2 x 16 tokens")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_options()
     flavor = "debugmodel_moe"
+    table = settings(args)
+    names = args.settings
     if args.quick:
         flavor, args.steps, args.seq_len, args.batch, args.window = "tiny_moe", 4, 16, 2, 2
+        if names == "all":
+            names = f"none,aux@{args.aux_coefs[0]:g},lb@{args.lb_coefs[0]:g},bias_sigmoid_seq"
     window = min(args.window, args.steps)
+    chosen = table if names == "all" else chosen_settings(table, names)
+    shape = (flavor, args.steps, args.seq_len, args.batch)
+    options = {name: run_options(overrides, *shape) for name, overrides in table.items()}
+    for name in table.keys() - chosen.keys():  # a setting left out still plans (its keys fit the model)
+        plan_run(parse_args(options[name]), world_size=1)
     print(f"qwen3 {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one CPU process")
-    first, last = f"first {window}", f"last {window}"
-    print(f"{'setting':8} {'step 1':>7} {first:>9} {last:>8} {'< 1.5 from':>11} {'loss':>7}")
-    chosen = args.settings.split(",")
-    ends = {}
-    for name, overrides in settings(args.bias_rate, args.aux_coef).items():
-        if name not in chosen:
-            continue
-        loads, loss = train_setting(overrides, flavor, args.steps, args.seq_len, args.batch)
-        start, end = statistics.fmean(loads[:window]), statistics.fmean(loads[-window:])
-        ends[name] = end
-        below = first_step_staying_below(loads, EVEN_ENOUGH)
-        print(f"{name:8} {loads[0]:7.2f} {start:9.2f} {end:8.2f} {below:>11} {loss:7.4f}", flush=True)
-    loads = ", ".join(f"{name} {end:.2f}" for name, end in ends.items())
-    ratio = f" (none / bias {ends['none'] / ends['bias']:.2f})" if {"none", "bias"} <= ends.keys() else ""
-    print(f"max/mean expert load, mean of the last {window} steps: {loads}{ratio}")
+    first, last, below = f"first {window}", f"last {window}", f"< {args.bound:g} from"
+    print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {below:>11} {'loss':>7} {'/ none':>7}")
+    ends, losses = {}, {}
+    for name in chosen:
+        loads, loss = train_setting(options[name])
+        start, ends[name], losses[name] = statistics.fmean(loads[:window]), statistics.fmean(loads[-window:]), loss
+        from_step = first_step_staying_below(loads, args.bound)
+        ratio = f"{loss / losses['none']:7.4f}" if "none" in losses else f"{'-':>7}"
+        row = f"{name:17} {loads[0]:7.2f} {start:9.2f} {ends[name]:8.2f} {from_step:>11} {loss:7.4f} {ratio}"
+        print(row, flush=True)
+    tail = ", ".join(f"{name} {end:.2f}" for name, end in ends.items())
+    print(f"max/mean expert load, mean of the last {window} steps: {tail}")
+    print(f"settings planned without training: {len(table) - len(chosen)} of {len(table)}")
     return 0
 
 

@@ -12,7 +12,7 @@ import torch
 
 from titanlite import train
 from titanlite.config import parse_args
-from titanlite.config.model import MOE_BALANCING_KEYS
+from titanlite.config.model import MOE_KEYS
 from titanlite.estimate import floor
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
@@ -137,10 +137,10 @@ def test_train_config_validates_at_its_own_gpu_count(path, monkeypatch, capsys, 
 
     name, flavor = job_config.model.name, job_config.model.flavor
     args = get_model_args(name, flavor).with_seq_len(job_config.training.seq_len)
-    # The flavor's args, with the load balancing a config's [model] section sets (MoE only).
-    balancing = {key: getattr(job_config.model, key) for key in MOE_BALANCING_KEYS}
+    # The flavor's args, with the router and balancing a config's [model] section sets (MoE only).
+    chosen = {field: getattr(job_config.model, key) for key, field in MOE_KEYS.items()}
     assert plan.model_args == dataclasses.replace(
-        args, **{key: value for key, value in balancing.items() if value is not None}
+        args, **{field: value for field, value in chosen.items() if value is not None}
     )
     dims = plan.parallel_dims
     assert dims.pp * dims.dp_degree * dims.tp == launch.world_size

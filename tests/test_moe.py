@@ -17,8 +17,10 @@ from titanlite.models.moe import (
     MoE,
     MoEArgs,
     expert_linear,
+    keep_top_groups,
     load_balancing_loss,
     route,
+    route_logits,
     stack_hf_experts,
     unstack_hf_experts,
 )
@@ -35,16 +37,30 @@ def make_moe(args: MoEArgs = ARGS, seed: int = 0, dtype: torch.dtype = torch.flo
     return moe.to(dtype)
 
 
+def reference_choice(args: MoEArgs, choice: torch.Tensor) -> list[int]:
+    """One token's experts from its choice scores [n_experts], by the definition: with
+    groups, only those of the topk_groups groups whose two best scores sum highest."""
+    allowed = range(args.n_experts)
+    if args.n_groups > 1:
+        per_group = args.experts_per_group
+        groups = [choice[g * per_group : (g + 1) * per_group].tolist() for g in range(args.n_groups)]
+        group_scores = [sum(sorted(group)[-2:]) for group in groups]
+        best_groups = sorted(range(args.n_groups), key=lambda g: -group_scores[g])[: args.topk_groups]
+        allowed = [e for e in allowed if e // per_group in best_groups]
+    return sorted(allowed, key=lambda e: -choice[e].item())[: args.top_k]
+
+
 def reference_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """The layer computed token by token, expert by expert, straight from the definition."""
     args = moe.args
-    bias = moe.expert_bias if args.bias_update_rate > 0 else None
+    bias = moe.expert_bias if args.bias_update_rate > 0 else torch.zeros(args.n_experts)
     out = torch.zeros_like(x)
     for t, token in enumerate(x.reshape(-1, args.dim)):
-        probs = torch.softmax(moe.gate.weight @ token, dim=-1)
-        chosen = torch.topk(probs if bias is None else probs + bias, args.top_k).indices
-        weights = probs[chosen] / (probs[chosen].sum() if args.norm_topk_prob else 1)
-        for e, weight in zip(chosen.tolist(), weights, strict=True):
+        logits = moe.gate.weight @ token
+        scores = torch.softmax(logits, dim=-1) if args.score_func == "softmax" else torch.sigmoid(logits)
+        chosen = reference_choice(args, (scores + bias).detach())
+        weights = scores[chosen] / (scores[chosen].sum() if args.norm_topk_prob else 1) * args.route_scale
+        for e, weight in zip(chosen, weights, strict=True):
             w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
             out.view(-1, args.dim)[t] += weight * (w2 @ (F.silu(w1 @ token) * (w3 @ token)))
     return out
@@ -54,19 +70,70 @@ def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: param.grad.clone() for name, param in module.named_parameters()}
 
 
-def test_loop_over_experts_equals_the_per_token_reference_in_float32():
-    for norm_topk_prob in (True, False):
-        args = MoEArgs(dim=16, n_experts=8, top_k=3, hidden_dim=24, norm_topk_prob=norm_topk_prob)
-        moe = make_moe(args)
-        x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
-        moe(x).pow(2).sum().backward()
-        layer_out, layer_grads = moe(x), grads(moe)
-        moe.zero_grad()
-        expected = reference_forward(moe, x)
-        expected.pow(2).sum().backward()
-        torch.testing.assert_close(layer_out, expected, rtol=0, atol=1e-6)
-        for name, grad in grads(moe).items():
-            torch.testing.assert_close(layer_grads[name], grad, rtol=1e-6, atol=1e-6, msg=name)
+ROUTERS = {
+    "softmax": {},
+    "softmax_unnormalised": {"norm_topk_prob": False},
+    # 4 groups of 2, the best 2 groups' 4 experts open to a token's 3 choices; the bias shifts both choices.
+    "sigmoid_groups_scaled_biased": {
+        "score_func": "sigmoid",
+        "route_scale": 2.5,
+        "n_groups": 4,
+        "topk_groups": 2,
+        "bias_update_rate": 1e-3,
+    },
+    "softmax_groups_biased_unnormalised": {"norm_topk_prob": False, "n_groups": 2, "bias_update_rate": 1e-3},
+}
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_loop_over_experts_equals_the_per_token_reference_in_float32(router):
+    args = MoEArgs(dim=16, n_experts=8, top_k=3, hidden_dim=24, **ROUTERS[router])
+    moe = make_moe(args)
+    moe.expert_bias.copy_(torch.randn(8, generator=torch.Generator().manual_seed(13)) * 0.1)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+    moe(x).pow(2).sum().backward()
+    layer_out, layer_grads = moe(x), grads(moe)
+    moe.zero_grad()
+    expected = reference_forward(moe, x)
+    expected.pow(2).sum().backward()
+    torch.testing.assert_close(layer_out, expected, rtol=0, atol=1e-6)
+    for name, grad in grads(moe).items():
+        # float32 rounding, against each gradient's own scale (route_scale 2.5 scales them 6-fold).
+        torch.testing.assert_close(layer_grads[name], grad, rtol=1e-6, atol=1e-6 * grad.abs().max(), msg=name)
+
+
+def test_group_limited_selection_keeps_the_best_groups_by_their_two_best_scores():
+    # 3 groups of 3. Token 0: group 0 has the single best score (0.9) but its two best sum to
+    # 1.0; group 1's sum to 1.3, group 2's to 1.1: groups 1 and 2 stay.
+    # Token 1: groups 1 (0.98) and 0 (0.95) stay, group 2 (0.6) goes.
+    choice = torch.tensor(
+        [[0.9, 0.1, 0.0, 0.7, 0.6, 0.2, 0.55, 0.55, 0.0], [0.95, 0.0, 0.0, 0.5, 0.48, 0.46, 0.3, 0.3, 0.3]]
+    )
+    kept = keep_top_groups(choice, n_groups=3, topk_groups=2)
+    inf = float("-inf")
+    expected = torch.tensor(
+        [[inf, inf, inf, 0.7, 0.6, 0.2, 0.55, 0.55, 0.0], [0.95, 0.0, 0.0, 0.5, 0.48, 0.46, inf, inf, inf]]
+    )
+    torch.testing.assert_close(kept, expected)
+    # Through the router: without groups token 0 would take expert 0 first.
+    args = MoEArgs(dim=4, n_experts=9, top_k=2, hidden_dim=8, score_func="sigmoid", n_groups=3, topk_groups=2)
+    routing = route_logits(torch.logit(choice), torch.float32, args)
+    assert routing.experts.tolist() == [[3, 4], [0, 3]]
+    ungrouped = route_logits(torch.logit(choice), torch.float32, replace(args, n_groups=1, topk_groups=1))
+    assert ungrouped.experts.tolist()[0] == [0, 3]
+
+
+def test_the_router_computes_in_float32_under_autocast():
+    """Autocast runs linear in bf16 (it is on autocast's lower-precision list): the router
+    turns it off for its logits, which are the float32 products of the bf16 inputs."""
+    moe = make_moe(dtype=torch.bfloat16)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(14)).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.linear(x.float(), moe.gate.weight.float()).dtype == torch.bfloat16  # what autocast would do
+        logits = moe.gate(x)
+        routing = route_logits(logits, x.dtype, moe.args)
+    assert logits.dtype == routing.probs.dtype == torch.float32 and routing.weights.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, x.float() @ moe.gate.weight.float().T, rtol=1e-6, atol=1e-6)
 
 
 # Grouped GEMMs per MoE layer in one forward and backward: w1, w3 and w2 forward, and each
@@ -166,7 +233,7 @@ def test_dropless_when_the_router_sends_every_token_to_one_expert():
         moe.expert_bias[2] = 100.0  # expert 2 wins every token's choice
         x = torch.randn(3, 7, 16, generator=torch.Generator().manual_seed(5))
         out = moe(x)
-        routing = route(x.reshape(-1, 16), moe.gate.weight, top_k, True, moe.expert_bias)
+        routing = route(x.reshape(-1, 16), moe.gate.weight, args, moe.expert_bias)
         assert (routing.experts == 2).any(dim=-1).all() and routing.experts.shape == (21, top_k)
         assert moe.tokens_per_expert[2] == 21 and moe.tokens_per_expert.sum() == 21 * top_k
         torch.testing.assert_close(out, reference_forward(moe, x), rtol=0, atol=1e-6)
@@ -176,7 +243,7 @@ def test_expert_bias_chooses_experts_but_never_weights_them():
     x = torch.randn(32, 16, generator=torch.Generator().manual_seed(6))
     gate = torch.randn(8, 16, generator=torch.Generator().manual_seed(7))
     bias = torch.randn(8, generator=torch.Generator().manual_seed(8))
-    plain, biased = route(x, gate, 2, True, None), route(x, gate, 2, True, bias)
+    plain, biased = route(x, gate, ARGS, None), route(x, gate, ARGS, bias)
     assert not torch.equal(plain.experts, biased.experts)
     chosen = biased.probs.gather(-1, biased.experts)
     torch.testing.assert_close(biased.weights, chosen / chosen.sum(-1, keepdim=True))
@@ -202,7 +269,7 @@ def test_load_counts_add_up_over_training_forwards_only():
     moe(x)
     moe.eval()
     moe(x)
-    once = route(x.reshape(-1, 16), moe.gate.weight, 2, True).experts
+    once = route(x.reshape(-1, 16), moe.gate.weight, ARGS).experts
     expected = 2 * torch.bincount(once.reshape(-1), minlength=8)
     torch.testing.assert_close(moe.tokens_per_expert, expected)
     torch.testing.assert_close(moe.load_imbalance(), expected.max() / expected.float().mean())
@@ -275,6 +342,15 @@ def test_missing_expert_weight_is_named():
         ({"top_k": 9}, r"MoEArgs.top_k \(9\) must not exceed n_experts \(8\)"),
         ({"n_experts": 0, "top_k": 0}, "MoEArgs.n_experts must be at least 1, got 0"),
         ({"bias_update_rate": -1.0}, "MoEArgs.bias_update_rate must be 0 or more, got -1.0"),
+        ({"z_loss_coef": -1.0}, "MoEArgs.z_loss_coef must be 0 or more, got -1.0"),
+        ({"score_func": "relu"}, "MoEArgs.score_func must be one of softmax, sigmoid, got 'relu'"),
+        ({"route_scale": 0.0}, "MoEArgs.route_scale must be above 0, got 0.0"),
+        ({"n_groups": 3}, r"MoEArgs.n_groups \(3\) must divide n_experts \(8\)"),
+        ({"n_groups": 4, "topk_groups": 5}, r"MoEArgs.topk_groups \(5\) must not exceed n_groups \(4\)"),
+        (
+            {"n_groups": 4, "top_k": 3},
+            r"MoEArgs.top_k \(3\) must not exceed the experts of topk_groups groups \(1 x 2\)",
+        ),
     ],
 )
 def test_bad_args_are_refused_in_one_line(changes, message):

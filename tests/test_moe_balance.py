@@ -1,22 +1,26 @@
-"""MoE load balancing in training, in one process: the [model] keys (refused for a model
-without MoE layers, carried into the model's args), the auxiliary loss's gradients against
-the loss written out by hand (whole model, and pooled per pipeline stage), the bias update
-on a skipped step, and the metrics' tags. The data-parallel sums and the run's metrics are
-checked under FSDP 2 in tests/test_qwen3_moe.py, in its launch of ranks."""
+"""MoE load balancing in training, in one process: the [model] router and balancing keys
+(refused for a model without MoE layers or where they do not fit, carried into the model's
+args), each balancing loss against its definition written out token by token, their
+gradients against those losses by hand (whole model, and per pipeline stage), the bias
+update on a skipped step, the metrics' tags, the console's scale and the warning of a
+collapsed router. The data-parallel sums and the run's metrics are checked under FSDP 2, EP
+2, TP 2 and PP 2 in tests/test_qwen3_moe.py, in its launch of ranks."""
 
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tests.helpers import full_weights, tiny_args
+from tests.helpers import capture_log_lines, full_weights, tiny_args
 from titanlite import train
 from titanlite.config import parse_args
+from titanlite.config.model import MOE_KEYS
 from titanlite.loss import cross_entropy_sum
-from titanlite.metrics import tags
-from titanlite.metrics.processor import moe_load_metrics
-from titanlite.models.moe import MoE, MoEArgs
+from titanlite.metrics import ConsoleLogger, tags
+from titanlite.metrics.moe import LOSS_TAGS, CollapseWatch, moe_load_metrics
+from titanlite.models.moe import BALANCE_LOSSES, MoE, MoEArgs, RouterStats, count_tokens, route_logits
+from titanlite.models.moe.args import BALANCE_LOSS_COEFS
+from titanlite.models.moe.balancing import balance_losses, router_stats
 from titanlite.models.qwen3 import Qwen3Transformer
 from titanlite.parallel.pipeline import prune_to_stage
 from titanlite.plan import meta_model, plan_run
@@ -25,40 +29,131 @@ from titanlite.train import Trainer
 
 SEQ, BATCH, MICRO_BATCHES = 16, 2, 2
 STEP_TOKENS = SEQ * BATCH * MICRO_BATCHES
-COEF = 0.5  # large, so that the auxiliary loss's gradient is far above the tolerance
 
 
 # --- config -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("model", [["--model.flavor=tiny"], ["--model.name=qwen3", "--model.flavor=tiny"]])
-@pytest.mark.parametrize("key", ["moe_aux_loss_coef", "moe_bias_update_rate"])
-def test_balancing_keys_are_refused_for_a_model_without_moe_layers(model, key, capsys):
+@pytest.mark.parametrize("key", ["moe_aux_loss_coef", "moe_z_loss_coef", "moe_route_scale"])
+def test_moe_keys_are_refused_for_a_model_without_moe_layers(model, key, capsys):
     assert train.main(tiny_args() + model + [f"--model.{key}=0.001"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
     assert err[0].startswith(f"titanlite: config error: model.{key} (0.001) applies to MoE models only")
 
 
-def test_balancing_keys_reach_the_model_built_on_meta():
-    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "model.moe_aux_loss_coef": 0.25}
-    job_config = parse_args(tiny_args(overrides))
+# Every MoE key of [model] set to something other than the flavor's (tiny_moe: 4 experts, top 2).
+ROUTER_KEYS = {
+    "moe_score_func": "sigmoid",
+    "moe_norm_topk_prob": False,
+    "moe_route_scale": 2.5,
+    "moe_n_groups": 2,
+    "moe_topk_groups": 2,
+    "moe_aux_loss_coef": 0.25,
+    "moe_load_balance_coef": 0.5,
+    "moe_seq_balance_coef": 1e-4,
+    "moe_z_loss_coef": 1e-3,
+    "moe_bias_update_rate": 1e-3,
+}
+
+
+def test_moe_keys_reach_the_model_built_on_meta():
+    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe"}
+    flavor = get_model_args("qwen3", "tiny_moe")
+    plan = plan_run(parse_args(tiny_args(overrides)), world_size=1)
+    assert plan.model_args.moe_args() == flavor.moe_args()  # nothing set: the flavor's
+    job_config = parse_args(tiny_args(overrides | {f"model.{key}": value for key, value in ROUTER_KEYS.items()}))
     plan = plan_run(job_config, world_size=1)
     moe = next(module for module in meta_model(job_config, plan.model_args).modules() if isinstance(module, MoE))
-    flavor = get_model_args("qwen3", "tiny_moe")
-    # The key set, and the flavor's default for the other (off, as both are in the flavors).
-    assert moe.args.router_aux_loss_coef == 0.25 and flavor.moe_aux_loss_coef == 0
-    assert moe.args.bias_update_rate == flavor.moe_bias_update_rate == 0
-    job_config = parse_args(tiny_args(overrides | {"model.moe_bias_update_rate": 1e-3}))
-    assert plan_run(job_config, world_size=1).model_args.moe_bias_update_rate == 1e-3
+    expected = MoEArgs(64, 4, 2, 32, "sigmoid", False, 2.5, 2, 2, 0.25, 0.5, 1e-4, 1e-3, 1e-3)
+    assert moe.args == expected
+    assert all(getattr(flavor, MOE_KEYS[key]) != value for key, value in ROUTER_KEYS.items())
 
 
-# --- the auxiliary loss's gradients -----------------------------------------------------
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        (["--model.moe_n_groups=3"], "model.moe_n_groups = 3: MoEArgs.n_groups (3) must divide n_experts (4)"),
+        (
+            ["--model.moe_n_groups=4", "--model.moe_topk_groups=1"],
+            "model.moe_n_groups = 4, model.moe_topk_groups = 1: MoEArgs.top_k (2) must not exceed the experts",
+        ),
+        (["--model.moe_score_func=relu"], "model.moe_score_func"),
+        (["--model.moe_route_scale=0"], "model.moe_route_scale must be > 0 or unset"),
+    ],
+)
+def test_router_keys_that_do_not_fit_the_model_are_refused_in_one_line(keys, expected, capsys):
+    assert train.main(tiny_args() + ["--model.name=qwen3", "--model.flavor=tiny_moe", *keys]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("titanlite: config error: ") and expected in err[0], err
 
 
-def tiny_moe(coef: float) -> Qwen3Transformer:
+# --- the balancing losses, written out by hand ----------------------------------------------
+
+
+def by_hand_losses(layer_logits: list[torch.Tensor], top_k: int, sigmoid: bool = False) -> torch.Tensor:
+    """[aux (pooled), load_balance, seq_balance, z] of one forward's layers from each
+    layer's router logits [B, S, n_experts], from the definitions, sequence by sequence and
+    expert by expert: p = a token's scores over their sum, its experts its top_k scores."""
+    n_experts = layer_logits[0].shape[-1]
+    pooled_counts, pooled_probs, pooled_tokens = [0] * n_experts, [0.0] * n_experts, 0
+    load_balance = seq_balance = z = torch.zeros(())
+    for logits in layer_logits:
+        batch, seq_len, _ = logits.shape
+        scores = torch.sigmoid(logits) if sigmoid else torch.exp(logits) / torch.exp(logits).sum(-1, keepdim=True)
+        probs = scores / scores.sum(-1, keepdim=True)
+        chosen = torch.topk(scores, top_k).indices.tolist()  # [B][S][k]
+        # counts[b][i]: the tokens of sequence b that chose expert i
+        counts = [[sum(i in chosen[b][t] for t in range(seq_len)) for i in range(n_experts)] for b in range(batch)]
+        tokens = batch * seq_len
+        for i in range(n_experts):
+            count = sum(counts[b][i] for b in range(batch))
+            load_balance = load_balance + n_experts * count / (top_k * tokens) * probs[..., i].sum() / tokens
+            pooled_counts[i] += count
+            pooled_probs[i] = pooled_probs[i] + probs[..., i].sum()
+            for b in range(batch):
+                f = n_experts / (top_k * seq_len) * counts[b][i]
+                seq_balance = seq_balance + f * probs[b, :, i].sum() / seq_len / batch
+        z = z + torch.log(torch.exp(logits).sum(-1)).square().sum() / tokens
+        pooled_tokens += tokens
+    aux = n_experts * sum(pooled_counts[i] / pooled_tokens * pooled_probs[i] / pooled_tokens for i in range(n_experts))
+    return torch.stack([aux, load_balance, seq_balance, z])
+
+
+def layer_stats(logits: torch.Tensor, args: MoEArgs) -> RouterStats:
+    """What an MoE layer keeps of one forward, from its logits [B, S, n_experts]."""
+    routing = route_logits(logits.reshape(-1, logits.shape[-1]), torch.float32, args)
+    return router_stats(routing, count_tokens(routing.experts, args.n_experts), logits.shape[0], args)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_each_balancing_loss_is_its_definition(score_func):
+    args = MoEArgs(8, 6, 2, 8, score_func=score_func, **dict.fromkeys(BALANCE_LOSS_COEFS, 1.0))
+    generator = torch.Generator().manual_seed(4)
+    logits = [torch.randn(3, 5, 6, generator=generator) * 2 for _ in range(2)]  # 2 layers, 3 sequences of 5
+    ours = balance_losses([layer_stats(layer, args) for layer in logits], args)
+    torch.testing.assert_close(ours, by_hand_losses(logits, 2, sigmoid=score_func == "sigmoid"), rtol=1e-6, atol=0)
+
+
+def test_the_load_balancing_losses_run_from_1_when_even_to_n_experts_over_top_k_when_collapsed():
+    """4 experts, top 2, one sequence of 4 tokens: each expert chosen twice with equal
+    probabilities is even (1); every token choosing experts 0 and 1 with all the probability
+    is the worst, 4 / 2."""
+    args = MoEArgs(8, 4, 2, 8, load_balance_coef=1.0, seq_balance_coef=1.0)
+    even = torch.tensor([[[1.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 1.0]] * 2]) * 1e-3
+    collapsed = torch.tensor([[[50.0, 50.0, 0.0, 0.0]] * 4])
+    for logits, expected in ((even, 1.0), (collapsed, 2.0)):
+        losses = balance_losses([layer_stats(logits, args)], args)
+        assert losses[1:3].tolist() == pytest.approx([expected, expected], rel=1e-3)
+
+
+# --- their gradients ----------------------------------------------------------------------
+
+
+def tiny_moe(**balancing: float) -> Qwen3Transformer:
     args = get_model_args("qwen3", "tiny_moe").with_seq_len(SEQ)
-    model = Qwen3Transformer(replace(args, moe_aux_loss_coef=coef, moe_bias_update_rate=0.0))
+    model = Qwen3Transformer(replace(args, moe_bias_update_rate=0.0, **balancing))
     model.init_weights(seed=0)
     return model.train()
 
@@ -69,21 +164,13 @@ def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(window[:, :-1], window[:, 1:]) for window in tokens]
 
 
-def by_hand_aux_loss(gate_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
-    """transformers' loss from the definition: the layers' routing pooled, then
-    n_experts x sum over experts of (share of (token, expert) pairs) x (mean probability)."""
-    probs = torch.cat([torch.softmax(logits.float(), dim=-1) for logits in gate_logits])
-    chosen = F.one_hot(torch.topk(probs, top_k).indices, probs.shape[-1]).sum(dim=1).float()
-    return probs.shape[-1] * torch.sum(chosen.mean(0) * probs.mean(0))
-
-
 def capture_gate_logits(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The list that each MoE layer's router logits, [tokens, experts], will be appended to
-    in each forward, computed here from the layer's input and gate."""
+    """The list that each MoE layer's router logits, [batch, seq, experts], will be appended
+    to in each forward, computed here from the layer's input and gate."""
     captured = []
 
     def router_logits(moe, inputs):
-        captured.append(inputs[0].reshape(-1, moe.args.dim) @ moe.gate.weight.T)
+        captured.append(inputs[0] @ moe.gate.weight.T)
 
     for module in model.modules():
         if isinstance(module, MoE):
@@ -95,22 +182,32 @@ def grads(*modules: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.grad.clone() for module in modules for name, p in module.named_parameters() if p.grad is not None}
 
 
-def by_hand_grads(stages: list[list[int]], with_aux: bool = True) -> tuple[dict, list[float]]:
-    """The gradients of sum over micro-batches of CE_sum / step tokens + COEF x (micro-batch
-    tokens / step tokens) x (the aux loss of each stage's layers, pooled), from a model with
-    the loss off; and each micro-batch's aux losses summed over the stages."""
-    model = tiny_moe(coef=0.0)
+# Each loss large enough for its gradient to stand far above the tolerance.
+ALL_LOSSES = {
+    "moe_aux_loss_coef": 0.5,
+    "moe_load_balance_coef": 0.5,
+    "moe_seq_balance_coef": 0.5,
+    "moe_z_loss_coef": 0.05,
+}
+
+
+def by_hand_grads(stages: list[list[int]], coefs: dict, score_func: str = "softmax") -> tuple[dict, list]:
+    """The gradients of sum over micro-batches of CE_sum / step tokens + sum over the losses
+    of coef x (micro-batch tokens / step tokens) x (the loss over each stage's layers, the
+    pooled one pooled per stage), from a model with the losses off; and each micro-batch's
+    losses [aux, load_balance, seq_balance, z] summed over the stages."""
+    model = tiny_moe(moe_score_func=score_func)
     captured = capture_gate_logits(model)
-    aux_losses = []
+    weights = torch.tensor([coefs[key] for key in ALL_LOSSES])
+    per_micro_batch = []
     for inputs, labels in micro_batches():
         captured.clear()
         loss = cross_entropy_sum(model(inputs), labels) / STEP_TOKENS
-        aux = sum(by_hand_aux_loss([captured[i] for i in stage], top_k=2) for stage in stages)
-        aux_losses.append(aux.item())
-        if with_aux:
-            loss = loss + COEF * (inputs.numel() / STEP_TOKENS) * aux
-        loss.backward()
-    return grads(model), aux_losses
+        sigmoid = score_func == "sigmoid"
+        losses = sum(by_hand_losses([captured[i] for i in stage], top_k=2, sigmoid=sigmoid) for stage in stages)
+        per_micro_batch.append(losses.detach())
+        (loss + (inputs.numel() / STEP_TOKENS) * torch.sum(weights * losses)).backward()
+    return grads(model), per_micro_batch
 
 
 def assert_same_grads(ours: dict, expected: dict) -> None:
@@ -123,43 +220,50 @@ def moe_layers(module: torch.nn.Module) -> list[MoE]:
     return [layer for layer in module.modules() if isinstance(layer, MoE)]
 
 
-def test_the_aux_loss_gradient_is_the_mean_over_micro_batches_of_the_pooled_loss():
-    model = tiny_moe(coef=COEF)
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_the_losses_gradients_are_the_mean_over_micro_batches_of_the_losses(score_func):
+    model = tiny_moe(moe_score_func=score_func, **ALL_LOSSES)
     for layer in moe_layers(model):
         layer.aux_loss_step_tokens = STEP_TOKENS  # as the trainer sets it
     for inputs, labels in micro_batches():
         (cross_entropy_sum(model(inputs), labels) / STEP_TOKENS).backward()
-    expected, aux_losses = by_hand_grads(stages=[[0, 1, 2]])
+    expected, losses = by_hand_grads([[0, 1, 2]], ALL_LOSSES, score_func)
     assert_same_grads(grads(model), expected)
-    # The loss reaches the routers (the gates' gradients are not the cross-entropy's alone)...
-    without_aux, _ = by_hand_grads(stages=[[0, 1, 2]], with_aux=False)
+    # The losses reach the routers (the gates' gradients are not the cross-entropy's alone)...
+    without, _ = by_hand_grads([[0, 1, 2]], dict.fromkeys(ALL_LOSSES, 0.0), score_func)
     gate = "layers.0.feed_forward.gate.weight"
-    assert (expected[gate] - without_aux[gate]).abs().max() > 1e-4
-    # ... and the metrics get its mean over the micro-batches, on the first layer.
-    tallies = [layer.aux_loss_sum.item() for layer in moe_layers(model)]
-    assert tallies[0] == pytest.approx(sum(aux_losses) / MICRO_BATCHES, rel=1e-6) and tallies[1:] == [0, 0]
+    assert (expected[gate] - without[gate]).abs().max() > 1e-4
+    # ... and the metrics get each one's mean over the micro-batches, on the first layer.
+    tallies = [layer.balance_loss_sums for layer in moe_layers(model)]
+    torch.testing.assert_close(tallies[0], sum(losses) / MICRO_BATCHES, rtol=1e-6, atol=0)
+    assert all(tally.abs().sum() == 0 for tally in tallies[1:])
 
 
-def test_under_a_pipeline_split_each_stage_adds_the_loss_of_its_own_layers():
+def test_under_a_pipeline_split_each_stage_adds_the_losses_of_its_own_layers():
     """Two stages chained by hand as a pipeline runs them: the first stage's output (a hidden
-    state, not the loss) carries its layers' loss, pooled over those layers only."""
-    whole = tiny_moe(coef=COEF)
+    state, not the loss) carries its layers' losses, the pooled one pooled over those layers
+    only; the per-layer losses of the stages add up to the whole model's."""
+    whole = tiny_moe(**ALL_LOSSES)
     stages = [("tok_embeddings", "layers.0", "layers.1"), ("layers.2", "norm", "output")]
     parts = []
     for modules in stages:
-        part = tiny_moe(coef=COEF)
+        part = tiny_moe(**ALL_LOSSES)
         prune_to_stage(part, modules)
         part.load_state_dict({k: v for k, v in whole.state_dict().items() if k in part.state_dict()})
         for layer in moe_layers(part):
             layer.aux_loss_step_tokens = STEP_TOKENS
         parts.append(part)
     for inputs, labels in micro_batches():
-        hidden = parts[0](inputs).detach().requires_grad_()  # what the next stage receives
+        sent = parts[0](inputs)
+        hidden = sent.detach().requires_grad_()  # what the next stage receives
         logits = parts[1](hidden)
         (cross_entropy_sum(logits, labels) / STEP_TOKENS).backward()
-        parts[0](inputs).backward(hidden.grad)  # as the schedule sends the gradient back
-    expected, _ = by_hand_grads(stages=[[0, 1], [2]])
+        sent.backward(hidden.grad)  # as the schedule sends the gradient back
+    expected, losses = by_hand_grads([[0, 1], [2]], ALL_LOSSES)
     assert_same_grads(grads(*parts), expected)
+    # Each stage's first layer tallies its stage's losses: together, the micro-batches' mean.
+    tallies = moe_layers(parts[0])[0].balance_loss_sums + moe_layers(parts[1])[0].balance_loss_sums
+    torch.testing.assert_close(tallies, sum(losses) / MICRO_BATCHES, rtol=1e-6, atol=0)
 
 
 # --- the bias, the metrics --------------------------------------------------------------
@@ -176,12 +280,62 @@ def test_a_skipped_step_leaves_the_bias_alone():
     torch.testing.assert_close(moe.expert_bias, torch.tensor([-0.15, 0.05, 0.05, 0.05]))
 
 
-def test_the_metrics_name_each_layer_and_the_largest_load():
-    metrics = moe_load_metrics({0: 1.25, 3: 2.5}, aux_loss=None)
+def test_the_metrics_name_each_layer_the_largest_and_worst_load_and_each_loss():
+    metrics = moe_load_metrics({0: 1.25, 3: 2.5}, {}, worst_load=4.0)
     expected = {tags.moe_layer_load(0): 1.25, tags.moe_layer_load(3): 2.5, tags.MOE_MAX_LOAD: 2.5}
-    assert metrics == expected
-    assert moe_load_metrics({0: 1.0}, aux_loss=2.0)[tags.MOE_AUX_LOSS] == 2.0
-    assert moe_load_metrics({}, aux_loss=None) == {}
+    assert metrics == expected | {tags.MOE_WORST_LOAD: 4.0}
+    losses = {"aux": 2.0, "load_balance": 1.5, "seq_balance": 1.25, "z": 3.0}
+    with_losses = moe_load_metrics({0: 1.0}, losses, worst_load=4.0)
+    assert [with_losses[tag] for tag in LOSS_TAGS.values()] == [2.0, 1.5, 1.25, 3.0]
+    assert len(set(LOSS_TAGS.values())) == 4 and set(LOSS_TAGS) == set(BALANCE_LOSSES)
+    assert moe_load_metrics({}, {}, worst_load=4.0) == {}
+
+
+def test_the_console_shows_the_load_against_the_worst_and_each_loss():
+    metrics = {tags.LOSS: 5.0, tags.MOE_MAX_LOAD: 4.0, tags.MOE_WORST_LOAD: 4.0, tags.MOE_Z_LOSS: 0.5}
+    metrics[tags.MOE_SEQ_BALANCE_LOSS] = 1.25
+    line = ConsoleLogger(color=False).format(metrics, step=7)
+    assert "moe_load: 4.00 of max 4.00  seq_loss: 1.2500  z_loss: 0.5000" in line
+
+
+def test_a_collapsed_router_is_warned_of_once_naming_its_layers_and_the_keys():
+    """8 experts, top 2: worst 4, collapsed from 1 + 0.9 x 3 = 3.7 on, for 3 log steps in a row."""
+    log = capture_log_lines()
+    watch = CollapseWatch(worst_load=4.0)
+    watch.see({0: 3.9, 1: 1.2, 2: 3.8})
+    watch.see({0: 3.9, 1: 1.2, 2: 3.6})  # layer 2 dips: its count starts again
+    assert not log.warnings()
+    watch.see({0: 4.0, 1: 3.8, 2: 3.8})  # layer 0's third in a row
+    (warning,) = log.warnings()
+    assert warning.startswith("MoE routing has collapsed in layer(s) 0: their max / mean expert load stayed at or ")
+    assert "above 3.70 for 3 log steps in a row, near the worst possible 4.00" in warning
+    assert warning.endswith(
+        "balance the experts with model.moe_load_balance_coef, model.moe_aux_loss_coef, model.moe_seq_balance_coef "
+        "or model.moe_bias_update_rate (docs/model.md, 'Training an MoE'). Said once."
+    )
+    for _ in range(4):  # layers 1 and 2 collapse too: said once
+        watch.see({0: 4.0, 1: 4.0, 2: 4.0})
+    assert len(log.warnings()) == 1
+    quiet = CollapseWatch(worst_load=1.0)  # top_k = n_experts: every load is 1, the worst too
+    for _ in range(4):
+        quiet.see({0: 1.0})
+    assert len(log.warnings()) == 1
+
+
+def test_a_run_whose_routers_collapse_says_so_once(tmp_path):
+    """A bias of 100 on experts 0 and 1 sends every token there in every layer: each step
+    logs the worst load, 2 of max 2 for 4 experts and top 2, and the third log step warns."""
+    overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "model.moe_bias_update_rate": 1e-9}
+    trainer = Trainer(parse_args(tiny_args(overrides | {"training.steps": 4}) + ["--job.dump_folder", str(tmp_path)]))
+    for layer in moe_layers(trainer.model):
+        layer.expert_bias[:2] = 100.0
+    log = capture_log_lines()
+    trainer.train()
+    step_lines = [line for line in log.lines if line.startswith("step:")]
+    assert len(step_lines) == 4 and all("moe_load: 2.00 of max 2.00" in line for line in step_lines)
+    (warning,) = log.warnings()
+    assert warning.startswith("MoE routing has collapsed in layer(s) 0, 1, 2: ")
+    assert log.lines.index(warning) == log.lines.index(step_lines[2]) - 1  # with the third step's numbers
 
 
 def test_a_resumed_run_routes_with_the_saved_bias(tmp_path):

@@ -125,15 +125,16 @@ def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp
 def test_a_trained_qwen3_moe_checkpoint_exports_to_transformers_with_its_logits(tmp_path):
     """convert_dcp_to_hf.py on a titanlite-trained tiny_moe, split into many files so that one
     stacked tensor's experts land in different ones: transformers loads the folder (through
-    its own per-expert reading) and computes titanlite's logits; no expert bias is written."""
-    run = train_tiny(tmp_path / "run", ["--model.name=qwen3", "--model.flavor=tiny_moe"])
+    its own per-expert reading) and computes titanlite's logits; no expert bias is written,
+    and the config records the auxiliary loss's coefficient the run trained with."""
+    run = train_tiny(tmp_path / "run", [*MOE, "--model.moe_aux_loss_coef=0.01"])
     out = tmp_path / "hf"
     export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
     assert export.main([str(run.step_dir), str(out), "--max-shard-size", "100KB"]) == 0
     assert len(list(out.glob("*.safetensors"))) > 3
     assert not any("bias" in name for name in hf_tensors(out))
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(theirs) is transformers.Qwen3MoeForCausalLM
+    assert type(theirs) is transformers.Qwen3MoeForCausalLM and theirs.config.router_aux_loss_coef == 0.01
     with torch.no_grad():
         assert (theirs(run.tokens).logits - run.logits).abs().max().item() <= 1e-5
 
@@ -167,7 +168,6 @@ def test_the_published_moe_shapes_and_their_active_parameters():
     [
         ({"decoder_sparse_step": 2}, "only all-MoE blocks"),
         ({"mlp_only_layers": [0]}, "only all-MoE blocks"),
-        ({"output_router_logits": True}, "auxiliary load-balancing loss"),
     ],
 )
 def test_unsupported_qwen3_moe_configs_are_refused_in_one_line(change, expected):
@@ -175,6 +175,32 @@ def test_unsupported_qwen3_moe_configs_are_refused_in_one_line(change, expected)
     with pytest.raises(ValueError, match=expected) as error:
         model_from_hf_config(config, "x/config.json")
     assert "\n" not in str(error.value) and str(error.value).startswith("x/config.json")
+
+
+def test_the_config_carries_the_trained_aux_coefficient_and_output_router_logits_turns_it_on():
+    """The export records the coefficient of transformers' auxiliary loss the run trained
+    with, output_router_logits off as published (on, transformers' forward returns the router
+    logits and, given labels, adds that loss): imported, a config trains with the loss only
+    where it is on."""
+    args = replace(get_model_args("qwen3", "tiny_moe"), moe_aux_loss_coef=0.02, moe_load_balance_coef=0.1)
+    config = args_to_hf_config(args)
+    assert config["router_aux_loss_coef"] == 0.02 and config["output_router_logits"] is False
+    assert transformers.Qwen3MoeConfig(**config).router_aux_loss_coef == 0.02
+    assert model_from_hf_config(config)[1].moe_aux_loss_coef == 0.0
+    assert model_from_hf_config({**config, "output_router_logits": True})[1].moe_aux_loss_coef == 0.02
+    on_by_default = {key: value for key, value in config.items() if key != "router_aux_loss_coef"}
+    assert model_from_hf_config({**on_by_default, "output_router_logits": True})[1].moe_aux_loss_coef == 0.001
+
+
+@pytest.mark.parametrize(
+    "change", [{"moe_score_func": "sigmoid"}, {"moe_route_scale": 2.5}, {"moe_n_groups": 2, "moe_topk_groups": 1}]
+)
+def test_a_router_transformers_lacks_has_no_qwen3_moe_config(change):
+    args = replace(get_model_args("qwen3", "tiny_moe"), **change)
+    name, value = next(iter(change.items()))
+    with pytest.raises(ValueError, match=f"routes with {name} {value}, which transformers' Qwen3-MoE has no") as error:
+        args_to_hf_config(args)
+    assert "\n" not in str(error.value)
 
 
 def test_the_published_config_reads_back_as_the_flavor():
@@ -287,6 +313,32 @@ TP_LAYOUTS = {
 }
 
 
+# Every router option and balancing loss titanlite adds to Qwen3-MoE's, at once: DeepSeek-V3's
+# sigmoid router with its route scale, group-limited choice (2 groups of 2: a token's top 2
+# is the best group) and the expert bias, and the per-layer, sequence-wise and z losses (their
+# stages' losses add up to the model's, so PP matches one process too). Each layout runs
+# forwards of the reference's 4 sequences, on which the per-layer loss depends.
+ROUTER_OPTIONS = [
+    *MOE,
+    "--model.moe_score_func=sigmoid",
+    "--model.moe_route_scale=2.5",
+    "--model.moe_n_groups=2",
+    "--model.moe_topk_groups=1",
+    "--model.moe_bias_update_rate=0.001",
+    "--model.moe_load_balance_coef=0.1",
+    "--model.moe_seq_balance_coef=0.1",
+    "--model.moe_z_loss_coef=0.01",
+]
+ROUTER = ["--training.local_batch_size=4", *ROUTER_OPTIONS]
+ROUTER_LAYOUTS = {
+    "fsdp2_full_ac": [*ROUTER, *FULL_AC],
+    "ep2": [*ROUTER, "--parallelism.expert_parallel_degree=2"],
+    "tp2": [*ROUTER, *TP2],
+    # 2 micro-batches of 4 sequences through the pipeline
+    "pp2": [*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *pp_args("1F1B", 8, 4, *ROUTER_OPTIONS)],
+}
+
+
 # The "tp2" run also saves its checkpoint after step 4 (and 8), for FSDP 2 to resume.
 SAVE_AT = 4
 
@@ -325,9 +377,14 @@ def runs(hf_moe, tmp_path_factory):
     # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
     # and the counting stay eager inside the compiled blocks.
     jobs["fsdp2 compiled full ac"] = Job(2, train_and_report, ([*fsdp2, *FULL_AC, "--compile.enable"],))
+    # Its last checkpoint is the sigmoid router's that the export must refuse.
+    router_dump = dump("router_reference")
+    jobs["router reference"] = Job(1, train_balanced, ([*ROUTER, "--checkpoint.enable"], router_dump))
+    for name, args in ROUTER_LAYOUTS.items():
+        jobs[f"router {name}"] = Job(2, train_balanced, (args, dump(f"router_{name}")))
     # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
     jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
-    return run_jobs_on_ranks(2, jobs)
+    return run_jobs_on_ranks(2, jobs) | {"router dump": router_dump}
 
 
 def test_an_fsdp_run_seeds_from_a_transformers_folder(runs, hf_moe):
@@ -415,6 +472,49 @@ def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
     reference = runs[TP_LAYOUTS[layout][1]][0]
     for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
         assert_same_training(rank_run, reference, rtol=1e-5)
+
+
+ROUTER_TAGS = [tags.MOE_MAX_LOAD, tags.MOE_LOAD_BALANCE_LOSS, tags.MOE_SEQ_BALANCE_LOSS, tags.MOE_Z_LOSS]
+
+
+@pytest.mark.parametrize("layout", ROUTER_LAYOUTS)
+def test_router_options_and_balancing_losses_train_like_one_process(runs, layout):
+    """Weights, losses and grad norms within 1e-5 of one process, and the logged load and
+    losses too (only the losses that are on: no pooled aux_loss)."""
+    reference = runs["router reference"][0]
+    if layout == "pp2":
+        assert_pipeline_trains_like_one_process(runs[f"router {layout}"], reference)
+    else:
+        for rank_run in runs[f"router {layout}"]:
+            assert_same_training(rank_run, reference, rtol=1e-5)
+    ours, theirs = runs[f"router {layout}"][0]["metrics"], reference["metrics"]
+    assert len(ours) == len(theirs) == 8 and tags.MOE_AUX_LOSS not in theirs[0]
+    for mine, expected in zip(ours, theirs, strict=True):
+        assert expected[tags.MOE_WORST_LOAD] == 2.0  # 4 experts, top 2
+        for tag in ROUTER_TAGS:
+            assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
+
+
+def test_the_router_options_and_losses_change_the_training(runs):
+    """Guards the comparisons above: the options and losses act (the routers train otherwise
+    than under the plain reference with the bias alone), and the losses are near their
+    even value of 1 per layer (3 layers)."""
+    gate = "layers.0.feed_forward.gate.weight"
+    options, plain = runs["router reference"][0], runs["reference"][0]
+    assert (options["params"][gate] - plain["params"][gate]).abs().max() > 1e-3
+    first = options["metrics"][0]
+    assert 3.0 <= first[tags.MOE_LOAD_BALANCE_LOSS] < 6.0 and 3.0 <= first[tags.MOE_SEQ_BALANCE_LOSS] < 6.0
+    assert first[tags.MOE_Z_LOSS] > 0
+
+
+def test_exporting_a_router_transformers_lacks_is_refused_before_writing(runs, tmp_path, capsys):
+    step_dir = Path(runs["router dump"]) / "checkpoint" / "step-8"
+    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
+    capsys.readouterr()
+    assert export.main([str(step_dir), str(tmp_path / "hf")]) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert f"{step_dir}: this MoE model routes with moe_score_func sigmoid, which transformers'" in error
+    assert not (tmp_path / "hf").exists()
 
 
 def test_a_tp2_checkpoint_resumes_under_fsdp(runs):

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from titanlite.config import ConfigError, JobConfig, value_text
-from titanlite.config.model import MOE_BALANCING_KEYS
+from titanlite.config.model import MOE_KEYS
 from titanlite.config.parallelism import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
@@ -56,19 +56,24 @@ def model_vocab_size(job_config: JobConfig, flavor_vocab_size: int, tokenizer) -
 def run_model_args(job_config: JobConfig, tokenizer=None):
     """The model args a run builds: its flavor's, with the run's sequence length, a
     vocabulary sized for ``tokenizer`` (default: the run's, loaded here) and the run's MoE
-    load balancing where [model] sets it."""
+    router and load balancing where [model] sets them."""
     tokenizer = tokenizer or load_tokenizer(job_config)
     flavor = get_model_args(job_config.model.name, job_config.model.flavor)
     vocab_size = model_vocab_size(job_config, flavor.vocab_size, tokenizer)
-    balancing = moe_balancing(job_config, flavor)
-    return replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size, **balancing)
+    sized = replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
+    chosen = moe_overrides(job_config, flavor)
+    try:
+        return replace(sized, **{MOE_KEYS[key]: value for key, value in chosen.items()})
+    except ValueError as error:  # the model args' own check of the router's options
+        keys = ", ".join(f"model.{key} = {value_text(job_config, f'model.{key}')}" for key in chosen)
+        raise ConfigError(f"{keys}: {error}") from None
 
 
-def moe_balancing(job_config: JobConfig, flavor_args) -> dict:
-    """The MoE load-balancing keys [model] sets, under the model args' names (the same); a
-    ConfigError for a model without MoE layers, which has nothing to balance."""
+def moe_overrides(job_config: JobConfig, flavor_args) -> dict:
+    """The MoE router and load-balancing keys [model] sets ({key: value}); a ConfigError for
+    a model without MoE layers, which has nothing to route."""
     model = job_config.model
-    chosen = {key: getattr(model, key) for key in MOE_BALANCING_KEYS if getattr(model, key) is not None}
+    chosen = {key: getattr(model, key) for key in MOE_KEYS if getattr(model, key) is not None}
     if chosen and not getattr(flavor_args, "is_moe", False):
         key = next(iter(chosen))
         raise ConfigError(

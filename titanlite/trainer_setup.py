@@ -26,7 +26,8 @@ from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
 from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, local_trainable_mib, log_startup
 from titanlite.metrics.flops import param_counts
-from titanlite.metrics.processor import MetricsProcessor, moe_load_metrics
+from titanlite.metrics.moe import CollapseWatch, moe_load_metrics
+from titanlite.metrics.processor import MetricsProcessor
 from titanlite.parallel import (
     first_error_on_any_rank,
     init_distributed,
@@ -234,13 +235,22 @@ def balance_expert_load(
     plan: RunPlan, model: nn.Module, optimizer, metrics: MetricsProcessor, mesh, step_tokens: int
 ) -> ExpertLoadBalancer | None:
     """For an MoE model: its layers' load balancing after every optimizer step, and their
-    expert load (and auxiliary loss) in the metrics. ``step_tokens``: the tokens of one
-    optimizer step over all ranks, which each forward's auxiliary loss is weighted against."""
+    expert load (and balancing losses) in the metrics, with a warning when routers stay
+    collapsed. ``step_tokens``: the tokens of one optimizer step over all ranks, which each
+    forward's balancing losses are weighted against."""
     if not getattr(plan.model_args, "is_moe", False):
         return None
-    balancer = ExpertLoadBalancer(model, plan.model_args.n_layers, plan.parallel_dims, mesh, step_tokens)
+    moe_args = plan.model_args.moe_args()
+    balancer = ExpertLoadBalancer(model, plan.model_args.n_layers, plan.parallel_dims, mesh, step_tokens, moe_args)
     optimizer.register_step_post_hook(balancer.after_step)
-    metrics.add_source(lambda: moe_load_metrics(*balancer.step_metrics()))
+    watch = CollapseWatch(moe_args.worst_load)
+
+    def moe_metrics() -> dict[str, float]:
+        loads, losses = balancer.step_metrics()
+        watch.see(loads)
+        return moe_load_metrics(loads, losses, moe_args.worst_load)
+
+    metrics.add_source(moe_metrics)
     return balancer
 
 

@@ -257,7 +257,8 @@ def _check_same_model(hf_args, run_args, adapter_cls, hf_dir: Path) -> None:
     """The folder must hold the model this run builds; the sequence length may differ, and
     the run's vocabulary may pad the folder's (HFWeights.rows_in_folder checks that)."""
     theirs, ours = adapter_cls(hf_args).hf_config(), adapter_cls(run_args).hf_config()
-    free = ("max_position_embeddings", "vocab_size")
+    # The auxiliary loss's switch and coefficient only steer training, as the run's own keys do.
+    free = ("max_position_embeddings", "vocab_size", "output_router_logits", "router_aux_loss_coef")
     different = sorted(k for k in ours if k not in free and theirs.get(k) != ours.get(k))
     if different:
         details = ", ".join(f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in different)

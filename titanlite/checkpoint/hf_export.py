@@ -211,6 +211,10 @@ def export_to_hf(
     # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.
     real_vocab = description.real_vocab_size
     adapter = get_model_spec(description.name).state_dict_adapter(replace(description.args, vocab_size=real_vocab))
+    try:  # a model Hugging Face's config cannot describe (an MoE router it lacks) is refused before any write
+        hf_config = adapter.hf_config()
+    except ValueError as error:
+        raise ValueError(f"{step_dir}: {error}") from None
     shapes = description.weight_shapes()
     sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
     _check_shapes(step_dir, sources, description, shapes)
@@ -262,7 +266,7 @@ def export_to_hf(
             if split.is_sharded:
                 index = {"metadata": split.metadata, "weight_map": dict(sorted(split.tensor_to_filename.items()))}
                 _write_json(folder / "model.safetensors.index.json", index)
-            config = {**adapter.hf_config(), **special_ids, "torch_dtype": str(dtype).removeprefix("torch.")}
+            config = {**hf_config, **special_ids, "torch_dtype": str(dtype).removeprefix("torch.")}
             _write_json(folder / "config.json", config)
             _write_json(folder / "generation_config.json", special_ids)
             hf_tokenizer.write_hf_tokenizer(tokenizer_json, folder)

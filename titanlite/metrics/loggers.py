@@ -66,18 +66,32 @@ def _memory_text(metrics: dict[str, float]) -> str | None:
     return None
 
 
-# (tag, label, color, formatter) in the order the console line shows them.
+def _moe_load_text(load: float, metrics: dict[str, float]) -> str:
+    """The largest expert load with its scale, the worst a load can be: "4.00 of max 4.00"."""
+    worst = metrics.get(tags.MOE_WORST_LOAD)
+    return f"{load:.2f}" if worst is None else f"{load:.2f} of max {worst:.2f}"
+
+
+def _four_places(value: float, metrics: dict[str, float]) -> str:
+    return f"{value:.4f}"
+
+
+# (tag, label, color, formatter of the value and the step's metrics) in the order the
+# console line shows them.
 _CONSOLE_FIELDS = (
-    (tags.LOSS, "loss", "green", lambda v: f"{v:.4f}"),
-    (tags.GRAD_NORM, "grad_norm", "yellow", lambda v: f"{v:.4f}"),
-    (tags.LR, "lr", "white", lambda v: f"{v:.2e}"),
-    (tags.TPS, "tps", "blue", lambda v: f"{v:,.0f}"),
-    (tags.TFLOPS, "tflops", "cyan", _small),
-    (tags.MFU, "mfu", "magenta", lambda v: f"{v:.2f}%"),
-    (tags.MOE_MAX_LOAD, "moe_load", "yellow", lambda v: f"{v:.2f}"),
-    (tags.MOE_AUX_LOSS, "aux_loss", "green", lambda v: f"{v:.4f}"),
-    (tags.VAL_LOSS, "val_loss", "green", lambda v: f"{v:.4f}"),
-    (tags.VAL_PERPLEXITY, "val_ppl", "green", _small),
+    (tags.LOSS, "loss", "green", _four_places),
+    (tags.GRAD_NORM, "grad_norm", "yellow", _four_places),
+    (tags.LR, "lr", "white", lambda v, _: f"{v:.2e}"),
+    (tags.TPS, "tps", "blue", lambda v, _: f"{v:,.0f}"),
+    (tags.TFLOPS, "tflops", "cyan", lambda v, _: _small(v)),
+    (tags.MFU, "mfu", "magenta", lambda v, _: f"{v:.2f}%"),
+    (tags.MOE_MAX_LOAD, "moe_load", "yellow", _moe_load_text),
+    (tags.MOE_AUX_LOSS, "aux_loss", "green", _four_places),
+    (tags.MOE_LOAD_BALANCE_LOSS, "lb_loss", "green", _four_places),
+    (tags.MOE_SEQ_BALANCE_LOSS, "seq_loss", "green", _four_places),
+    (tags.MOE_Z_LOSS, "z_loss", "green", _four_places),
+    (tags.VAL_LOSS, "val_loss", "green", _four_places),
+    (tags.VAL_PERPLEXITY, "val_ppl", "green", lambda v, _: _small(v)),
 )
 
 
@@ -101,7 +115,7 @@ class ConsoleLogger(MetricLogger):
         parts = [self._paint(f"step: {step:2d}", "red")]
         for tag, label, color, formatter in _CONSOLE_FIELDS:
             if tag in metrics:
-                parts.append(self._paint(f"{label}: {formatter(metrics[tag])}", color))
+                parts.append(self._paint(f"{label}: {formatter(metrics[tag], metrics)}", color))
         memory = _memory_text(metrics)
         if memory is not None:
             parts.append(self._paint(f"memory: {memory}", "bright_black"))

@@ -29,18 +29,6 @@ class StepRecord:
     tokens_per_second: float
 
 
-def moe_load_metrics(loads: dict[int, float], aux_loss: float | None) -> dict[str, float]:
-    """The MoE tags of a step: each layer's expert load ({block index: max / mean}), the
-    largest of them and the auxiliary loss (None: off, not logged)."""
-    if not loads:
-        return {}
-    metrics = {tags.moe_layer_load(block): load for block, load in sorted(loads.items())}
-    metrics[tags.MOE_MAX_LOAD] = max(loads.values())
-    if aux_loss is not None:
-        metrics[tags.MOE_AUX_LOSS] = aux_loss
-    return metrics
-
-
 class MetricsProcessor:
     def __init__(self, logger: MetricLogger, monitor: MemoryMonitor, flops_per_token: int, peak_flops: float | None):
         self.logger, self.monitor = logger, monitor

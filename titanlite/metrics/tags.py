@@ -26,9 +26,15 @@ NUM_OOMS = "memory/num_ooms"
 RSS_GIB = "memory/rss(GiB)"  # CPU runs: the process's resident memory
 PEAK_RSS_GIB = "memory/peak_rss(GiB)"
 # MoE models only: expert load is max / mean (token, expert) pairs per expert over the
-# logged step's global batch (1: perfectly even); the auxiliary loss only when it is on.
+# logged step's global batch (1: perfectly even, n_experts / top_k: every token on the same
+# top_k experts); each balancing loss only when it is on (its mean over the step's
+# micro-batches, without its coefficient).
 MOE_MAX_LOAD = "moe_metrics/max_load_imbalance"  # the largest over the MoE layers
-MOE_AUX_LOSS = "moe_metrics/aux_loss"
+MOE_WORST_LOAD = "moe_metrics/worst_load_imbalance"  # n_experts / top_k: a collapsed router's load
+MOE_AUX_LOSS = "moe_metrics/aux_loss"  # transformers' pooled load-balancing loss
+MOE_LOAD_BALANCE_LOSS = "moe_metrics/load_balance_loss"  # the per-layer one, summed over the layers
+MOE_SEQ_BALANCE_LOSS = "moe_metrics/seq_balance_loss"  # DeepSeek-V3's sequence-wise one
+MOE_Z_LOSS = "moe_metrics/router_z_loss"
 VAL_LOSS = "validation_metrics/loss"
 VAL_PERPLEXITY = "validation_metrics/perplexity"
 
@@ -53,7 +59,11 @@ ALL_TAGS = (
     RSS_GIB,
     PEAK_RSS_GIB,
     MOE_MAX_LOAD,
+    MOE_WORST_LOAD,
     MOE_AUX_LOSS,
+    MOE_LOAD_BALANCE_LOSS,
+    MOE_SEQ_BALANCE_LOSS,
+    MOE_Z_LOSS,
     VAL_LOSS,
     VAL_PERPLEXITY,
 )

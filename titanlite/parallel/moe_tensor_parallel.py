@@ -19,9 +19,12 @@ each: each is a partial sum, and the whole gradient is their sum over tp. The la
 by the weights' local tensors, whose gradients are marked Partial over tp; the same reduction
 that sums the norms' gradients under sequence parallelism then sums them (FSDP before its
 reduce-scatter, or titanlite.parallel.grad_norm's _grads_in_parameter_layout without FSDP).
-The layer's routing, sorting and counting code stay plain tensors; the auxiliary loss's
-statistics are summed over tp inside the layer (MoE.sum_over_token_ranks), and the expert
-bias's token counts over tp by the load balancer (load_balance.py).
+The layer's routing, sorting and counting code stay plain tensors. The balancing losses'
+terms (token counts, mean probabilities, per-sequence statistics, the z-loss) are summed over
+tp after the forward, in one all-reduce for all the layers (MoE.sum_over_token_ranks, used by
+titanlite.models.moe.add_load_balancing_loss), so that every rank computes the whole
+forward's losses, as one process does; the expert bias's token counts are summed over tp by
+the load balancer (load_balance.py).
 """
 
 import torch

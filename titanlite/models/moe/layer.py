@@ -1,15 +1,13 @@
 """The mixture-of-experts layer: route, sort by expert, run the experts, put back, weigh."""
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
 from titanlite.models.init import fill_trunc_normal_
-from titanlite.models.moe.args import MoEArgs
-from titanlite.models.moe.balancing import RouterStats
+from titanlite.models.moe.args import BALANCE_LOSSES, MoEArgs
+from titanlite.models.moe.balancing import RankSum, RouterStats, router_stats
 from titanlite.models.moe.experts import GroupedExperts, to_compute_dtype
-from titanlite.models.moe.router import Routing, count_tokens, route_logits
+from titanlite.models.moe.router import RouterGate, Routing, count_tokens, route_logits
 
 
 def _recomputing() -> bool:
@@ -25,7 +23,7 @@ class MoE(nn.Module):
     def __init__(self, args: MoEArgs):
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(args.dim, args.n_experts, bias=False)
+        self.gate = RouterGate(args.dim, args.n_experts)
         self.experts = GroupedExperts(args)
         # Trained by update_expert_bias, not by the optimizer; saved, so a resumed run routes
         # as the interrupted one did (0 throughout when bias_update_rate is 0).
@@ -35,10 +33,13 @@ class MoE(nn.Module):
         # counts start from 0. Integers, so exact at any count, and left as they are when the
         # model is cast to another floating-point dtype.
         self.register_buffer("tokens_per_expert", torch.empty(args.n_experts, dtype=torch.int64), persistent=False)
-        # The auxiliary losses of the forwards since the last reset_load(), each weighted by its
-        # share of aux_loss_step_tokens, kept by the first MoE layer of each model (or stage)
-        # forward (see add_load_balancing_loss): what the metrics read. Not saved.
-        self.register_buffer("aux_loss_sum", torch.empty((), dtype=torch.float32), persistent=False)
+        # The balancing losses (BALANCE_LOSSES, in that order) of the forwards since the last
+        # reset_load(), each weighted by its share of aux_loss_step_tokens, kept by the first
+        # MoE layer of each model (or stage) forward (see add_load_balancing_loss): what the
+        # metrics read. Not saved.
+        self.register_buffer(
+            "balance_loss_sums", torch.empty(len(BALANCE_LOSSES), dtype=torch.float32), persistent=False
+        )
         self.last_router_stats: RouterStats | None = None
         # The tokens of one optimizer step over all ranks, set by the trainer: each forward's
         # auxiliary loss weighs its tokens' share of them, so that the summed gradients are the
@@ -46,10 +47,10 @@ class MoE(nn.Module):
         self.aux_loss_step_tokens: int | None = None
         # Set by tensor parallelism, whose ranks each route their own equal slice of a forward's
         # tokens: how many ranks share them, and a sum over those ranks whose gradient passes
-        # through unchanged. The auxiliary loss's statistics are summed so, and are those of the
-        # whole forward on every rank, as in one process.
+        # through unchanged. The balancing losses' terms are summed so (add_load_balancing_loss),
+        # and every rank gets the losses of the whole forward, as one process does.
         self.token_ranks = 1
-        self.sum_over_token_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.sum_over_token_ranks: RankSum | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -58,9 +59,9 @@ class MoE(nn.Module):
         # The router is called as a module, not read as a weight, so that parallel code can
         # change how it multiplies (tensor parallelism: by its weight's local tensor).
         logits = self.gate(tokens)
-        routing = route_logits(logits, tokens.dtype, self.args.top_k, self.args.norm_topk_prob, bias)
+        routing = route_logits(logits, tokens.dtype, self.args, bias)
         counts = count_tokens(routing.experts, self.args.n_experts)
-        self._record(routing, counts, tokens.shape[0])
+        self._record(routing, counts, shape[0] if len(shape) == 3 else 1)
         # Every (token, expert) pair becomes one row; a stable sort by expert keeps each
         # expert's rows in token order.
         order = torch.argsort(routing.experts.reshape(-1), stable=True)
@@ -76,19 +77,18 @@ class MoE(nn.Module):
     # state kept across calls inside activation checkpointing's traced region, and eager code
     # can tell the recomputation from the forward.
     @torch.compiler.disable
-    def _record(self, routing: Routing, counts: torch.Tensor, n_tokens: int) -> None:
-        """Keep what the load balancing and the metrics read later. A forward that activation
-        checkpointing runs again during the backward pass routes the same tokens again and is
-        not counted twice, nor does it replace the kept stats."""
+    def _record(self, routing: Routing, counts: torch.Tensor, batch: int) -> None:
+        """Keep what the load balancing and the metrics read later; ``batch``: the sequences
+        routed (the tokens of a 2-D input are one). A forward that activation checkpointing
+        runs again during the backward pass routes the same tokens again and is not counted
+        twice, nor does it replace the kept stats."""
         if _recomputing():
             return
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert += counts
-        if self.args.router_aux_loss_coef > 0:
-            total = self.sum_over_token_ranks or (lambda tensor: tensor)
-            token_counts, prob_sums = total(counts.float()), total(routing.probs.sum(dim=0))
-            self.last_router_stats = RouterStats(token_counts, prob_sums, n_tokens * self.token_ranks)
+        if self.args.has_balance_loss and self.training:
+            self.last_router_stats = router_stats(routing, counts, batch, self.args)
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, skip: torch.Tensor | None = None) -> None:
@@ -114,7 +114,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def reset_load(self) -> None:
         self.tokens_per_expert.zero_()
-        self.aux_loss_sum.zero_()
+        self.balance_loss_sums.zero_()
 
     def init_buffers(self) -> None:
         """The counts: never saved, so a model whose weights were loaded needs them zeroed too."""

@@ -39,13 +39,39 @@ class Qwen3Args(ModelArgs):
     """Experts each token is sent to (num_experts_per_tok); used when n_experts is set."""
     moe_hidden_dim: int = 0
     """Hidden size of each expert's SwiGLU (moe_intermediate_size); used when n_experts is set."""
+    moe_score_func: str = "softmax"
+    """How the router turns its logits into scores: "softmax" over the experts (Qwen3-MoE's)
+    or "sigmoid", one per expert (DeepSeek-V3's; not exported: transformers' Qwen3-MoE has
+    only the softmax). Used when n_experts is set; [model] moe_score_func overrides it."""
     norm_topk_prob: bool = True
-    """Rescale each token's top_k router probabilities to sum to 1 (Qwen3-MoE does)."""
+    """Rescale each token's top_k router scores to sum to 1 (Qwen3-MoE does). Used when
+    n_experts is set; [model] moe_norm_topk_prob overrides it."""
+    moe_route_scale: float = 1.0
+    """Factor on the chosen experts' weights after the rescaling (DeepSeek-V3's
+    routed_scaling_factor; 1, none, in Qwen3-MoE, the only value that exports). Used when
+    n_experts is set; [model] moe_route_scale overrides it."""
+    moe_n_groups: int = 1
+    """Group-limited routing: the experts form this many groups of consecutive experts and a
+    token chooses among those of its moe_topk_groups best groups (DeepSeek-V3's n_group); 1:
+    no groups (Qwen3-MoE, the only value that exports). [model] moe_n_groups overrides it."""
+    moe_topk_groups: int = 1
+    """Groups a token chooses its experts from under group-limited routing (DeepSeek-V3's
+    topk_group), ranked by the sum of each group's two highest scores. [model]
+    moe_topk_groups overrides it."""
     moe_aux_loss_coef: float = 0.0
-    """Weight of transformers' auxiliary load-balancing loss in the training loss
-    (router_aux_loss_coef); 0: no such loss, as transformers trains by default
-    (output_router_logits off). Used when n_experts is set; a run sets it with the key of
-    the same name in [model]."""
+    """Weight of transformers' auxiliary load-balancing loss, pooled over the layers, in the
+    training loss (router_aux_loss_coef, exported as such); 0: no such loss, as transformers
+    trains by default (output_router_logits off). Used when n_experts is set; a run sets it
+    with the key of the same name in [model]."""
+    moe_load_balance_coef: float = 0.0
+    """Weight of the per-layer load-balancing loss (Megatron's: each layer's n_experts x
+    sum_i f_i x P_i, summed over the layers); 0: off. [model] key of the same name."""
+    moe_seq_balance_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, summed over the layers (1e-4 in
+    DeepSeek-V3); 0: off. [model] key of the same name."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2, summed over the
+    layers; 1e-3 in ST-MoE); 0: off. [model] key of the same name."""
     moe_bias_update_rate: float = 0.0
     """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step (1e-3 in
     DeepSeek-V3); 0: the bias stays 0. Off by default: Qwen3-MoE has no such bias, so a model
@@ -54,22 +80,32 @@ class Qwen3Args(ModelArgs):
     name in [model]."""
 
     def __post_init__(self):
-        if self.n_experts and (self.top_k < 1 or self.moe_hidden_dim < 1):
+        if not self.n_experts:
+            return
+        if self.top_k < 1 or self.moe_hidden_dim < 1:
             raise ValueError(f"Qwen3Args: an MoE model ({self.n_experts} experts) needs top_k and moe_hidden_dim >= 1")
+        self.moe_args()  # the router's options and the balancing, checked once here
 
     @property
     def is_moe(self) -> bool:
         return self.n_experts > 0
 
     def moe_args(self) -> MoEArgs:
-        """The feed-forward's MoE layer, with the run's load balancing."""
+        """The feed-forward's MoE layer: its router, and the run's load balancing."""
         return MoEArgs(
             dim=self.dim,
             n_experts=self.n_experts,
             top_k=self.top_k,
             hidden_dim=self.moe_hidden_dim,
+            score_func=self.moe_score_func,
             norm_topk_prob=self.norm_topk_prob,
+            route_scale=self.moe_route_scale,
+            n_groups=self.moe_n_groups,
+            topk_groups=self.moe_topk_groups,
             router_aux_loss_coef=self.moe_aux_loss_coef,
+            load_balance_coef=self.moe_load_balance_coef,
+            seq_balance_coef=self.moe_seq_balance_coef,
+            z_loss_coef=self.moe_z_loss_coef,
             bias_update_rate=self.moe_bias_update_rate,
         )
 
@@ -96,7 +132,14 @@ class Qwen3Args(ModelArgs):
         return Qwen3Transformer
 
 
-_NOT_ARCHITECTURE = ("max_seq_len", "moe_aux_loss_coef", "moe_bias_update_rate")
+_NOT_ARCHITECTURE = (
+    "max_seq_len",
+    "moe_aux_loss_coef",
+    "moe_load_balance_coef",
+    "moe_seq_balance_coef",
+    "moe_z_loss_coef",
+    "moe_bias_update_rate",
+)
 
 # What the published sizes share (their config.json files): the 151,936-id vocabulary,
 # 128-wide heads, 8 key/value heads, RoPE base 1,000,000 and RMSNorm epsilon 1e-6. The three

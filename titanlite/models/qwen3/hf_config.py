@@ -30,7 +30,10 @@ def args_to_hf_config(args: Qwen3Args) -> dict:
 
 
 def _moe_fields(args: Qwen3Args) -> dict:
-    """What makes a Qwen3MoeConfig of the same model: every block MoE, no auxiliary loss."""
+    """What makes a Qwen3MoeConfig of the same model (every block MoE), with the trained
+    coefficient of transformers' auxiliary loss; ValueError for a router transformers'
+    Qwen3-MoE cannot compute."""
+    _check_exportable_router(args)
     return {
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": MOE_MODEL_TYPE,
@@ -40,9 +43,30 @@ def _moe_fields(args: Qwen3Args) -> dict:
         "norm_topk_prob": args.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
+        # output_router_logits makes every forward return each layer's router logits and,
+        # in a forward given labels, add router_aux_loss_coef x the pooled load-balancing
+        # loss to the loss. Off, as in the published configs (inference returns no router
+        # logits); the coefficient is the one this model trained with, for a fine-tune that
+        # turns the loss on.
         "output_router_logits": False,
-        "router_aux_loss_coef": 0.0,
+        "router_aux_loss_coef": args.moe_aux_loss_coef,
     }
+
+
+def _check_exportable_router(args: Qwen3Args) -> None:
+    """transformers' Qwen3-MoE routes by a softmax over all experts, unscaled: refuse the
+    router options it lacks (the balancing losses and the bias only steer training)."""
+    unlike = {
+        "moe_score_func": args.moe_score_func != "softmax",
+        "moe_route_scale": args.moe_route_scale != 1.0,
+        "moe_n_groups": args.moe_n_groups != 1,
+    }
+    if any(unlike.values()):
+        name = next(name for name, differs in unlike.items() if differs)
+        raise ValueError(
+            f"this MoE model routes with {name} {getattr(args, name)}, which transformers' Qwen3-MoE has no "
+            "setting for (it routes by a softmax over all experts, unscaled): it has no Qwen3MoeConfig"
+        )
 
 
 def _moe_args(config: dict, where: str, need) -> dict:
@@ -53,10 +77,6 @@ def _moe_args(config: dict, where: str, need) -> dict:
             f"{where}: only all-MoE blocks are supported (decoder_sparse_step 1 and no mlp_only_layers), "
             f"got decoder_sparse_step {step} and mlp_only_layers {dense_layers}"
         )
-    if config.get("output_router_logits"):
-        raise ValueError(
-            f"{where}: output_router_logits asks for the auxiliary load-balancing loss, which training does not add yet"
-        )
     # Published config.json files spell it num_experts; transformers 5 saves num_local_experts.
     n_experts = config.get("num_experts") or need("num_local_experts")
     return {
@@ -65,7 +85,14 @@ def _moe_args(config: dict, where: str, need) -> dict:
         "moe_hidden_dim": need("moe_intermediate_size"),
         # Qwen3MoeConfig's default when the file leaves it out.
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        "moe_aux_loss_coef": _trained_aux_loss_coef(config),
     }
+
+
+def _trained_aux_loss_coef(config: dict) -> float:
+    """The weight transformers trains this model's auxiliary loss with: router_aux_loss_coef
+    (Qwen3MoeConfig's default 0.001) when output_router_logits is on, else none."""
+    return float(config.get("router_aux_loss_coef", 0.001)) if config.get("output_router_logits") else 0.0
 
 
 def _check_supported(config: dict, where: str) -> None:

@@ -11,8 +11,8 @@ differences:
   - the output projection may be the token embedding itself (tie_word_embeddings): one
     parameter, saved once, under tok_embeddings.weight.
 A Qwen3-MoE model (args.n_experts > 0) has the routed experts of titanlite/models/moe/
-as every block's feed_forward, under that name; with the auxiliary load-balancing loss on,
-the model's output carries that loss's gradient (add_load_balancing_loss).
+as every block's feed_forward, under that name; with an auxiliary balancing loss on, the
+model's output carries that loss's gradient (add_load_balancing_loss).
 Grouped-query attention, RoPE (with Qwen3's base), SwiGLU and the initialisation are
 Llama's. Parameter names are Llama's wherever the meaning is the same, so Llama's tensor
 parallel plan, FSDP, activation checkpointing and compile apply as they are.
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from titanlite.models.llama.model import Attention, RMSNorm, Transformer, TransformerBlock
-from titanlite.models.moe import MoE, add_load_balancing_loss
+from titanlite.models.moe import MoE, add_load_balancing_loss, moe_layers
 from titanlite.models.qwen3.args import Qwen3Args
 
 TIED_OUTPUT = "output.weight"
@@ -70,12 +70,12 @@ class Qwen3Transformer(Transformer):
             self.register_load_state_dict_pre_hook(_fill_tied_output)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Llama's forward; with an MoE model's auxiliary loss on, its output carries the
-        loss's gradient for the MoE layers it ran (this pipeline stage's under PP)."""
+        """Llama's forward; with an MoE model's balancing losses on, its output carries their
+        gradients for the MoE layers it ran (this pipeline stage's under PP)."""
         output = super().forward(tokens)
-        if not self.args.is_moe or self.args.moe_aux_loss_coef == 0:
+        if not self.args.is_moe or not self.args.moe_args().has_balance_loss:
             return output
-        return add_load_balancing_loss(output, [module for module in self.modules() if isinstance(module, MoE)])
+        return add_load_balancing_loss(output, moe_layers(self))
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables, and each MoE layer's token counts (never saved either)."""

@@ -247,6 +247,7 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
 # --- one process vs FSDP 2, PP 2 and TP 2 ---------------------------------------------------
 
 MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+EP2 = ["--parallelism.expert_parallel_degree=2"]
 # The expert bias on: it must train under every layout as the weights do.
 BIAS = [*MOE, "--model.moe_bias_update_rate=0.001"]
 
@@ -278,9 +279,11 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         records = trainer.train()
     params = full_weights(trainer.model)  # before the update below moves the bias once more
     counted = HostSyncs()
+    routed = None
     if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
         with torch.no_grad():
             trainer.model(TOKENS)  # training mode: the layers count its tokens
+        routed = torch.stack([layer.tokens_per_expert.clone() for layer in trainer.balancer.layers])
         with counted:
             trainer.balancer.after_step(trainer.optimizer)
     report = {
@@ -288,6 +291,7 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "params": params,
         "syncs": counted.report(),
+        "routed": routed,  # [layers, experts]: the (token, expert) pairs this rank routed of TOKENS' forward
         "ops": set(counted.other_ops),
         "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
         "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
@@ -317,7 +321,10 @@ TP_LAYOUTS = {
 # sigmoid router with its route scale, group-limited choice (2 groups of 2: a token's top 2
 # is the best group) and the expert bias, and the per-layer, sequence-wise and z losses (their
 # stages' losses add up to the model's, so PP matches one process too). Each layout runs
-# forwards of the reference's 4 sequences, on which the per-layer loss depends.
+# forwards of the reference's 4 sequences, on which the per-layer loss depends. Under TP 2
+# (with and without sequence parallel, and with EP 2 over its ranks) each rank routes half of
+# every sequence: the losses' terms (counts, probabilities, each sequence's, whose tokens both
+# ranks share, and the z-loss's mean) are summed over tp for every rank to get one process's.
 ROUTER_OPTIONS = [
     *MOE,
     "--model.moe_score_func=sigmoid",
@@ -334,6 +341,9 @@ ROUTER_LAYOUTS = {
     "fsdp2_full_ac": [*ROUTER, *FULL_AC],
     "ep2": [*ROUTER, "--parallelism.expert_parallel_degree=2"],
     "tp2": [*ROUTER, *TP2],
+    "tp2_no_sp": [*ROUTER, *TP2, *NO_SP],
+    # EP 2 over the 2 TP ranks: each routes its half of every sequence and holds 2 experts.
+    "ep2_tp2": [*ROUTER, *TP2, *EP2],
     # 2 micro-batches of 4 sequences through the pipeline
     "pp2": [*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *pp_args("1F1B", 8, 4, *ROUTER_OPTIONS)],
 }
@@ -368,6 +378,7 @@ def runs(hf_moe, tmp_path_factory):
         "balanced fsdp2": Job(2, train_balanced, (BALANCED, dump("balanced_fsdp2"))),
         # The auxiliary loss's statistics and the bias's counts summed over the TP ranks.
         "balanced tp2": Job(2, train_balanced, ([*BALANCED, *TP2], dump("balanced_tp2"))),
+        "balanced ep2_tp2": Job(2, train_balanced, ([*BALANCED, *TP2, *EP2], dump("balanced_ep2_tp2"))),
         "pp2": Job(2, train_balanced, ([*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *PP_MOE], dump("pp2"))),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
     } | {
@@ -412,12 +423,12 @@ def test_the_expert_bias_moves_and_resumes_with_the_weights(runs):
     assert bias.abs().max() > 1e-4 and bias.sum().abs() < 1e-6  # moved, and centred
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "ep2_tp2"])
 def test_load_balancing_matches_single_process(runs, layout):
     """The auxiliary loss's gradients, the bias from counts summed over the 2 ranks, and the
     metrics equal one process's that ran the same micro-batches one after the other. Under
-    TP 2 each rank routed half of each sequence: the loss's statistics and the bias's counts
-    are summed over both."""
+    TP 2 (and EP 2 over its ranks) each rank routed half of each sequence: the loss's
+    statistics and the bias's counts are summed over both."""
     reference = runs["balanced reference"][0]
     for rank_run in runs[f"balanced {layout}"]:
         assert_same_training(rank_run, reference, rtol=1e-5)
@@ -451,7 +462,22 @@ def test_the_aux_loss_under_fsdp_returns_no_view_for_fsdp_to_warn_of(runs):
         assert rank_run["view_warnings"] == []
 
 
-@pytest.mark.parametrize("layout", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "ep2_tp2"])
+def test_each_tp_rank_routes_only_its_own_half_of_the_tokens(runs, layout):
+    """One forward of TOKENS after training (2 sequences of 16, top 2 of 4 experts, 3 layers):
+    each TP rank routed half of the (token, expert) pairs that one process routes, and the two
+    halves add up, expert by expert, to the one process's counts (their weights agree within
+    1e-5, far closer than any routing decision here)."""
+    whole = runs["balanced reference"][0]["routed"]
+    pairs = TOKENS.numel() * 2
+    assert whole.sum(dim=1).tolist() == [pairs] * 3
+    ranks = [rank_run["routed"] for rank_run in runs[f"balanced {layout}"]]
+    for routed in ranks:
+        assert routed.sum(dim=1).tolist() == [pairs // 2] * 3
+    assert torch.equal(ranks[0] + ranks[1], whole)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "ep2_tp2"])
 def test_the_bias_update_sums_counts_without_a_host_sync(runs, layout):
     for rank_run in runs[f"balanced {layout}"]:
         assert rank_run["syncs"] == "none"

@@ -82,8 +82,8 @@ def _idle_expert_params(moe: MoE) -> int:
 
 def active_moe_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the weights one token meets: each layer's router and
-    its top_k experts (the layer's weights less the experts it skips). Tensor parallelism holds
-    these whole on every rank and runs them on all of the data-parallel rank's tokens."""
+    its top_k experts (the layer's weights less the experts it skips). Tensor parallelism splits
+    their work by token: each TP rank routes its own slice of the sequence."""
     return sum(_numel(moe) - _idle_expert_params(moe) for moe in moe_layers(module))
 
 

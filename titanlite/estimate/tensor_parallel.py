@@ -67,8 +67,9 @@ def tensor_parallel_bytes(
                    the [tokens, vocab] logits in the compute dtype (its backward is a local slice)
 
     The gradients of the norms, which TP replicates, are also summed over the TP group: 2L + 1
-    vectors of dim per micro-batch, left out (a few hundred KB), as are the MoE layers' sums of
-    their auxiliary loss's statistics (2 x n_experts numbers per layer and forward).
+    vectors of dim per micro-batch, left out (a few hundred KB), as is the sum of the MoE
+    balancing losses' terms (one all-reduce per forward of a few numbers per expert, layer and
+    sequence, when a loss is on).
     """
     activation = tokens * args.dim * activation_bytes
     per_moe_block = 4 if sequence_parallel else 6

@@ -30,6 +30,16 @@ from tests.helpers import AGENT_STORE, rendezvous_ports
 from titanlite.parallel import exit_process
 
 
+def forget_dtensor_caches() -> None:
+    """After a process group is destroyed, before the next one: DTensor caches sharding
+    decisions and redistribution planners with the meshes they were made for, and a mesh of
+    the next group with the same shape compares equal to the last one's (torch 2.13 compares
+    layouts, not process groups): a cached output spec (an in-place optimizer update's, say)
+    would put a parameter on the destroyed groups."""
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+
+
 class Job(NamedTuple):
     """fn(*args) on `world_size` ranks, as if launched alone: they see RANK 0..world_size-1."""
 
@@ -125,13 +135,7 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str, env
         _log_job_time(name, job_rank, time.perf_counter() - started)
         if dist.is_initialized():  # the next job starts a default group of its own
             dist.destroy_process_group()
-        # DTensor caches sharding decisions and redistribution planners with the meshes they
-        # were made for, and a mesh of the next job with the same shape compares equal to
-        # this one's (torch 2.13 compares layouts, not process groups): a cached output spec
-        # (an in-place optimizer update's, say) would put a parameter on this job's
-        # destroyed groups.
-        _clear_sharding_prop_cache()
-        clear_redistribute_planner_cache()
+        forget_dtensor_caches()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     exit_process(0)  # as train.py's ranks end: no interpreter teardown racing gloo's threads
 

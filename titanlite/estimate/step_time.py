@@ -52,9 +52,17 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
+from titanlite.config.quantize import float8_requested
 from titanlite.dtypes import DTYPES
 from titanlite.estimate.communication import traffic
-from titanlite.estimate.compute import compute_time, device_flops_per_token, rank_work, recompute_fraction
+from titanlite.estimate.compute import (
+    Float8Work,
+    compute_time,
+    device_flops_per_token,
+    float8_saved_seconds,
+    rank_work,
+    recompute_fraction,
+)
 from titanlite.estimate.data_parallel import (
     break_even_tokens,
     data_parallel_traffic,
@@ -70,6 +78,7 @@ from titanlite.metrics.flops import flops_per_token, mfu
 from titanlite.models.llama.args import LlamaArgs
 from titanlite.parallel import tensor_parallel_problem
 from titanlite.parallel.pipeline import PipelinePlan
+from titanlite.quantize import float8_layer_choice
 
 # Fraction of the peak a well-tuned bf16 transformer step reaches on its matmuls
 # (attention and elementwise kernels included). Llama pretraining on H100/A100 with
@@ -136,6 +145,7 @@ class StepTimeEstimate:
     break_even_tokens_per_device: float  # per micro-batch, where compute equals the data-parallel communication
     tokens_per_second_per_device: float
     mfu_percent: float
+    float8_saved_s: float = 0.0  # of the compute, what float8 takes off (included in compute_s); 0 without float8
 
     def describe(self) -> str:
         """A few human-readable lines, for a command-line report."""
@@ -180,9 +190,12 @@ class StepTimeEstimate:
         )
 
     def _redundant_note(self) -> str:
-        if not self.redundant_compute_s:
-            return ""
-        return f"; {self.redundant_compute_s * 1e3:.1f} ms of it the MoE layers every TP rank repeats"
+        notes = ""
+        if self.redundant_compute_s:
+            notes += f"; {self.redundant_compute_s * 1e3:.1f} ms of it the MoE layers every TP rank repeats"
+        if self.float8_saved_s:
+            notes += f"; float8 matmuls take {self.float8_saved_s * 1e3:.1f} ms off"
+        return notes
 
 
 def estimate_step_time(
@@ -208,6 +221,7 @@ def estimate_step_time(
     gpus_per_node: int | None = None,
     pipeline: PipelinePlan | None = None,
     ep: int = 1,
+    float8: Float8Work | None = None,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
     fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
@@ -217,7 +231,9 @@ def estimate_step_time(
     ranks of its group (and, with ``pipeline``, all pp ranks of its pipeline) see; the
     pipeline splits it into pipeline.microbatches micro-batches. ``ep``: expert parallelism's
     degree, a split of the dp_shard ranks (an MoE model's experts, n_experts / ep per rank,
-    FSDP-sharded over the dp_shard / ep ranks left). hardware: a Hardware or a
+    FSDP-sharded over the dp_shard / ep ranks left). ``float8``: the linear weights a float8 run
+    converts, whose matmuls run at the float8 peak with the casts on top (float8_saved_seconds;
+    the hardware must have float8). hardware: a Hardware or a
     table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
     when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input.
     """
@@ -250,6 +266,13 @@ def estimate_step_time(
     micro_tokens = local_batch_size * seq_len  # per data-parallel rank
     rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
     compute_s, redundant_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency)
+    float8_s = 0.0
+    if float8 is not None:
+        if hw.float8_peak_flops is None:
+            raise ValueError(f"{hw.name} has no float8 matmuls; leave float8 out of model.converters")
+        float8_flops = float8.flops_per_token(work, model_args.n_layers, pipeline is not None, fraction) / t
+        float8_s = float8_saved_seconds(float8_flops, rank_tokens, hw.peak_flops, hw.float8_peak_flops, efficiency)
+        compute_s -= float8_s
 
     # communication: each parallelism's collectives over the step, on its own link
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
@@ -355,6 +378,7 @@ def estimate_step_time(
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
+        float8_saved_s=float8_s,
     )
 
 
@@ -367,13 +391,13 @@ def estimate_for_job_config(
 ) -> StepTimeEstimate:
     """estimate_step_time with every input read from a JobConfig: model flavor, seq_len,
     local and global batch (hence the accumulation steps), degrees (TP's with its sequence,
-    loss and async options, the pipeline's stages and schedule), mixed precision, reshard policy
-    and activation checkpointing.
+    loss and async options, the pipeline's stages and schedule), mixed precision, float8 (the
+    layers its converter would take), reshard policy and activation checkpointing.
     world_size is the number of GPUs the run would have; a layout that does not multiply to
     it is a ValueError."""
     # The registry behind these pulls in every model.
     from titanlite.parallel.pipeline import plan_pipeline
-    from titanlite.plan import run_model_args, tokenizer_for_estimate
+    from titanlite.plan import meta_model, run_model_args, tokenizer_for_estimate
     from titanlite.registry import get_model_spec
 
     training, parallelism, ac = job_config.training, job_config.parallelism, job_config.activation_checkpoint
@@ -392,6 +416,10 @@ def estimate_for_job_config(
     if dims.pp > 1:
         model_cls = get_model_spec(job_config.model.name).model_cls
         pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
+    float8 = None
+    if float8_requested(job_config.model.converters):
+        choice = float8_layer_choice(meta_model(job_config, model_args), job_config.quantize.linear.float8)
+        float8 = Float8Work.of_layers(choice.converted)
     return estimate_step_time(
         model_args,
         seq_len=training.seq_len,
@@ -414,4 +442,5 @@ def estimate_for_job_config(
         gpus_per_node=gpus_per_node,
         pipeline=pipeline,
         ep=dims.ep,
+        float8=float8,
     )

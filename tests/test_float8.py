@@ -19,8 +19,9 @@ from tests.helpers import TINY, tiny_args
 from titanlite.config import ConfigError, format_help, parse_args, parse_args_with_warnings, to_toml
 from titanlite.estimate import estimate_memory
 from titanlite.models.llama import LLAMA3_FLAVORS, Transformer
+from titanlite.parallel import ParallelDims
 from titanlite.parallel.float8_styles import float8_styles
-from titanlite.plan import meta_model, run_model_args
+from titanlite.plan import meta_model, run_model_args, unused_layout_keys
 from titanlite.quantize import convert_to_float8, float8_layer_choice, float8_run_problem
 
 torchao_float8 = pytest.importorskip("torchao.float8")
@@ -170,6 +171,13 @@ def test_the_state_dict_keeps_its_names_shapes_and_dtypes():
     weight = model.layers["0"].attention.wq.weight
     convert_to_float8(model, parse_args([*FLOAT8, *EVERY_LAYER]), fsdp=False)
     assert model.layers["0"].attention.wq.weight is weight
+
+
+def test_the_fsdp_keys_warn_in_a_layout_without_fsdp():
+    warnings = unused_layout_keys(parse_args([*FLOAT8, ALL_GATHER]), ParallelDims.resolve(1, -1, 1))
+    assert len(warnings) == 1, warnings
+    assert "quantize.linear.float8.enable_fsdp_float8_all_gather = true has no effect in this layout" in warnings[0]
+    assert unused_layout_keys(parse_args([*FLOAT8, ALL_GATHER]), ParallelDims.resolve(1, -1, 2)) == []
 
 
 # --- before a run: torchao and the device ------------------------------------------------------

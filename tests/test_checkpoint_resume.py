@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, hf_tensors, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.multiprocess import Job, forget_dtensor_caches, run_jobs_on_ranks
 from titanlite.checkpoint import complete_steps
 from titanlite.checkpoint.hf_export import export_to_hf
 from titanlite.checkpoint.load import load_model
@@ -109,6 +109,7 @@ class Session:
     def end(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_dtensor_caches()
 
 
 def position(trainer: Trainer) -> dict:

@@ -25,7 +25,7 @@ from titanlite.estimate import (
     threshold_tokens_per_device,
 )
 from titanlite.estimate.communication import ring_bytes
-from titanlite.estimate.compute import FLOAT8_CAST_OVERHEAD
+from titanlite.estimate.float8 import FLOAT8_CAST_OVERHEAD
 from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device

@@ -1,6 +1,6 @@
 """The compute side of a step's estimate: the FLOPs one device does per token (the model's,
 and what activation checkpointing recomputes; its pp rank's stages only; 1/t of them under
-tensor parallelism but the MoE layers', which every TP rank runs whole) and the seconds they
+tensor parallelism, the MoE layers' included, whose tokens TP splits) and the seconds they
 take (pure arithmetic, see step_time)."""
 
 import functools
@@ -47,13 +47,13 @@ def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float
 
 def device_flops_per_token(work: "RankWork", tp: int) -> float:
     """FLOPs one device does per token of its data-parallel rank's batch, recomputation
-    included: TP splits everything over its t ranks but the MoE layers, which each of them
-    runs whole on every token (parallelize._whole_moe_plan):
+    included: TP splits all of them over its t ranks, the dense matrices by their features and
+    the MoE layers by their tokens (each TP rank routes its own slice of the sequence through
+    router and experts held whole: parallel/moe_tensor_parallel.py):
 
-        (F + R - F_moe - R_moe) / t + F_moe + R_moe
+        (F + R) / t
     """
-    moe = work.moe_flops + work.moe_recompute_flops
-    return (work.flops + work.recompute_flops - moe) / tp + moe
+    return (work.flops + work.recompute_flops) / tp
 
 
 def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
@@ -64,59 +64,10 @@ def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float,
     return flops_per_token_done * tokens / (peak_flops * efficiency)
 
 
-def compute_time(work: "RankWork", tp: int, tokens: int, peak_flops: float, efficiency: float) -> tuple[float, float]:
-    """(seconds, of them the MoE work the other TP ranks repeat) of the FLOPs one device does in
-    a step, ``tokens`` being its data-parallel rank's tokens over the step: compute_seconds of
-    device_flops_per_token, and of (1 - 1/t) of the MoE layers' FLOPs (0 without TP or MoE)."""
-    seconds = functools.partial(compute_seconds, tokens=tokens, peak_flops=peak_flops, efficiency=efficiency)
-    moe = work.moe_flops + work.moe_recompute_flops
-    return seconds(device_flops_per_token(work, tp)), seconds(moe * (1 - 1 / tp))
-
-
-# torchao's casts to float8 (each converted layer's input, weight and output gradient: an
-# amax pass and a scaled cast each, again for the backward's transposed copies) as a share of
-# the float8 matmul time they feed. Fitted to the float8 row measured on an H200 (16 blocks of
-# Llama 3 8B's shape, compiled: 1.23x, docs/performance.md), which it reproduces; the H100's row
-# of the same run reads 0.55 (its step predicted 2% short) and the H200's 4-block run is
-# predicted within 1%. It holds for layers torchao's size thresholds let through, whose matmuls
-# are large against their casts (quantize.linear.float8.skip_small_layers).
-FLOAT8_CAST_OVERHEAD = 0.5
-
-
-def float8_saved_seconds(
-    flops_per_token_done: float, tokens: int, peak_flops: float, float8_peak_flops: float, efficiency: float
-) -> float:
-    """What float8 takes off a step's compute: its layers' matmul time at the bf16 peak, less the
-    same FLOPs at the float8 peak with the casts on top (FLOAT8_CAST_OVERHEAD of that):
-
-        t x (1 - peak / float8 peak x (1 + overhead)),   t = compute_seconds of the converted FLOPs
-    """
-    bf16_s = compute_seconds(flops_per_token_done, tokens, peak_flops, efficiency)
-    return bf16_s * (1 - peak_flops / float8_peak_flops * (1 + FLOAT8_CAST_OVERHEAD))
-
-
-@dataclass(frozen=True)
-class Float8Work:
-    """The linear weights a float8 run converts (quantize.float8_layer_choice): in all the blocks,
-    and outside them (the output projection, where filter_fqns leaves it to float8)."""
-
-    block_params: int
-    other_params: int
-
-    @classmethod
-    def of_layers(cls, converted: dict[str, tuple[int, int]]) -> "Float8Work":
-        """From the converted layers' names and [out, in] shapes (the blocks' are layers.*)."""
-        in_blocks = sum(rows * columns for name, (rows, columns) in converted.items() if name.startswith("layers."))
-        return cls(in_blocks, sum(rows * columns for rows, columns in converted.values()) - in_blocks)
-
-    def flops_per_token(self, work: "RankWork", n_layers: int, pipelined: bool, fraction: float) -> float:
-        """The converted layers' FLOPs per token on the busiest rank, 6 per weight and 2 more per
-        weight recomputed (``fraction`` of the blocks). A pp rank holds ``work.blocks`` of the
-        ``n_layers`` blocks, counted at the blocks' average; the layers outside the blocks are
-        counted without a pipeline only (a pipeline gives their stage fewer blocks)."""
-        block_params = self.block_params * work.blocks / n_layers
-        params = block_params + (0 if pipelined else self.other_params)
-        return 6 * params + 2 * fraction * block_params
+def compute_time(work: "RankWork", tp: int, tokens: int, peak_flops: float, efficiency: float) -> float:
+    """Seconds of the FLOPs one device does in a step, ``tokens`` being its data-parallel
+    rank's tokens over the step: compute_seconds of device_flops_per_token."""
+    return compute_seconds(device_flops_per_token(work, tp), tokens, peak_flops, efficiency)
 
 
 @dataclass(frozen=True)
@@ -129,7 +80,7 @@ class RankWork:
     blocks: int  # transformer blocks of its stages
     experts: int = 0  # routed experts' weights of its stages (all of them, not only a token's top_k)
     moe_layers: int = 0  # MoE layers of its stages
-    moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP does not split them
+    moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP splits them by token
     moe_recompute_flops: float = 0.0  # of recompute_flops, its MoE layers'
 
 

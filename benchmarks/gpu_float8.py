@@ -11,16 +11,15 @@ The model is Llama 3 8B's shape (dim 4096, 32 heads, 8 key/value heads, SwiGLU h
 vocabulary 128256) with `--layers` blocks (default 4). Each run is its own process: the
 same Trainer, seed and data (the built-in python_stdlib text), seq `--seq-len` (default
 8192), batch 1, bf16 autocast over float32 weights, per-op selective activation
-checkpointing, each block and the loss compiled. The float8 runs swap the blocks' linear
-layers for torchao's Float8Linear (`--recipes`, torchao's recipe names) on the meta
-device, before the trainer parallelises the model, as a model converter does; torchao's
-automatic filter leaves out the layers whose shapes float8 does not speed up, and the
-output projection stays in bf16. Reported per run: the median step time and tokens/s of
+checkpointing, each block and the loss compiled. The float8 runs are the trainer's own
+(`--model.converters float8`, `--quantize.linear.float8.recipe_name` each of `--recipes`,
+torchao's recipe names): the layers whose shapes float8 does not speed up and the output
+projection stay in bf16, as the start-up lines say. Reported per run: the median step time and tokens/s of
 the steps after `--warmup`, the largest max-active memory, and the mean loss of the last
 5 steps, with float8 / bf16 ratios.
 
 --cpu-dry-run runs every line on the CPU with the tiny model (seq 128, no compile, torchao's
-emulated float8, every linear of a size divisible by 16 converted), except the lines marked
+emulated float8, every layer of a size divisible by 16 converted), except the lines marked
 "# cuda-only" (gpu_check.CUDA_ONLY); its numbers mean nothing.
 """
 
@@ -52,7 +51,7 @@ def register_flavor(layers: int) -> None:
     LLAMA3_FLAVORS[FLAVOR] = dataclasses.replace(LLAMA3_FLAVORS["8B"], n_layers=layers)
 
 
-def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
+def trainer_argv(options: argparse.Namespace, dump: str, recipe: str) -> list[str]:
     argv = [
         *("--model.flavor", DRY_RUN_FLAVOR if options.cpu_dry_run else FLAVOR, "--job.dump_folder", dump),
         *("--training.seq_len", str(options.seq_len), "--training.local_batch_size", "1"),
@@ -61,33 +60,16 @@ def trainer_argv(options: argparse.Namespace, dump: str) -> list[str]:
         *("--lr_scheduler.warmup_steps", "5", "--metrics.log_freq", "1"),
     ]
     argv += ["--compile.enable", "--compile.components", "model,loss"] if not options.cpu_dry_run else []
-    return argv + (["--metrics.peak_tflops", "1"] if options.cpu_dry_run else [])
+    argv += ["--metrics.peak_tflops", "1"] if options.cpu_dry_run else []
+    if recipe == "bf16":
+        return argv
+    argv += ["--model.converters", "float8", "--quantize.linear.float8.recipe_name", recipe]
+    # The dry run's tiny layers are all below torchao's size thresholds: take every one float8 can.
+    dry_run = ["--quantize.linear.float8.emulate", "--quantize.linear.float8.skip_small_layers", "false"]
+    return argv + (dry_run if options.cpu_dry_run else [])
 
 
-def float8_converter(recipe: str, emulate: bool):
-    """A function that swaps a meta model's linear layers for Float8Linear (torchao)."""
-    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
-
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
-
-    def divisible(module, fqn: str) -> bool:  # the dry run's tiny layers: any float8 can take
-        return isinstance(module, torch.nn.Linear) and fqn != "output" and module.weight.shape[0] % 16 == 0
-
-    # On a GPU, torchao's own filter: shapes float8 speeds up; the output projection never.
-    keep = divisible if emulate else _auto_filter_for_recipe(recipe, filter_fqns=["output"])
-
-    def convert(model):
-        linears = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-        convert_to_float8_training(model, module_filter_fn=keep, config=config)
-        kept = [name for name in linears if type(model.get_submodule(name)) is torch.nn.Linear]
-        print(f"float8 {recipe}: {len(linears) - len(kept)} linear layers converted, left in bf16: {', '.join(kept)}")
-        return model
-
-    return convert
-
-
-def _worker(_, argv: list[str], port: int, dry_run: bool, recipe: str, layers: int) -> None:
-    import titanlite.plan
+def _worker(_, argv: list[str], port: int, dry_run: bool, layers: int) -> None:
     from titanlite.config import parse_args
     from titanlite.train import Trainer
 
@@ -96,18 +78,30 @@ def _worker(_, argv: list[str], port: int, dry_run: bool, recipe: str, layers: i
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     register_flavor(layers)
     quiet_every_rank_lines()
-    if recipe != "bf16":
-        convert, meta_model = float8_converter(recipe, emulate=dry_run), titanlite.plan.meta_model
-        titanlite.plan.meta_model = lambda *args: convert(meta_model(*args))
     Trainer(parse_args(argv)).train()
+
+
+def print_float8_layers(argv: list[str], layers: int) -> None:
+    """The trainer's start-up lines on the layers float8 converts (its ranks log nothing here)."""
+    from titanlite.config import parse_args
+    from titanlite.plan import meta_model, run_model_args
+    from titanlite.quantize import float8_layer_choice
+
+    register_flavor(layers)
+    job_config = parse_args(argv)
+    float8 = job_config.quantize.linear.float8
+    model = meta_model(job_config, run_model_args(job_config))
+    print("\n".join(float8_layer_choice(model, float8).lines(float8)))
 
 
 def measure(options: argparse.Namespace, recipe: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-float8-") as dump:
-        argv = trainer_argv(options, dump)
+        argv = trainer_argv(options, dump, recipe)
+        if recipe != "bf16":
+            print_float8_layers(argv, options.layers)
         mp.start_processes(
             _worker,
-            args=(argv, free_port(), options.cpu_dry_run, recipe, options.layers),
+            args=(argv, free_port(), options.cpu_dry_run, options.layers),
             nprocs=1,
             start_method="spawn",
             join=True,

@@ -247,6 +247,16 @@ CASES = [
     Case("global_batch_does_not_divide_one_rank", ["--training.global_batch_size", "5"],
          r"training\.global_batch_size \(5\) must be a multiple of training\.local_batch_size \(2\)"),
     Case("cpu_offload_on_one_rank", ["--training.enable_cpu_offload"], r"training\.enable_cpu_offload needs FSDP"),
+    # Float8 (torchao).
+    Case("float8_unknown_converter", ["--model.converters", "mx"], r"model\.converters: 'mx' is not a converter titanlite has; it has float8 only"),
+    Case("float8_bad_recipe", ["--quantize.linear.float8.recipe_name", "rowwize"],
+         r"quantize\.linear\.float8\.recipe_name on the command line expects one of tensorwise\|rowwise\|rowwise_with_gw_hp, got 'rowwize'"),
+    Case("float8_experts", ["--model.converters", "quantize.grouped_mm.float8"], r"'quantize\.grouped_mm\.float8' \(float8 MoE experts\) is not supported"),
+    Case("float8_all_gather_rowwise", ["--model.converters", "float8", "--quantize.linear.float8.emulate", "--quantize.linear.float8.recipe_name", "rowwise",
+                                       "--quantize.linear.float8.enable_fsdp_float8_all_gather"], r"enable_fsdp_float8_all_gather needs .*recipe_name = \"tensorwise\""),
+    Case("float8_without_a_float8_gpu", ["--model.converters", "float8"],
+         r"model\.converters = \['float8'\] needs a CUDA GPU of compute capability 8\.9 or newer .*; found no CUDA GPU \(the CPU\): set quantize\.linear\.float8\.emulate = true",
+         env={"CUDA_VISIBLE_DEVICES": ""}),
     # A rank that surely cannot fit: said before any process group or tensor exists.
     Case("batch_beyond_memory", ["--job.validate_only", "--training.local_batch_size", "99999999999999999999999"],
          r"training\.local_batch_size 99999999999999999999999 \(x seq_len \d+\): one rank needs at least .* GiB "

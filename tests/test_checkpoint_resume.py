@@ -20,6 +20,9 @@ return:
 * single: the uninterrupted single-process run, with the full weights and EMA after every
   step; the FSDP-2 step-4 checkpoint resumed on one process.
 * four_to_two: the FSDP-4 step-4 checkpoint resumed on 2 ranks.
+* float8: an FSDP-2 float8 run (torchao, emulated; float8 all-gathers) saved at steps 4 and 8;
+  its step-4 checkpoint resumed without float8. Its step-8 checkpoint is compared with the
+  plain FSDP-2 run's and exported, in this process.
 """
 
 import faulthandler
@@ -32,10 +35,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
-from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, tiny_args
+from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, hf_tensors, tiny_args
 from tests.multiprocess import Job, forget_dtensor_caches, run_jobs_on_ranks
 from titanlite.checkpoint import complete_steps
+from titanlite.checkpoint.hf_export import export_to_hf
+from titanlite.checkpoint.load import load_model
 from titanlite.config import LRScheduler, parse_args
 from titanlite.optim import wsd_factor
 from titanlite.train import Trainer
@@ -357,13 +363,40 @@ def four_to_two_worker(dump: str, ports: list[int], fsdp4_step_folder: str) -> d
     return out
 
 
+# FSDP 2 with torchao's float8 (emulated on the CPU; every linear layer but the output), its
+# weights all-gathered in float8 with their scales worked out after each optimizer step: the
+# layout where the weights are float8-aware tensor subclasses.
+FLOAT8 = [
+    "--model.converters=float8",
+    "--quantize.linear.float8.emulate",
+    "--quantize.linear.float8.skip_small_layers=false",
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]
+
+
+def float8_worker(dump: str, ports: list[int]) -> dict:
+    """The float8 run, saving after steps 4 and 8; its step-4 checkpoint resumed without float8."""
+    session = Session(ports)
+    out = {
+        "float8": uninterrupted(
+            session, layout(2), FLOAT8, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/float8"
+        )
+    }
+    folder = copy_checkpoint(f"{dump}/float8/checkpoint/step-{SAVE_AT}", f"{dump}/float8_to_plain")
+    out["float8_to_plain"] = resume(session, layout(2), f"--job.dump_folder={folder}")
+    session.end()
+    return out
+
+
 # --- fixtures: every scenario in one launch of 4 processes ---------------------------------
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> dict:
     """The four scenarios, as jobs of one launch; each job's dump folder and its results."""
-    dumps = {name: tmp_path_factory.mktemp(name) for name in ("two_rank", "four_rank", "single", "four_to_two")}
+    names = ("two_rank", "four_rank", "single", "four_to_two", "float8")
+    dumps = {name: tmp_path_factory.mktemp(name) for name in names}
     fsdp2_step_folder = str(dumps["two_rank"] / "straight" / "checkpoint" / f"step-{SAVE_AT}")
     fsdp4_step_folder = str(dumps["four_rank"] / "fsdp4" / "checkpoint" / f"step-{SAVE_AT}")
     jobs = {  # in dependency order: a job's ranks take it after their earlier ones
@@ -371,6 +404,7 @@ def launch(tmp_path_factory) -> dict:
         "four_rank": Job(4, four_rank_worker, (str(dumps["four_rank"]), free_ports(6), fsdp2_step_folder)),
         "single": Job(1, single_worker, (str(dumps["single"]), fsdp2_step_folder)),
         "four_to_two": Job(2, four_to_two_worker, (str(dumps["four_to_two"]), free_ports(4), fsdp4_step_folder)),
+        "float8": Job(2, float8_worker, (str(dumps["float8"]), free_ports(4))),
     }
     results = run_jobs_on_ranks(4, jobs)
     return {name: (dumps[name], results[name]) for name in jobs}
@@ -394,6 +428,11 @@ def single(launch):
 @pytest.fixture(scope="module")
 def four_to_two(launch):
     return launch["four_to_two"]
+
+
+@pytest.fixture(scope="module")
+def float8(launch):
+    return launch["float8"]
 
 
 # --- checks ------------------------------------------------------------------------------
@@ -667,3 +706,49 @@ def test_a_resume_that_changes_the_global_batch_warns_once(single):
     assert f"training.global_batch_size = {GLOBAL_BATCH}" in warning
     # The same global batch on another number of ranks: no warning.
     assert not any("global batch" in line for line in out["resumed"]["warnings"])
+
+
+# --- a float8 checkpoint ---------------------------------------------------------------------
+
+
+def test_a_float8_checkpoint_resumes_without_float8(float8):
+    out = float8[1][0]
+    straight, resumed = out["float8"], out["float8_to_plain"]
+    assert straight["loss"][-1] < straight["loss"][0] - 0.1  # the float8 run learns
+    # What the float8 run held at its save comes back whole, into plain Linear layers ...
+    assert positions(resumed["loaded"]) == positions(straight["after"][SAVE_AT - 1])
+    assert_bit_identical(resumed["loaded"]["weights"], straight["after"][SAVE_AT - 1]["weights"])
+    assert_bit_identical(resumed["loaded"]["ema"], straight["after"][SAVE_AT - 1]["ema"])
+    # ... and trains on in high precision, close to where float8 went.
+    assert resumed["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+    assert resumed["loss"] == pytest.approx(straight["loss"][SAVE_AT:], rel=2e-2)
+    assert resumed["loss"] != straight["loss"][SAVE_AT:]
+
+
+def test_a_float8_checkpoint_and_its_export_are_a_plain_runs(float8, two_rank, tmp_path):
+    """Same names, shapes and dtypes in the checkpoint as an FSDP run without float8 saves, and
+    an export that holds the float8 run's high-precision weights."""
+    float8_step, plain_step = (
+        fixture[0] / run / "checkpoint" / f"step-{STEPS}"
+        for fixture, run in ((float8, "float8"), (two_rank, "straight"))
+    )
+    entries = [FileSystemReader(str(step)).read_metadata().state_dict_metadata for step in (float8_step, plain_step)]
+    assert entries[0].keys() == entries[1].keys()
+    for name, entry in entries[1].items():
+        if hasattr(entry, "size"):
+            assert (entries[0][name].size, entries[0][name].properties.dtype) == (entry.size, entry.properties.dtype), (
+                name
+            )
+    # The weights, moments and EMA copies torchao wraps in a subclass are stored as the plain
+    # tensors they wrap: no file needs torchao to be read.
+    assert not any(b"torchao" in file.read_bytes() for file in float8_step.glob("*.distcp"))
+    model, _ = load_model(float8_step)
+    assert_bit_identical(full_weights(model), float8[1][0]["float8"]["weights"])
+    exported = [
+        hf_tensors(export_to_hf(step, tmp_path / step.parent.parent.name)) for step in (float8_step, plain_step)
+    ]
+    assert {name: (t.shape, t.dtype) for name, t in exported[0].items()} == {
+        name: (t.shape, t.dtype) for name, t in exported[1].items()
+    }
+    weights = full_weights(model)  # float32, as the export writes them by default
+    assert torch.equal(exported[0]["model.layers.0.mlp.down_proj.weight"], weights["layers.0.feed_forward.w2.weight"])

@@ -25,6 +25,7 @@ from titanlite.estimate import (
     threshold_tokens_per_device,
 )
 from titanlite.estimate.communication import ring_bytes
+from titanlite.estimate.float8 import FLOAT8_CAST_OVERHEAD
 from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device
@@ -550,3 +551,24 @@ def test_estimate_from_a_job_config_with_tensor_parallelism():
     assert (result.sequence_parallel, result.loss_parallel, result.async_tp) == (False, False, False)
     assert result.tokens_per_device_per_step == 8 * 2048 / 4
     assert "x 4 TP" in result.describe()
+
+
+# --- float8 ------------------------------------------------------------------------------
+
+
+def test_the_step_time_estimate_runs_converted_matmuls_at_the_float8_peak():
+    base = ["--model.flavor", "8B", "--training.seq_len", "8192", "--training.local_batch_size", "1"]
+    bf16 = estimate_for_job_config(parse_args(base), world_size=8, hardware="h100")
+    float8 = estimate_for_job_config(parse_args([*base, "--model.converters", "float8"]), world_size=8, hardware="h100")
+    # 8B with selective AC every 2nd block: wq, wo, w1, w2, w3 of every block convert (wk and wv,
+    # 1024 outputs, are too small), so 6 + 2 x 1/2 FLOPs per converted weight and token.
+    per_block = 2 * 4096 * 4096 + 3 * 4096 * 14336
+    converted_flops = (6 + 2 * 0.5) * per_block * 32
+    bf16_seconds = converted_flops * 8192 / (bf16.hardware.peak_flops * bf16.efficiency)
+    saved = bf16_seconds * (1 - 0.5 * (1 + FLOAT8_CAST_OVERHEAD))
+    assert float8.float8_saved_s == pytest.approx(saved, rel=1e-9)
+    assert float8.compute_s == pytest.approx(bf16.compute_s - saved, rel=1e-9)
+    assert float8.mfu_percent > bf16.mfu_percent and float8.flops_per_token == bf16.flops_per_token
+    assert "float8 matmuls take" in float8.describe() and "float8" not in bf16.describe()
+    with pytest.raises(ValueError, match="a100 has no float8 matmuls"):
+        estimate_for_job_config(parse_args([*base, "--model.converters", "float8"]), world_size=8, hardware="a100")

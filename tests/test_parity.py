@@ -51,6 +51,7 @@ def train_and_report(extra_args: list[str]) -> dict:
         "loss": [r.loss for r in records],
         "grad_norm": [r.grad_norm for r in records],
         "params": full_params,
+        "float8_layers": sum(type(module).__name__ == "Float8Linear" for module in trainer.model.modules()),
     }
 
 
@@ -148,6 +149,51 @@ COMPILE = ["--compile.enable", "--compile.components=model,loss"]
 def test_compile_matches_single_process(runs, layout):
     for rank_run in runs[f"compiled {layout}"]:
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-4)
+
+
+# --- float8 (torchao's, emulated on the CPU) --------------------------------------------
+# Every linear layer but the output converted (the tiny model's are all below torchao's size
+# thresholds, which a GPU run would apply). Float8 scales each tensor it casts by that tensor's
+# own largest value, so a layout is held against a single process that casts the same tensors:
+# FSDP's ranks each cast their half of the batch, as a single process accumulating two
+# micro-batches of 4 does; TP's casts take their scales over the whole mesh, as a single
+# process of one micro-batch of 8 does. The 50-step comparison with bf16 on the debug model is
+# a figure in docs/performance.md.
+FLOAT8 = [
+    "--model.converters=float8",
+    "--quantize.linear.float8.emulate",
+    "--quantize.linear.float8.skip_small_layers=false",
+]
+FLOAT8_ALL_GATHER = [
+    "--quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "--quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
+]
+FLOAT8_REFERENCES = {
+    "one_batch": [f"--training.local_batch_size={GLOBAL_BATCH}"],
+    "accum2": ["--training.local_batch_size=4"],
+}
+FLOAT8_LAYOUTS = {  # name: (ranks, overrides, the reference it matches)
+    "fsdp2_selective_ac_op": (2, ["--training.local_batch_size=4", *SELECTIVE_OP], "accum2"),
+    "fsdp2_float8_all_gather": (2, ["--training.local_batch_size=4", *FLOAT8_ALL_GATHER], "accum2"),
+    "tp2": (2, ["--training.local_batch_size=8", *TP2], "one_batch"),
+}  # fmt: skip
+
+
+def test_float8_reference_learns_in_float8(runs):
+    ref, plain = runs["float8 reference one_batch"][0], runs["reference"][0]
+    assert ref["float8_layers"] == 7 * TINY.n_layers  # wq, wk, wv, wo, w1, w2, w3 of every block
+    assert ref["loss"][-1] < ref["loss"][0] - 0.1
+    # Float8 rounding moves the loss, but not far from the float32 run's.
+    gaps = [abs(a / b - 1) for a, b in zip(ref["loss"], plain["loss"], strict=True)]
+    assert 0 < max(gaps) < 0.02, gaps
+
+
+@pytest.mark.parametrize("layout", FLOAT8_LAYOUTS)
+def test_float8_layout_matches_its_single_process_run(runs, layout):
+    reference = runs[f"float8 reference {FLOAT8_LAYOUTS[layout][2]}"][0]
+    for rank_run in runs[f"float8 {layout}"]:
+        assert rank_run["float8_layers"] == reference["float8_layers"]
+        assert_same_training(rank_run, reference, rtol=1e-4)
 
 
 # --- the global grad norm -------------------------------------------------------------
@@ -317,6 +363,14 @@ RUNS = {
     "reference": REFERENCE,
     **{f"layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in LAYOUTS.items()},
     "moe reference": MOE_REFERENCE,
+    **{
+        f"float8 reference {name}": Job(1, train_and_report, ([*extra, *FLOAT8],))
+        for name, extra in FLOAT8_REFERENCES.items()
+    },
+    **{
+        f"float8 {name}": Job(n, train_and_report, ([*extra, *FLOAT8],))
+        for name, (n, extra, _) in FLOAT8_LAYOUTS.items()
+    },
     **{f"moe layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in MOE_LAYOUTS.items()},
     "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
     "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),

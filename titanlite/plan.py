@@ -5,6 +5,7 @@ The trainer and the estimators both start here, so an estimate describes exactly
 the trainer would make (same layout, same batch plan, same model build)."""
 
 import functools
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,8 +18,11 @@ from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.parallelize import moe_layers
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
+from titanlite.quantize import convert_to_float8
 from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
+
+logger = logging.getLogger("titanlite")
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,8 @@ LAYOUT_KEYS = {
     "parallelism.module_fqns_per_model_part": _PP,
     "training.mixed_precision_reduce": _FSDP,
     "parallelism.fsdp_reshard_after_forward": _FSDP,
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": _FSDP,
+    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": _FSDP,
     "parallelism.enable_sequence_parallel": _TP,
     "parallelism.disable_loss_parallel": _TP,
 }
@@ -342,15 +348,19 @@ def build_model(
     buffer_device: torch.device | None = None,
     stage_modules: tuple[str, ...] | None = None,
 ) -> nn.Module:
-    """The run's model in training mode: built on meta, parallelised by the registry's function
-    (activation checkpointing, compile, FSDP over ``mesh``), then, when ``device`` is given,
-    materialised there shard by shard and initialised from debug.seed, its buffers (the RoPE
-    tables) on ``buffer_device`` (default: ``device``). Without ``device`` it stays on meta,
-    for a caller that materialises it its own way (e.g. as fake tensors). ``stage_modules``:
-    build only the part of one pipeline stage, the modules it names."""
+    """The run's model in training mode: built on meta, converted (float8, logging which layers),
+    parallelised by the registry's function (activation checkpointing, compile, FSDP over
+    ``mesh``), then, when ``device`` is given, materialised there shard by shard and initialised
+    from debug.seed, its buffers (the RoPE tables) on ``buffer_device`` (default: ``device``).
+    Without ``device`` it stays on meta, for a caller that materialises it its own way (e.g. as
+    fake tensors). ``stage_modules``: build only the part of one pipeline stage, the modules it
+    names."""
     model = meta_model(job_config, plan.model_args)
     if stage_modules is not None:
         prune_to_stage(model, stage_modules)
+    # Converters change the modules parallelisation wraps and splits (float8's TP styles), so they come first.
+    for line in convert_to_float8(model, job_config, fsdp=plan.parallel_dims.fsdp_applied):
+        logger.info(line)
     model = get_model_spec(job_config.model.name).parallelize_fn(model, plan.parallel_dims, mesh, job_config)
     if device is not None:
         model.to_empty(device=device)

@@ -41,6 +41,7 @@ from titanlite.parallel import (
     use_collective_timeout,
 )
 from titanlite.profiling import profiler_context
+from titanlite.quantize import scale_precompute_hook
 from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
@@ -114,6 +115,9 @@ class Trainer(Stateful):
         # 5. Optimizer, schedule and the weight average.
         self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, job_config.lr_scheduler, training.steps)
+        precompute = scale_precompute_hook(job_config, parallel_dims.fsdp_applied, model)
+        if precompute is not None:  # float8 all-gathers' weight scales, once the weights changed
+            self.optimizer.register_step_post_hook(precompute)
         self.ema = EMA(model, job_config.ema.decay) if job_config.ema.enable else None
         self.step = 0
         self.tokens_seen = 0

@@ -39,6 +39,7 @@ from titanlite.parallel.expert_parallel import expert_parallel_summary
 from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
+from titanlite.quantize import check_float8_run
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -46,10 +47,12 @@ logger = logging.getLogger("titanlite")
 
 def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     """(plan, tokenizer, training windows): every check made before a process group or tensor
-    exists (layout, memory floor, the model of the checkpoint to start from, tokenizer, data).
+    exists (layout, float8's needs, memory floor, the model of the checkpoint to start from,
+    tokenizer, data).
     A problem is a ConfigError (a CheckpointError for that checkpoint); a key this layout
     ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
+    check_float8_run(job_config)  # torchao and a float8 GPU (or emulation), before anything is built
     warnings = unused_layout_keys(job_config, plan.parallel_dims)
     if plan.pipeline is not None and microbatch_warning(plan.pipeline) is not None:
         warnings.append(microbatch_warning(plan.pipeline))

@@ -46,6 +46,7 @@ from titanlite.checkpoint.files import (
 )
 from titanlite.checkpoint.manifest import write_manifest
 from titanlite.checkpoint.stager import close_stager, keep_open_between_saves
+from titanlite.checkpoint.states import plain_tensors
 from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
 from titanlite.dtypes import DTYPES
@@ -123,7 +124,7 @@ class CheckpointManager:
     def _collect(self, parts: list[str], model_dtype: torch.dtype | None = None) -> dict:
         collected = {}
         for name in parts:
-            state = self.states[name].state_dict()
+            state = plain_tensors(self.states[name].state_dict())  # never a pickled tensor subclass
             if name == MODEL:
                 if model_dtype is not None:
                     state = {k: v.to(model_dtype) if isinstance(v, torch.Tensor) else v for k, v in state.items()}

@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from titanlite.checkpoint.description import MODEL_ARGS, ModelDescription, refuse_other_model
 from titanlite.registry import MODELS
@@ -83,6 +84,43 @@ class OptimizerState(Stateful):
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)
         for group, settings in zip(self.optimizer.param_groups, own, strict=True):
             group.update(settings)
+
+
+def plain_tensors(state):
+    """``state`` (nested dicts and lists) with every tensor subclass that only wraps one tensor
+    of its own shape and dtype replaced by that tensor, a DTensor's local one rebuilt around
+    it: torchao's weights under FSDP float8 all-gathers, and the optimizer moments and EMA
+    copies made from them (their empty_like and clone keep the subclass). A checkpoint then
+    holds plain tensors, which any process reads (DCP would pickle the subclass, loadable only
+    where torchao is imported), and a load fills the wrapped tensors in place. Containers
+    without such a tensor come back as they are (the same objects)."""
+    if isinstance(state, dict):
+        plain = {key: plain_tensors(value) for key, value in state.items()}
+        return state if all(plain[key] is value for key, value in state.items()) else plain
+    if isinstance(state, list):
+        plain = [plain_tensors(value) for value in state]
+        return state if all(new is old for new, old in zip(plain, state, strict=True)) else plain
+    if isinstance(state, DTensor):
+        inner = _wrapped(state._local_tensor)
+        if inner is None:
+            return state
+        return DTensor.from_local(
+            inner, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
+        )
+    if isinstance(state, torch.Tensor):
+        inner = _wrapped(state)
+        return state if inner is None else inner
+    return state
+
+
+def _wrapped(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor of its own shape and dtype that a wrapper subclass holds, or None."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(type(tensor), "__tensor_flatten__"):
+        return None
+    names, _ = tensor.__tensor_flatten__()
+    alike = [getattr(tensor, name) for name in names]
+    alike = [inner for inner in alike if inner.shape == tensor.shape and inner.dtype == tensor.dtype]
+    return alike[0] if len(alike) == 1 else None
 
 
 class RNGState(Stateful):

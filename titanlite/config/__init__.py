@@ -2,7 +2,8 @@
 
 job_config.py holds JobConfig, whose fields are the sections; each section's keys, defaults,
 docstrings and allowed ranges are in the file of its concern (job.py, model.py, training.py,
-optimizer.py, parallelism.py, checkpoint.py, metrics.py; the shared ranges in ranges.py);
+optimizer.py, parallelism.py, quantize.py, checkpoint.py, metrics.py; the shared ranges in
+ranges.py);
 parser.py reads the TOML file and the command line and writes --help and TOML;
 torchtitan_compat.py maps torchtitan 0.2 keys (tables in torchtitan_keys.py);
 validation.py checks the merged config; schema.py holds what those share.

@@ -1,7 +1,7 @@
-"""The [model] section: the model family, its size and tokenizer, and an MoE model's router
-and load balancing."""
+"""The [model] section: the model family, its size and tokenizer, the converters applied
+before parallelisation (float8), and an MoE model's router and load balancing."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from titanlite.config.ranges import AT_LEAST_ZERO_OR_UNSET, POSITIVE_OR_UNSET, ranged
@@ -35,6 +35,11 @@ class Model:
 
     hf_assets_path: str | None = None
     """Folder (or file) holding a Hugging Face tokenizer.json; unset means the built-in byte tokenizer."""
+
+    converters: list[str] = field(default_factory=list)
+    """Changes made to the model before it is parallelised: float8 (torchtitan 0.2 also spells it
+    quantize.linear.float8) trains its linear layers in float8 through torchao, as [quantize.linear.float8] says;
+    needs pip install titanlite[float8]."""
 
     moe_score_func: Literal["softmax", "sigmoid"] | None = None
     """MoE models only: how the router turns logits into scores, softmax over the experts (Qwen3-MoE) or one sigmoid per

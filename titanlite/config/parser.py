@@ -32,6 +32,7 @@ from titanlite.config.schema import (
     key_types,
     optional_inner,
     section_classes,
+    section_of,
     set_value,
     toml_value,
     type_name,
@@ -40,11 +41,10 @@ from titanlite.config.schema import (
 from titanlite.config.torchtitan_compat import (
     CLI_BOOL_WORDS,
     CLI_NONE_WORDS,
-    closest_torchtitan_key,
+    closest_known_key,
     is_bool_key,
     is_known_key,
     is_known_section,
-    is_torchtitan_only_section,
     torchtitan_key,
 )
 from titanlite.config.validation import validate
@@ -212,10 +212,7 @@ def _split_cli(argv: list[str]) -> list[tuple[str, str]]:
             )
         key, has_equals, inline_value = token[2:].partition("=")
         if not is_known_key(key):
-            if is_torchtitan_only_section(key.partition(".")[0]):
-                suggestion = closest_torchtitan_key(key)
-            else:
-                suggestion = closest_key(key)
+            suggestion = closest_known_key(key)
             raise unknown_name_error(f"option '--{key}'", "on the command line", suggestion and f"--{suggestion}")
         next_token = argv[index + 1] if index + 1 < len(argv) else None
         if has_equals:
@@ -335,16 +332,17 @@ def format_help() -> str:
 
 
 def to_dict(config: JobConfig) -> dict[str, dict[str, Any]]:
-    """{section: {key: value}} for every key, unset optionals included as None."""
+    """{section: {key: value}} for every key, unset optionals included as None; a section
+    below a level of tables nested as in TOML ({"quantize": {"linear": {"float8": {...}}}})."""
     return dataclasses.asdict(config)
 
 
 def to_toml(config: JobConfig) -> str:
     """The config as TOML text that parses back to an equal JobConfig."""
     lines = []
-    for section_name, values in to_dict(config).items():
+    for section_name in section_classes():
         lines.append(f"[{section_name}]")
-        for key, value in values.items():
+        for key, value in dataclasses.asdict(section_of(config, section_name)).items():
             # TOML has no null, and a left-out optional key reads back as unset.
             if value is not None:
                 lines.append(f"{key} = {toml_value(value)}")

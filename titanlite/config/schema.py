@@ -12,6 +12,7 @@ import itertools
 import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from titanlite.config.job_config import JobConfig
@@ -32,10 +33,37 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------
 
 
+def _is_group(cls: type) -> bool:
+    """A level of TOML tables holding only sections (JobConfig's quantize: [quantize.linear.float8])."""
+    hints = typing.get_type_hints(cls)
+    return all(dataclasses.is_dataclass(hints[f.name]) for f in dataclasses.fields(cls))
+
+
+def _sections_under(prefix: str, cls: type) -> Iterator[tuple[str, type]]:
+    for f in dataclasses.fields(cls):
+        name, field_cls = f"{prefix}{f.name}", typing.get_type_hints(cls)[f.name]
+        if _is_group(field_cls):
+            yield from _sections_under(f"{name}.", field_cls)
+        else:
+            yield name, field_cls
+
+
 @functools.cache
 def section_classes() -> dict[str, type]:
-    """Section name -> section dataclass, in JobConfig's field order."""
-    return {f.name: f.type for f in dataclasses.fields(JobConfig)}
+    """Section name -> section dataclass, in JobConfig's field order. A section below a level
+    of tables is named by its whole path ('quantize.linear.float8')."""
+    return dict(_sections_under("", JobConfig))
+
+
+@functools.cache
+def top_level_sections() -> frozenset[str]:
+    """The first part of every section's name: the tables a TOML file has at its top."""
+    return frozenset(name.partition(".")[0] for name in section_classes())
+
+
+def section_of(config: JobConfig, section_name: str) -> Any:
+    """The section dataclass ``section_name`` names in ``config``."""
+    return functools.reduce(getattr, section_name.split("."), config)
 
 
 @functools.cache
@@ -70,13 +98,13 @@ def field_docstrings(section_cls: type) -> dict[str, str]:
 
 
 def get_value(config: JobConfig, dotted_key: str) -> Any:
-    section_name, key = dotted_key.split(".")
-    return getattr(getattr(config, section_name), key)
+    section_name, _, key = dotted_key.rpartition(".")
+    return getattr(section_of(config, section_name), key)
 
 
 def set_value(config: JobConfig, dotted_key: str, value: Any) -> None:
-    section_name, key = dotted_key.split(".")
-    setattr(getattr(config, section_name), key, value)
+    section_name, _, key = dotted_key.rpartition(".")
+    setattr(section_of(config, section_name), key, value)
 
 
 # ---------------------------------------------------------------------------

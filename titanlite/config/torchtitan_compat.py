@@ -14,8 +14,8 @@ from titanlite.config.schema import (
     ConfigError,
     closest_key,
     key_types,
-    section_classes,
     toml_value,
+    top_level_sections,
     unknown_name_error,
 )
 from titanlite.errors import closest_name
@@ -31,16 +31,19 @@ def is_known_key(dotted_key: str) -> bool:
 
 def is_known_section(section_name: str) -> bool:
     """A titanlite section or a torchtitan 0.2 one."""
-    return section_name in section_classes() or section_name in torchtitan_keys.TORCHTITAN_SECTIONS
+    return section_name in top_level_sections() or section_name in torchtitan_keys.TORCHTITAN_SECTIONS
 
 
-def is_torchtitan_only_section(section_name: str) -> bool:
-    """A torchtitan 0.2 section titanlite has no counterpart for ([quantize], [fault_tolerance], ...)."""
-    return section_name in torchtitan_keys.TORCHTITAN_SECTIONS and section_name not in section_classes()
-
-
-def closest_torchtitan_key(dotted_key: str) -> str | None:
-    return closest_name(dotted_key, torchtitan_keys.TORCHTITAN_ONLY)
+def closest_known_key(dotted_key: str) -> str | None:
+    """The name most likely meant by an unknown key: a titanlite key in titanlite's sections,
+    a torchtitan one in the sections only torchtitan has ([fault_tolerance], ...), either in
+    nested tables ([quantize.linear.*], [training.dataloader]), where the two mix."""
+    section = dotted_key.partition(".")[0]
+    if dotted_key.count(".") > 1:
+        return closest_name(dotted_key, [*key_types(), *torchtitan_keys.TORCHTITAN_ONLY])
+    if section in torchtitan_keys.TORCHTITAN_SECTIONS and section not in top_level_sections():
+        return closest_name(dotted_key, torchtitan_keys.TORCHTITAN_ONLY)
+    return closest_key(dotted_key)
 
 
 def is_bool_key(key: str) -> bool:
@@ -76,10 +79,7 @@ def _torchtitan_cli_value(text: str, default: Any) -> Any:
 
 def _unknown_key_error(dotted_key: str, source: str, from_cli: bool) -> ConfigError:
     """A key that is neither titanlite's nor torchtitan's, with the closest name of either."""
-    if dotted_key.partition(".")[0] in section_classes():
-        suggestion = closest_key(dotted_key)
-    else:
-        suggestion = closest_torchtitan_key(dotted_key)
+    suggestion = closest_known_key(dotted_key)
     if from_cli:
         return unknown_name_error(f"option '--{dotted_key}'", source, suggestion and f"--{suggestion}")
     return unknown_name_error(f"key '{dotted_key}'", source, suggestion)

@@ -77,10 +77,6 @@ def _only_default(default: Any, advice: str, *neutral: Any) -> TorchtitanKey:
 
 NO_CP = "titanlite has no context parallelism; shorten training.seq_len or use activation checkpointing instead"
 NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
-NO_QUANT = (
-    "titanlite has no float8/MX training; remove model.converters "
-    '(training.mixed_precision_param = "bfloat16" is the low-precision option)'
-)
 
 RENAMED: dict[str, str] = {
     # Deprecated in torchtitan 0.2 itself in favour of hf_assets_path; titanlite reads
@@ -99,7 +95,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "profiling.profiler_active": _ignore(1),
     "profiling.profiler_warmup": _ignore(3),
     # [model]
-    "model.converters": _only_default([], NO_QUANT),
     "model.print_after_conversion": _ignore(False),
     # [optimizer]
     "optimizer.early_step_in_backward": _only_default(
@@ -157,12 +152,9 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
     "compile.backend": _only_default(
         "inductor", "titanlite compiles with torch.compile's default backend (inductor); remove it"
     ),
-    # [quantize]: read only through model.converters, which titanlite refuses unless empty.
-    "quantize.linear.float8.enable_fsdp_float8_all_gather": _ignore(False),
-    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": _ignore(False),
-    "quantize.linear.float8.recipe_name": _ignore(None),
-    "quantize.linear.float8.filter_fqns": _ignore([]),
-    "quantize.linear.float8.emulate": _ignore(False),
+    # [quantize]: each table is read only with its converter in model.converters; titanlite has
+    # float8's for the linear layers ([quantize.linear.float8], its own section) and refuses
+    # the MX and grouped-GEMM converters (config/quantize.py).
     "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": _ignore("triton"),
     "quantize.linear.mx.recipe_name": _ignore("mxfp8_cublas"),
     "quantize.linear.mx.filter_fqns": _ignore(["output"]),
@@ -208,7 +200,7 @@ SHARED_KEYS = (
     "profiling.enable_memory_snapshot", "profiling.save_memory_snapshot_folder",
     "metrics.log_freq", "metrics.enable_tensorboard", "metrics.disable_color_printing",
     "metrics.save_tb_folder", "metrics.save_for_all_ranks", "metrics.enable_wandb",
-    "model.name", "model.flavor", "model.hf_assets_path",
+    "model.name", "model.flavor", "model.hf_assets_path", "model.converters",
     "optimizer.name", "optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps",
     "optimizer.weight_decay", "optimizer.implementation",
     "lr_scheduler.warmup_steps", "lr_scheduler.decay_ratio", "lr_scheduler.decay_type",
@@ -231,6 +223,9 @@ SHARED_KEYS = (
     "checkpoint.load_step", "checkpoint.exclude_from_loading",
     "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option",
     "compile.enable", "compile.components",
+    "quantize.linear.float8.recipe_name", "quantize.linear.float8.filter_fqns", "quantize.linear.float8.emulate",
+    "quantize.linear.float8.enable_fsdp_float8_all_gather",
+    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp",
     "comm.init_timeout_seconds", "comm.train_timeout_seconds", "comm.trace_buf_size",
     "comm.save_traces_folder", "comm.save_traces_file_prefix",
     "validation.enable", "validation.dataset", "validation.dataset_path",

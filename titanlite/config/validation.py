@@ -9,8 +9,9 @@ from typing import Any, Literal, get_args
 
 from titanlite.config.job_config import JobConfig
 from titanlite.config.parallelism import PIPELINE_SCHEDULES, canonical_schedule
+from titanlite.config.quantize import quantize_problem
 from titanlite.config.ranges import Range, field_range
-from titanlite.config.schema import ConfigError
+from titanlite.config.schema import ConfigError, section_classes, section_of
 from titanlite.config.training import DatasetNeedingPath, DatasetWithoutPath, PreparedDataset
 from titanlite.errors import unknown_name
 
@@ -21,12 +22,12 @@ DATASETS_NEEDING_PATH = get_args(Literal[PreparedDataset, DatasetNeedingPath])
 
 def ranged_values(config: JobConfig) -> Iterator[tuple[str, Any, Range]]:
     """('section.key', value, allowed range) for every field that has a range, in field order."""
-    for section_field in dataclasses.fields(config):
-        section = getattr(config, section_field.name)
+    for section_name in section_classes():
+        section = section_of(config, section_name)
         for config_field in dataclasses.fields(section):
             allowed = field_range(config_field)
             if allowed is not None:
-                yield f"{section_field.name}.{config_field.name}", getattr(section, config_field.name), allowed
+                yield f"{section_name}.{config_field.name}", getattr(section, config_field.name), allowed
 
 
 def _check_ranges(config: JobConfig) -> None:
@@ -104,8 +105,15 @@ def _check_pipeline_schedule(config: JobConfig) -> None:
         raise ConfigError(unknown_name(key, schedule, PIPELINE_SCHEDULES))
 
 
+def _check_quantize(config: JobConfig) -> None:
+    problem = quantize_problem(config.model.converters, config.quantize.linear.float8)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 # Run in this order after the ranges; the first broken rule is the one reported.
 CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
+    _check_quantize,
     _check_one_inferred_degree,
     _check_pipeline_schedule,
     _check_dataset_has_path,

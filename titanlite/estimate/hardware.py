@@ -1,5 +1,5 @@
-"""Accelerators the estimators know: peak dense bf16 FLOP/s, memory and the two link
-speeds that decide FSDP/HSDP communication time.
+"""Accelerators the estimators know: peak dense bf16 (and float8) FLOP/s, memory and the two
+link speeds that decide FSDP/HSDP communication time.
 
 Units are SI base units throughout: FLOP/s, bytes, bytes per second. Every bandwidth is
 **per GPU and per direction** (unidirectional): the rate at which one GPU can send while
@@ -34,6 +34,8 @@ class Hardware:
     inter_node_bw: bytes/s one GPU sends to other nodes, per direction: the GPU's share
         of the node's network cards (one NIC per GPU in the reference systems).
     gpus_per_node: GPUs that share the fast intra-node link.
+    float8_peak_flops: dense float8 tensor-core FLOP/s of one GPU (twice the bf16 peak on
+        every float8 part here); None for a GPU without float8 matmuls.
     """
 
     name: str
@@ -42,6 +44,7 @@ class Hardware:
     intra_node_bw: float
     inter_node_bw: float
     gpus_per_node: int
+    float8_peak_flops: float | None = None
 
 
 def _peak(device_name: str) -> float:
@@ -52,6 +55,16 @@ def _peak(device_name: str) -> float:
     return flops
 
 
+# The vendors' dense float8 FLOP/s are twice their dense bf16 ones on Hopper, Ada, Blackwell
+# and CDNA 3 alike, within 1% (H100 SXM: 1,979 against 989 TFLOP/s; L40S: 733 against 362);
+# Ampere (A100) has no float8.
+FLOAT8_OVER_BF16 = 2
+
+
+def _float8(device_name: str) -> float:
+    return FLOAT8_OVER_BF16 * _peak(device_name)
+
+
 # Sources and assumptions, one row each. Memory is the marketed capacity, which for HBM
 # parts is in binary units in practice (an H100 "80GB" reports 81559 MiB to nvidia-smi).
 HARDWARE: dict[str, Hardware] = {
@@ -59,25 +72,29 @@ HARDWARE: dict[str, Hardware] = {
     for hw in (
         # H100 SXM5 80GB (DGX/HGX H100): NVLink 4 is 900 GB/s bidirectional -> 450 GB/s per
         # direction; eight ConnectX-7 InfiniBand NDR cards, 400 Gb/s = 50 GB/s per GPU.
-        Hardware("h100", _peak("NVIDIA H100 80GB HBM3"), 80 * GiB, 450 * GB, 50 * GB, 8),
+        Hardware(
+            "h100", _peak("NVIDIA H100 80GB HBM3"), 80 * GiB, 450 * GB, 50 * GB, 8, _float8("NVIDIA H100 80GB HBM3")
+        ),
         # H200 SXM 141GB (HGX H200): same compute and NVLink 4 as the H100, more and faster
         # HBM3e; same 400 Gb/s NDR per GPU.
-        Hardware("h200", _peak("NVIDIA H200"), 141 * GiB, 450 * GB, 50 * GB, 8),
+        Hardware("h200", _peak("NVIDIA H200"), 141 * GiB, 450 * GB, 50 * GB, 8, _float8("NVIDIA H200")),
         # A100 SXM4 80GB (DGX A100): NVLink 3 is 600 GB/s bidirectional -> 300 GB/s per
         # direction; eight HDR InfiniBand cards, 200 Gb/s = 25 GB/s per GPU.
         Hardware("a100", _peak("NVIDIA A100-SXM4-80GB"), 80 * GiB, 300 * GB, 25 * GB, 8),
         # B200 (DGX B200): 180 GB of HBM3e exposed per GPU (1,440 GB per 8-GPU system);
         # NVLink 5 is 1.8 TB/s bidirectional -> 900 GB/s per direction; ConnectX-7
         # 400 Gb/s = 50 GB/s per GPU.
-        Hardware("b200", _peak("NVIDIA B200"), 180 * GiB, 900 * GB, 50 * GB, 8),
+        Hardware("b200", _peak("NVIDIA B200"), 180 * GiB, 900 * GB, 50 * GB, 8, _float8("NVIDIA B200")),
         # MI300X (8-GPU OAM platform): 192 GB HBM3; seven Infinity Fabric links of 64 GB/s
         # per direction to the seven peers (a full mesh) -> 448 GB/s per direction when a
         # collective uses all of them, as RCCL's rings do; 400 Gb/s NIC = 50 GB/s per GPU.
-        Hardware("mi300x", _peak("AMD Instinct MI300X"), 192 * GiB, 448 * GB, 50 * GB, 8),
+        Hardware(
+            "mi300x", _peak("AMD Instinct MI300X"), 192 * GiB, 448 * GB, 50 * GB, 8, _float8("AMD Instinct MI300X")
+        ),
         # L40S (PCIe card, 8 per server assumed): 48 GB GDDR6; no NVLink, so peers talk
         # over PCIe 4.0 x16, 16 GT/s x 16 lanes x 128/130 = 31.5 GB/s per direction;
         # assumed 200 Gb/s = 25 GB/s of network per GPU (servers vary).
-        Hardware("l40s", _peak("NVIDIA L40S"), 48 * GiB, 31.5 * GB, 25 * GB, 8),
+        Hardware("l40s", _peak("NVIDIA L40S"), 48 * GiB, 31.5 * GB, 25 * GB, 8, _float8("NVIDIA L40S")),
     )
 }
 

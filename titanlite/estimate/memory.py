@@ -68,7 +68,15 @@ import torch.distributed as dist
 from titanlite.config import ConfigError, JobConfig
 from titanlite.estimate.floor import ModelStateBytes
 from titanlite.estimate.pipeline import in_flight_microbatches
-from titanlite.estimate.simulation import Simulated, fake_process_group, simulate, stage_ends, without_compile
+from titanlite.estimate.simulation import (
+    FLOAT8_MEMORY_NOTE,
+    Simulated,
+    fake_process_group,
+    simulate,
+    stage_ends,
+    without_compile,
+    without_converters,
+)
 from titanlite.estimate.tracker import CATEGORIES
 from titanlite.plan import plan_run, tokenizer_for_estimate
 
@@ -193,6 +201,9 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     if job_config.compile.enable:
         notes.append("compile is forced off in the estimate; compiled blocks may need a little less scratch memory")
         job_config = without_compile(job_config)
+    if job_config.model.converters:
+        notes.append(FLOAT8_MEMORY_NOTE)
+        job_config = without_converters(job_config)
     tokenizer, note = tokenizer_for_estimate(job_config)
     notes += [note] if note else []
     plan = plan_run(job_config, world_size, tokenizer)

@@ -34,6 +34,18 @@ def without_compile(job_config: JobConfig) -> JobConfig:
     return dataclasses.replace(job_config, compile=dataclasses.replace(job_config.compile, enable=False))
 
 
+# Why the memory estimate simulates a float8 run without its converter.
+FLOAT8_MEMORY_NOTE = (
+    "float8 is simulated in bf16: torchao 0.18's Float8Linear keeps the same high-precision input and weight for "
+    "backward, and its float8 copies live for one matmul"
+)
+
+
+def without_converters(job_config: JobConfig) -> JobConfig:
+    """A copy of the config with model.converters empty (see FLOAT8_MEMORY_NOTE)."""
+    return dataclasses.replace(job_config, model=dataclasses.replace(job_config.model, converters=[]))
+
+
 def _without_expert_parallelism(job_config: JobConfig) -> JobConfig:
     """A copy of the config with expert parallelism off: what the fake-tensor simulation runs
     (see expert_parallel_bytes)."""

@@ -64,6 +64,7 @@ from titanlite.estimate.data_parallel import (
     threshold_tokens_per_device,
 )
 from titanlite.estimate.expert_parallel import moe_all_to_all_bytes
+from titanlite.estimate.float8 import Float8Work, float8_note, float8_seconds, float8_work
 from titanlite.estimate.hardware import Hardware, get_hardware
 from titanlite.estimate.inputs import check_choices, check_experts, positive_int, resolve_layout
 from titanlite.estimate.pipeline import backward_per_forward, pipeline_send_bytes, pipelined_seconds
@@ -144,6 +145,7 @@ class StepTimeEstimate:
     break_even_tokens_per_device: float  # per micro-batch, where compute equals the data-parallel communication
     tokens_per_second_per_device: float
     mfu_percent: float
+    float8_saved_s: float = 0.0  # of the compute, what float8 takes off (included in compute_s); 0 without float8
 
     def describe(self) -> str:
         """A few human-readable lines, for a command-line report."""
@@ -181,7 +183,7 @@ class StepTimeEstimate:
                 f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
                 f"on {self.world_size} {hw.name}",
                 f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
-                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
+                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s{float8_note(self.float8_saved_s)})",
                 f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
                 f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
                 f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
@@ -221,19 +223,19 @@ def estimate_step_time(
     gpus_per_node: int | None = None,
     pipeline: PipelinePlan | None = None,
     ep: int = 1,
+    float8: Float8Work | None = None,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
     fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
     sequence parallel and loss parallel on, async TP off; no pipeline).
 
-    local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp
-    ranks of its group (and, with ``pipeline``, all pp ranks of its pipeline) see; the
-    pipeline splits it into pipeline.microbatches micro-batches. ``ep``: expert parallelism's
-    degree, all the tp ranks and a split of the dp_shard ranks (an MoE model's experts,
-    n_experts / ep per rank, FSDP-sharded over the dp_shard / (ep / tp) ranks left). hardware: a Hardware or a
-    table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
-    when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input.
-    """
+    local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp ranks of its group
+    (and, with ``pipeline``, all pp ranks of its pipeline) see; the pipeline splits it into
+    pipeline.microbatches micro-batches. ``ep``: expert parallelism's degree, all the tp ranks and a split of
+    the dp_shard ranks (an MoE model's experts, n_experts / ep per rank, FSDP-sharded over the
+    dp_shard / (ep / tp) ranks left). ``float8``: the layers a float8 run converts (estimate.float8). hardware:
+    a Hardware or a table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
+    when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input."""
     for name, value in (
         ("seq_len", seq_len),
         ("local_batch_size", local_batch_size),
@@ -262,7 +264,8 @@ def estimate_step_time(
     work = rank_work(model_args, seq_len, fraction, pipeline, t)
     micro_tokens = local_batch_size * seq_len  # per data-parallel rank
     rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
-    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency)
+    float8_s = float8_seconds(float8, work, model_args.n_layers, pipeline, fraction, t, rank_tokens, hw, efficiency)
+    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency) - float8_s
 
     # communication: each parallelism's collectives over the step, on its own link
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
@@ -371,6 +374,7 @@ def estimate_step_time(
         ),
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
+        float8_saved_s=float8_s,
     )
 
 
@@ -396,10 +400,9 @@ def estimate_for_job_config(
 ) -> StepTimeEstimate:
     """estimate_step_time with every input read from a JobConfig: model flavor, seq_len,
     local and global batch (hence the accumulation steps), degrees (TP's with its sequence,
-    loss and async options, the pipeline's stages and schedule), mixed precision, reshard policy
-    and activation checkpointing.
-    world_size is the number of GPUs the run would have; a layout that does not multiply to
-    it is a ValueError."""
+    loss and async options, the pipeline's stages and schedule), mixed precision, float8, reshard
+    policy and activation checkpointing. world_size is the number of GPUs the run would have; a
+    layout that does not multiply to it is a ValueError."""
     # The registry behind these pulls in every model.
     from titanlite.parallel.pipeline import plan_pipeline
     from titanlite.plan import run_model_args, tokenizer_for_estimate
@@ -443,4 +446,5 @@ def estimate_for_job_config(
         gpus_per_node=gpus_per_node,
         pipeline=pipeline,
         ep=dims.ep,
+        float8=float8_work(job_config, model_args),
     )

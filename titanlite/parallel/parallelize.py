@@ -46,6 +46,7 @@ from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.models.moe import MoE, moe_layers
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from titanlite.parallel.float8_styles import float8_styles
 from titanlite.parallel.moe_tensor_parallel import moe_tensor_parallel_plan
 from titanlite.parallel.parallel_dims import ParallelDims
 
@@ -121,7 +122,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     outer_plan = {name: style for name, style in outer_plan.items() if getattr(model, name) is not None}
     tied = model.output is not None and model.tok_embeddings is not None
     tied = tied and model.output.weight is model.tok_embeddings.weight
-    parallelize_module(model, tp_mesh, outer_plan)
+    parallelize_module(model, tp_mesh, float8_styles(model, outer_plan, tp_mesh))
     if tied:
         # Tied embeddings (Qwen3's small flavors): each module got a DTensor of its own. Both
         # split the [vocab, dim] matrix by rows (Shard(0)), so the output takes the
@@ -160,7 +161,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         else:
             replicate_over(block.attention_norm, tp_mesh)
             replicate_over(block.ffn_norm, tp_mesh)
-        parallelize_module(block, tp_mesh, block_plan)
+        parallelize_module(block, tp_mesh, float8_styles(block, block_plan, tp_mesh))
 
 
 class _WaitedCollective(torch.autograd.Function):

@@ -36,6 +36,10 @@ Otherwise it prints one table row per check and exits 1 if any check failed:
     for the same config (fake tensors, in this process), with the estimate's breakdown.
     Target within 10%. The estimator runs the step eagerly, so run 2's row is its own
     accuracy and run 1's adds what compile changes.
+* Float8: float8 (torchao's tensorwise recipe, the trainer's --model.converters float8)
+  against bf16 on 16 blocks of Llama 3 8B's shape, seq 8192, compiled, per-op AC, 25 steps
+  each in a process of its own (benchmarks/gpu_float8.py's runs): step-time ratio, target
+  >= 1.2x, with both runs' max active memory; the loss gap after the 25 steps is reported.
 * Disk: the checkpoint bytes are estimated before anything runs (printed; the check refuses
   to start above DISK_LIMIT_BYTES on disk at once) and the largest checkpoint measured on
   disk must match the estimate within 10%.
@@ -107,6 +111,7 @@ DRY_RUN_SIZES = Sizes(
 )
 WINDOWS = 5  # measured windows per run, after one warm-up window: an odd count has a middle one
 MFU_TARGET, MEMORY_TOLERANCE, DISK_TOLERANCE = 45.0, 0.10, 0.10
+FLOAT8_LAYERS, FLOAT8_STEPS, FLOAT8_TARGET = 16, 25, 1.2  # torchtitan reports +28% on 8B with compile
 DISK_LIMIT_BYTES = 20 * 10**9
 # Beyond the tensors a checkpoint holds DCP's metadata and the small states (schedule, data
 # position, RNG): a few KB per tensor, which only a tiny model notices.
@@ -492,6 +497,35 @@ def memory_row(sizes: Sizes, run: str, measured_gib: float | None, device_type: 
     }
 
 
+def float8_rows(dry_run: bool) -> list[dict]:
+    """Float8 against bf16 through the trainer's keys (--model.converters float8, tensorwise):
+    benchmarks/gpu_float8.py's two runs, each a process of its own, on FLOAT8_LAYERS blocks of
+    Llama 3 8B's shape, seq 8192, compiled, per-op AC (the dry run: the tiny model, emulated)."""
+    import gpu_float8
+
+    options = argparse.Namespace(layers=FLOAT8_LAYERS, seq_len=8192, steps=FLOAT8_STEPS, warmup=5)
+    options = gpu_float8.dry_run_sized(argparse.Namespace(**vars(options), cpu_dry_run=dry_run))
+    bf16, float8 = (gpu_float8.measure(options, recipe) for recipe in ("bf16", "tensorwise"))
+    speedup = bf16["step_s"] / float8["step_s"]
+    shape = f"{options.layers} blocks of 8B, seq {options.seq_len}, compiled"
+    shape = f"the tiny model, seq {options.seq_len}, eager, emulated" if dry_run else shape
+    memory = "" if dry_run else f"; max active {bf16['max_active_gib']:.1f} and {float8['max_active_gib']:.1f} GiB"
+    return [
+        {
+            "check": f"float8 tensorwise vs bf16 step time, {shape}",
+            "result": f"{speedup:.2f}x ({bf16['step_s']:.4f} -> {float8['step_s']:.4f} s a step{memory})",
+            "target": f">= {FLOAT8_TARGET}x",
+            "ok": speedup >= FLOAT8_TARGET or dry_run,
+        },
+        {
+            "check": f"float8 loss against bf16 after {options.steps} steps (mean of the last {gpu_float8.LOSS_STEPS})",
+            "result": f"{float8['loss']:.4f} vs {bf16['loss']:.4f} ({100 * (float8['loss'] / bf16['loss'] - 1):+.2f}%)",
+            "target": "(reported: a short run's gap is noise, not accuracy)",
+            "ok": True,
+        },
+    ]
+
+
 def plan_disk(sizes: Sizes) -> None:
     """Print the checkpoint bytes this check writes; refuse to start when they do not fit."""
     planned = checkpoint_bytes(sizes)
@@ -522,6 +556,7 @@ def main(argv: list[str] | None = None) -> int:
             results[run] = json.loads(Path(out).read_text())
     rows = [row for result in results.values() for row in result["rows"]]
     rows += [memory_row(sizes, run, result["peak_gib"], result["device"]) for run, result in results.items()]
+    rows += float8_rows(options.cpu_dry_run)
     device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
     print(f"titanlite GPU check on {device_name}, torch {torch.__version__}")
     print("| check | result | target | ok |\n|---|---|---|---|")

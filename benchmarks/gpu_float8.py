@@ -94,6 +94,13 @@ def print_float8_layers(argv: list[str], layers: int) -> None:
     print("\n".join(float8_layer_choice(model, float8).lines(float8)))
 
 
+def dry_run_sized(options: argparse.Namespace) -> argparse.Namespace:
+    """The options, with a CPU dry run's short sequence and few steps."""
+    if options.cpu_dry_run:
+        options.seq_len, options.steps, options.warmup = 128, 8, 2
+    return options
+
+
 def measure(options: argparse.Namespace, recipe: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-float8-") as dump:
         argv = trainer_argv(options, dump, recipe)
@@ -130,9 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available() and not options.cpu_dry_run:
         print("no GPU: skipped")
         return 0
-    if options.cpu_dry_run:
-        options.seq_len, options.steps, options.warmup = 128, 8, 2
-    results = [measure(options, recipe) for recipe in ["bf16", *options.recipes.split(",")]]
+    results = [measure(dry_run_sized(options), recipe) for recipe in ["bf16", *options.recipes.split(",")]]
     device = "CPU (dry run, emulated float8)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
     print(f"titanlite float8 vs bf16 on {device}, torch {torch.__version__}")
     compiled = "not compiled" if options.cpu_dry_run else "compiled"

@@ -68,7 +68,7 @@ import torch.distributed as dist
 from titanlite.config import ConfigError, JobConfig
 from titanlite.estimate.floor import ModelStateBytes
 from titanlite.estimate.pipeline import in_flight_microbatches
-from titanlite.estimate.simulation import Simulated, fake_process_group, simulate, stage_ends, without_compile
+from titanlite.estimate.simulation import Simulated, fake_process_group, simulate, stage_ends
 from titanlite.estimate.tracker import CATEGORIES
 from titanlite.plan import plan_run, tokenizer_for_estimate
 
@@ -191,8 +191,10 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     start = time.perf_counter()
     notes = []
     if job_config.compile.enable:
-        notes.append("compile is forced off in the estimate; compiled blocks may need a little less scratch memory")
-        job_config = without_compile(job_config)
+        notes.append(
+            "compile: the step is simulated eagerly, with the compiled loss's and blocks' memory "
+            "in place of theirs where measured (titanlite.estimate.compiled)"
+        )
     tokenizer, note = tokenizer_for_estimate(job_config)
     notes += [note] if note else []
     plan = plan_run(job_config, world_size, tokenizer)

@@ -107,8 +107,9 @@ class HeldSavings:
     def __init__(self, whole: list[tuple[nn.Module, int]], checkpointed: list[tuple[nn.Module, int]]):
         self.bytes = 0
         self._weight_copies = 0
-        self._handles = [block.register_forward_hook(self._until_backward(saving)) for block, saving in whole]
-        self._handles += [block.register_forward_hook(self._until_autocast_exits(copies)) for block, copies in checkpointed]
+        hooks = [(block, self._until_backward(saving)) for block, saving in whole]
+        hooks += [(block, self._until_autocast_exits(copies)) for block, copies in checkpointed]
+        self._handles = [block.register_forward_hook(hook) for block, hook in hooks]
 
     def _until_backward(self, saving: int):
         def after_forward(module, inputs, output):

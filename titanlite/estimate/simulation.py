@@ -19,9 +19,8 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.loss import cross_entropy_sum
-from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes, unsharded_stage_bytes
 from titanlite.estimate.compiled import CompiledParts, compiled_loss, held_savings
+from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes, unsharded_stage_bytes
 from titanlite.estimate.tracker import (
     CATEGORIES,
     Compiled,
@@ -30,6 +29,7 @@ from titanlite.estimate.tracker import (
     tracked_stage_step,
     tracked_step,
 )
+from titanlite.loss import cross_entropy_sum
 from titanlite.metrics.flops import param_counts
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
@@ -146,7 +146,8 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
         ema_bytes = _ema_bytes(model, job_config)
         context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
         losses = partial(loss_context, parallel_dims, job_config)
-        sequences = training.local_batch_size if stage_modules is None else job_config.parallelism.pipeline_parallel_microbatch_size
+        microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
+        sequences = training.local_batch_size if stage_modules is None else microbatch
         compiled = _stand_ins(model, job_config, compiled_parts, parallel_dims, sequences * training.seq_len)
         if stage_modules is None:
             batch = _fake_batch(plan, training.local_batch_size, training.seq_len, has_first=True, has_last=True)

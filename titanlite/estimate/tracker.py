@@ -196,6 +196,9 @@ class Compiled:
             self.savings.compute_context_exited()
 
 
+EAGER = Compiled()  # nothing compiled: the step as it runs eagerly
+
+
 @contextlib.contextmanager
 def _tracking(model, optimizer, inputs, savings=None):
     """The memory tracker over ``model`` and ``optimizer`` (``inputs`` filed as inputs), with
@@ -240,7 +243,7 @@ def tracked_step(
     max_norm: float,
     context,
     loss_context=contextlib.nullcontext,
-    compiled: Compiled = Compiled(),
+    compiled: Compiled = EAGER,
 ) -> StepMemory:
     """One training step as the trainer runs it, under the memory tracker. ``context`` is the
     compute context (autocast or none), ``loss_context()`` what the loss and its backward run
@@ -266,7 +269,7 @@ def tracked_stage_step(
     max_norm: float,
     context,
     loss_context=contextlib.nullcontext,
-    compiled: Compiled = Compiled(),
+    compiled: Compiled = EAGER,
 ) -> StepMemory:
     """One pipeline stage's step under the memory tracker: ``microbatches`` is a list of
     (inputs, labels), the inputs tokens for the first stage and the previous stage's output

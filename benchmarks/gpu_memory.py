@@ -216,10 +216,9 @@ def estimate(sizes: gpu_check.Sizes) -> dict:
 
 def _against(measured: int, predicted: int | None) -> str:
     """The measured figure over the estimate and their ratio, in GiB (the measured one alone
-    without an estimate)."""
-    if not predicted:
-        return f"{measured / GIB:.2f} / n/a"
-    return f"{measured / GIB:.2f} / {predicted / GIB:.2f} = {measured / predicted:.2f}"
+    without an estimate: --no-estimate)."""
+    estimate = f" / {predicted / GIB:.2f} = {measured / predicted:.2f}" if predicted else " / n/a"
+    return f"{measured / GIB:.2f}{estimate}"
 
 
 def report(results: list[dict]) -> None:

@@ -95,7 +95,8 @@ def test_the_estimate_is_within_10_percent_of_every_measured_peak(measured, benc
     assert set(job_config.compile.components) == ({"model", "loss"} if measured.compiled else {"model"})
     estimate = estimate_memory(job_config, 1, device_type="cuda")
     ratio = measured.allocated / estimate.peak_bytes
-    print(f"\n{measured.name}: allocated {measured.allocated / GIB:.2f} vs {estimate.peak_bytes / GIB:.2f} GiB")
+    found, predicted = measured.allocated / GIB, estimate.peak_bytes / GIB
+    print(f"\n{measured.name}: allocated {found:.2f} vs {predicted:.2f} GiB = {ratio:.3f}")
     assert abs(ratio - 1) <= TOLERANCE, "\n".join(estimate.lines())
     if measured.reserved is not None:
         reserved = measured.reserved / estimate.reserved_bytes

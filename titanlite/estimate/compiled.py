@@ -23,12 +23,17 @@ compiled step's peak, block by block.
   kv_dim 512), the measured difference of the two steps' tensors to within a few percent.
   Blocks under activation checkpointing keep their input only (or, per op, the matmul and
   attention outputs the policy names) either way.
+* Eager autocast keeps the bf16 copy of every weight it casts until it exits, after the
+  loss. A compiled block casts inside its graph and keeps copies only for its backward, and a
+  checkpointed one recomputes them there: a compiled checkpointed block holds its linear
+  layers' weights x 2 bytes less from the end of its forward until autocast exits (0.9 GiB
+  for check1b's 8 checkpointed blocks).
 
-The block saving is counted only where it was measured: Llama blocks (attention and SwiGLU
-feed-forward as titanlite.models.llama defines them) under autocast without tensor
-parallelism. Under FSDP the parameters arrive in bf16 and the residual stream is bf16 too, so
-eager keeps other tensors; there, and for other blocks, the estimate keeps the eager blocks'
-figure, an over-estimate of a compiled step.
+The block terms are counted only where they were measured: Llama blocks (attention and SwiGLU
+feed-forward as titanlite.models.llama defines them; the weight copies: any block's linear
+layers) under autocast without tensor parallelism. Under FSDP the parameters arrive in bf16
+and the residual stream is bf16 too, so eager keeps other tensors; there, and for other
+blocks, the estimate keeps the eager blocks' figure, an over-estimate of a compiled step.
 """
 
 from dataclasses import dataclass

@@ -1,14 +1,16 @@
 """The MoE layer's grouped GEMM against its loop over experts: forward and backward time of
 titanlite/models/moe/ in bfloat16, per shape and precision, with both paths checked equal
 first; then the bytes expert parallelism's all-to-alls really move on 2 gloo ranks against the
-estimator's.
+estimator's; then each rank's MoE work and all-to-all bytes under tensor parallelism, before
+(every TP rank routing the whole sequence) and now (its own slice), measured on 2 gloo ranks
+and estimated for Qwen3-30B-A3B at TP 1, 2, 4 and 8.
 
     python benchmarks/moe.py                 # 4 shapes, 2 precisions, 3 timed passes each (about 5 minutes on 2 vCPUs)
     python benchmarks/moe.py --precision autocast
     python benchmarks/moe.py --quick         # one tiny shape, one timed pass (seconds)
     python benchmarks/moe.py --shape 64,8,1024,512,1024 --repeats 5
     python benchmarks/moe.py --a2a_shape 16,4,512,256,4096 --a2a_passes 3
-    python benchmarks/moe.py --device cuda --no_a2a   # grouped vs loop on a GPU only
+    python benchmarks/moe.py --device cuda --no_a2a   # grouped vs loop on a GPU, and the estimate (no gloo ranks)
 
 A shape is experts,top-k,dim,hidden,tokens (hidden: each expert's SwiGLU width). A precision
 is how the layer computes in bf16, as the trainer gets it: "bf16", weights and tokens bf16
@@ -54,6 +56,22 @@ step time uses, which assumes an even load); the last line is
     measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: r0, r1 (rank 0, rank 1; ...)
 
 A ratio above 1 is a rank whose tokens go to the other rank's experts more than evenly.
+
+Tensor parallelism (the third part): 2 gloo ranks are a TP group, with EP 2 over them (the ep
+group takes the TP ranks), each holding half of an MoE layer of --a2a_shape's experts (float32)
+and the same sequence of --a2a_shape's tokens (a data-parallel rank's). Each runs one forward +
+backward twice: routing the whole sequence, as every TP rank did before, and through the
+trainer's TP plan (parallel/moe_tensor_parallel.py, sequence parallel), routing its own half.
+Counted per rank: the tokens it routes, the rows its local experts run (the expert FLOPs
+follow them) and the all-to-all bytes it sends (intercepted as above), beside the estimator's
+bytes. Checked: the split layer's output on each rank is the whole layer's on that rank's half
+of the sequence (within 1e-5), else exit 1. The line
+
+    before / after per rank, TP 2 with EP 2 over its ranks: expert rows r0, r1; all-to-all bytes r0, r1
+
+follows; then a table of the estimator's per-rank figures for train_configs/qwen3_30b_a3b.toml's
+micro-batch at TP 1, 2, 4 and 8 (MoE FLOPs and EP 8's all-to-all bytes, before and now, and the
+all-reduce of the experts' gradients over tp that TP without EP now adds).
 """
 
 import argparse
@@ -255,16 +273,25 @@ def by_hand_bytes(moe: MoE, shape: "Shape", rank: int, checkpointed: bool) -> in
     return (forwards + 1) * (away + back) * row_bytes + forwards * (moe.args.n_experts // EP) * 8
 
 
-def _a2a_rank(rank: int, port: int, shape: "Shape", passes: int, out_dir: str) -> None:
+def _two_ranks(rank: int, port: int, shape: "Shape", passes: int, out_dir: str) -> None:
+    """One of the 2 gloo ranks of the all-to-all and tensor-parallel parts."""
     torchrun_environment(rank, EP, port, LOG_RANK="")
     torch.set_num_threads(1)  # one rank, one core
     import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=EP)
+    report = {"a2a": all_to_all_report(rank, shape, passes), "tp": tensor_parallel_report(rank, shape)}
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    end_rank()
+
+
+def all_to_all_report(rank: int, shape: "Shape", passes: int) -> dict:
+    """This rank's measured and by-hand bytes of the plain and checkpointed passes."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.checkpoint import checkpoint
 
     from titanlite.parallel.expert_parallel import apply_expert_parallel
 
-    dist.init_process_group("gloo", rank=rank, world_size=EP)
     moe, _ = build(shape)
     moe = moe.float()
     apply_expert_parallel(moe, init_device_mesh("cpu", (EP,), mesh_dim_names=("ep",)))
@@ -277,8 +304,7 @@ def _a2a_rank(rank: int, port: int, shape: "Shape", passes: int, out_dir: str) -
                 out = checkpoint(moe, x, use_reentrant=False) if checkpointed else moe(x)
                 out.pow(2).sum().backward()
         report[name] = {"measured": sent.bytes, "by_hand": passes * by_hand_bytes(moe, shape, rank, checkpointed)}
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    end_rank()
+    return report
 
 
 def estimated_all_to_all_bytes(shape: "Shape", passes: int, recomputed: bool) -> float:
@@ -288,25 +314,29 @@ def estimated_all_to_all_bytes(shape: "Shape", passes: int, recomputed: bool) ->
     )
 
 
-def measure_all_to_all(shape: "Shape", passes: int) -> list[dict]:
-    """Both ranks' measured and by-hand bytes, in rank order; exits 1 if they differ."""
+def measure_on_two_ranks(shape: "Shape", passes: int) -> list[dict]:
+    """Both ranks' reports, in rank order: {"a2a": all_to_all_report, "tp":
+    tensor_parallel_report}; exits 1 if the all-to-all bytes differ from the routing's count or
+    the TP-split layer's output from the whole layer's."""
     with tempfile.TemporaryDirectory(prefix="titanlite-moe-") as out_dir:
         mp.start_processes(
-            _a2a_rank, args=(free_port(), shape, passes, out_dir), nprocs=EP, start_method="spawn", join=True
+            _two_ranks, args=(free_port(), shape, passes, out_dir), nprocs=EP, start_method="spawn", join=True
         )
         reports = [json.loads(Path(out_dir, f"rank{rank}.json").read_text()) for rank in range(EP)]
     for rank, report in enumerate(reports):
-        for name, figures in report.items():
+        for name, figures in report["a2a"].items():
             if figures["measured"] != figures["by_hand"]:
                 fail(
                     f"all-to-all shape {shape.label()}, rank {rank}, {name}: the intercepted all-to-alls sent "
                     f"{figures['measured']} bytes, the routing says {figures['by_hand']}"
                 )
+        difference = report["tp"]["largest_difference"]
+        if not difference <= 1e-5:
+            fail(f"TP shape {shape.label()}, rank {rank}: the split layer's output differs by {difference:.3g}")
     return reports
 
 
-def print_all_to_all(shape: Shape, passes: int) -> None:
-    reports = measure_all_to_all(shape, passes)
+def print_all_to_all(shape: Shape, passes: int, reports: list[dict]) -> None:
     print(
         f"\nall-to-all bytes, EP {EP} on {EP} gloo ranks, float32, shape {shape.label()} "
         f"(experts/top-k/dim/hidden/tokens per rank), {passes} pass(es) each"
@@ -329,6 +359,126 @@ def print_all_to_all(shape: Shape, passes: int) -> None:
         + ", ".join(f"{ratio:.3f}" for ratio in ratios)
         + f" (rank 0, rank 1; shape {shape.label()}, plain and checkpointed passes)"
     )
+
+
+# --- per-rank cost under TP: each TP rank routes its own slice of the sequence -----------------
+
+TP = EP  # the measured TP group: the same 2 gloo ranks, EP 2 over them
+A3B_CONFIG = Path(__file__).resolve().parent.parent / "train_configs" / "qwen3_30b_a3b.toml"
+A3B_EP = 8  # the EP degree of the Qwen3-30B-A3B table: a multiple of every TP degree in it
+
+
+def counted_expert_rows(experts) -> list[int]:
+    """A list that gets the rows each forward of the expert-parallel ``experts`` runs through
+    its local experts (those it received from every rank)."""
+    rows, run_local = [], experts._run_local_experts
+
+    def counted(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return run_local(x, counts)
+
+    experts._run_local_experts = counted
+    return rows
+
+
+def tensor_parallel_report(rank: int, shape: "Shape") -> dict:
+    """This rank's tokens routed, expert rows run and all-to-all bytes sent in one forward +
+    backward, with every TP rank routing the whole sequence (as before) and its own half of it
+    (the trainer's plan now), and the largest difference between the two layers' outputs."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from titanlite.parallel.expert_parallel import apply_expert_parallel
+    from titanlite.parallel.moe_tensor_parallel import moe_tensor_parallel_plan
+
+    mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
+    sequence = rank_tokens(shape, 0).unsqueeze(0)  # the data-parallel rank's sequence, on both TP ranks
+    report, outputs = {}, {}
+    for layout in ("whole", "split"):
+        moe = build(shape)[0].float()
+        apply_expert_parallel(moe, mesh)  # the ep group is the TP group
+        rows = counted_expert_rows(moe.experts)
+        x = sequence
+        if layout == "split":  # the trainer's plan, sequence parallel: this rank's half of the sequence
+            holder = nn.Module()
+            holder.feed_forward = moe
+            parallelize_module(holder, mesh, moe_tensor_parallel_plan(moe, mesh, Shard(1)))
+            x = sequence.chunk(TP, dim=1)[rank]
+        x = x.clone().requires_grad_()
+        with SentBytes(rank, TP) as sent:
+            out = moe(x)
+            out.pow(2).sum().backward()
+        outputs[layout] = out.detach()
+        report[layout] = {"tokens": x.shape[1], "rows": sum(rows), "bytes": sent.bytes}
+    # The split layer's output is the whole layer's on this rank's part of the sequence.
+    whole_part = outputs["whole"].chunk(TP, dim=1)[rank]
+    report["largest_difference"] = (outputs["split"] - whole_part).abs().max().item()
+    return report
+
+
+def print_tensor_parallel(shape: Shape, reports: list[dict]) -> None:
+    print(
+        f"\nper-rank MoE cost under TP {TP} (EP {TP} over the TP ranks), {TP} gloo ranks, float32, shape "
+        f"{shape.label()} (the tokens: one sequence of the data-parallel rank), one forward + backward"
+    )
+    print("| rank | every TP rank routes | tokens | expert rows | all-to-all bytes | estimated bytes |")
+    print("|---|---|---|---|---|---|")
+    for rank, report in enumerate(reports):
+        for layout, what in (("whole", "the whole sequence (before)"), ("split", "its own slice (now)")):
+            figures = report[layout]
+            estimated = expert_all_to_all_bytes(figures["tokens"], shape.top_k, shape.dim, 4, shape.experts, TP, 1, 0)
+            print(
+                f"| {rank} | {what} | {figures['tokens']} | {figures['rows']:,} | {figures['bytes']:,} | "
+                f"{estimated:,.0f} |"
+            )
+    ratios = {
+        key: ", ".join(f"{report['whole'][key] / report['split'][key]:.2f}" for report in reports)
+        for key in ("rows", "bytes")
+    }
+    print(
+        f"before / after per rank, TP {TP} with EP {TP} over its ranks: expert rows {ratios['rows']}; "
+        f"all-to-all bytes {ratios['bytes']} (rank 0, rank 1; shape {shape.label()})"
+    )
+
+
+def print_a3b_per_rank_cost() -> None:
+    """The estimator's per-rank MoE cost of train_configs/qwen3_30b_a3b.toml's micro-batch (one
+    4096-token sequence per data-parallel rank, full activation checkpointing, bf16) at TP 1,
+    2, 4 and 8: before, every TP rank ran the MoE layers on all the tokens (the TP 1 figures);
+    now each routes 1/tp of them. TP 8 does not split the model's 4 key/value heads (the
+    trainer refuses it); its MoE figures are shown all the same."""
+    from titanlite.config import parse_args
+    from titanlite.estimate.compute import rank_work, recompute_fraction
+    from titanlite.estimate.expert_parallel import moe_all_to_all_bytes
+    from titanlite.estimate.tensor_parallel import moe_gradient_all_reduce_bytes, recomputed_collective_blocks
+    from titanlite.plan import run_model_args
+
+    config = parse_args(["--job.config_file", str(A3B_CONFIG)])
+    args, training, ac = run_model_args(config), config.training, config.activation_checkpoint
+    tokens = training.local_batch_size * training.seq_len
+    work = rank_work(args, training.seq_len, recompute_fraction(args.n_layers, ac.mode, ac.selective_ac_option), None)
+    recomputed = recomputed_collective_blocks(args.n_layers, ac.mode, ac.selective_ac_option)
+    moe_flops = (work.moe_flops + work.moe_recompute_flops) * tokens
+    a2a = {tp: moe_all_to_all_bytes(args, work, tokens, 2, A3B_EP, recomputed, tp) for tp in (1, 2, 4, 8)}
+    held_whole = work.moe_layers * args.n_experts * args.dim + work.experts  # routers and experts, without EP
+    print(
+        f"\nper-rank MoE cost of {A3B_CONFIG.name}'s micro-batch ({tokens} tokens per data-parallel rank, "
+        f"AC {ac.mode}, bf16), estimated: MoE layers' FLOPs (forward, backward, recomputation) and EP {A3B_EP}'s "
+        "all-to-all bytes per rank, before (every TP rank routes all the tokens) and now (its 1/tp)"
+    )
+    print(
+        "| tp | MoE TFLOP before | MoE TFLOP now | all-to-all GB before | all-to-all GB now | before / now | "
+        "new: expert gradients summed over tp without EP, GB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for tp in (1, 2, 4, 8):
+        gradients = moe_gradient_all_reduce_bytes(held_whole, 2, tp)
+        print(
+            f"| {tp} | {moe_flops / 1e12:.2f} | {moe_flops / tp / 1e12:.2f} | {a2a[1] / 1e9:.2f} | "
+            f"{a2a[tp] / 1e9:.2f} | {a2a[1] / a2a[tp]:.2f} | {gradients / 1e9:.1f} |"
+        )
 
 
 def parse_shape(text: str) -> Shape:
@@ -370,7 +520,9 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--device", default="cpu", help="where the grouped-vs-loop half runs, e.g. cuda (the all-to-all half: CPU)"
     )
-    parser.add_argument("--no_a2a", action="store_true", help="skip the all-to-all half")
+    parser.add_argument(
+        "--no_a2a", action="store_true", help="skip the parts on 2 gloo ranks (all-to-all bytes, TP's measured cost)"
+    )
     options = parser.parse_args(argv)
     texts = options.shape or ([QUICK_SHAPE] if options.quick else list(SHAPES))
     options.shapes = []
@@ -392,6 +544,8 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--a2a_shape {a2a_text}: {error}")
     if options.a2a.experts % EP:
         parser.error(f"--a2a_shape {a2a_text}: the experts must split evenly over the {EP} ranks")
+    if options.a2a.tokens % TP:
+        parser.error(f"--a2a_shape {a2a_text}: the tokens must split evenly over the {TP} TP ranks")
     return options
 
 
@@ -432,7 +586,10 @@ def main(argv: list[str] | None = None) -> int:
             + ")"
         )
     if not options.no_a2a:
-        print_all_to_all(options.a2a, options.a2a_passes)
+        reports = measure_on_two_ranks(options.a2a, options.a2a_passes)
+        print_all_to_all(options.a2a, options.a2a_passes, [report["a2a"] for report in reports])
+        print_tensor_parallel(options.a2a, [report["tp"] for report in reports])
+    print_a3b_per_rank_cost()
     return 0
 
 

@@ -1,5 +1,5 @@
 """Expert load over training under each way of load balancing: max / mean tokens per expert
-of qwen3 debugmodel_moe, trained by the trainer in one process on the CPU.
+of qwen3 debugmodel_moe, trained by the trainer in one process (on a GPU where there is one).
 
     python benchmarks/moe_balance.py                        # every setting, 200 steps of 8 x 128 tokens (hours)
     python benchmarks/moe_balance.py --quick                # tiny_moe, 4 steps of 4 settings (seconds)
@@ -29,12 +29,14 @@ step's (token, expert) pairs per expert (1: even; at most n_experts / top_k = 4 
 debugmodel_moe); the benchmark keeps the largest over the layers. Printed per setting: that
 load at step 1, its mean over the first and over the last `--window` steps, the first step
 from which it stays below --bound (or "never"), the last step's loss and its ratio to the
-none setting's. The last line is
+none setting's; under it, the setting's curve (its mean load over each tenth of the steps).
+The last line is
 
     max/mean expert load, mean of the last W steps: none A, aux@0.001 B, ...
 """
 
 import argparse
+import itertools
 import statistics
 import sys
 import tempfile
@@ -125,6 +127,14 @@ def first_step_staying_below(loads: list[float], bound: float) -> str:
     return "1"
 
 
+def tenths(loads: list[float]) -> list[float]:
+    """The mean load over each tenth of the run (fewer parts for fewer steps): whether a
+    setting is still moving at its end."""
+    parts = min(10, len(loads))
+    bounds = [round(len(loads) * part / parts) for part in range(parts + 1)]
+    return [statistics.fmean(loads[start:end]) for start, end in itertools.pairwise(bounds)]
+
+
 def coefficients(text: str) -> list[float]:
     return [float(value) for value in text.split(",") if value.strip()]
 
@@ -162,7 +172,8 @@ def main() -> int:
     options = {name: run_options(overrides, *shape) for name, overrides in table.items()}
     for name in table.keys() - chosen.keys():  # a setting left out still plans (its keys fit the model)
         plan_run(parse_args(options[name]), world_size=1)
-    print(f"qwen3 {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one CPU process")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer puts a single process
+    print(f"qwen3 {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one process on {device}")
     first, last, below = f"first {window}", f"last {window}", f"< {args.bound:g} from"
     print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {below:>11} {'loss':>7} {'/ none':>7}")
     ends, losses = {}, {}
@@ -173,6 +184,7 @@ def main() -> int:
         ratio = f"{loss / losses['none']:7.4f}" if "none" in losses else f"{'-':>7}"
         row = f"{name:17} {loads[0]:7.2f} {start:9.2f} {ends[name]:8.2f} {from_step:>11} {loss:7.4f} {ratio}"
         print(row, flush=True)
+        print(f"  curve, mean load per tenth of the steps: {' '.join(f'{value:.2f}' for value in tenths(loads))}")
     tail = ", ".join(f"{name} {end:.2f}" for name, end in ends.items())
     print(f"max/mean expert load, mean of the last {window} steps: {tail}")
     print(f"settings planned without training: {len(table) - len(chosen)} of {len(table)}")

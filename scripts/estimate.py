@@ -196,8 +196,7 @@ def _report(result: dict, describe_model: str) -> str:
     lines += [
         "step time (analytic)",
         f"  compute        {timing['compute_s'] * 1e3:10.1f} ms  "
-        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak"
-        f"{_redundant_clause(timing)})",
+        f"({timing['tokens_per_device_per_step']:,.0f} tokens/device, {timing['efficiency']:.0%} of peak)",
         _collective_line("all-gather", timing, "all_gather", "shard_link"),
         _collective_line("reduce-scatter", timing, "reduce_scatter", "shard_link"),
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
@@ -225,13 +224,6 @@ def _wrapped(line: str) -> str:
     """A report line broken to fit WIDTH columns, its continuation lines indented under it."""
     indent = " " * (len(line) - len(line.lstrip()) + 4)
     return "\n".join(textwrap.wrap(line, WIDTH, subsequent_indent=indent)) if len(line) > WIDTH else line
-
-
-def _redundant_clause(timing: dict) -> str:
-    """The MoE work TP repeats on every rank of a group (not in MFU), or nothing."""
-    if not timing["redundant_compute_s"]:
-        return ""
-    return f"; {timing['redundant_compute_s'] * 1e3:.1f} ms repeating the MoE layers on every TP rank"
 
 
 def _positive_ints(option: str, text: str, what: str) -> list[int]:

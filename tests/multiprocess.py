@@ -10,8 +10,10 @@ small jobs in one launch, each in a process group of its own.
 """
 
 import copy
+import multiprocessing
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +28,16 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from tests.helpers import AGENT_STORE, rendezvous_ports
 from titanlite.parallel import exit_process
+
+
+def forget_dtensor_caches() -> None:
+    """After a process group is destroyed, before the next one: DTensor caches sharding
+    decisions and redistribution planners with the meshes they were made for, and a mesh of
+    the next group with the same shape compares equal to the last one's (torch 2.13 compares
+    layouts, not process groups): a cached output spec (an in-place optimizer update's, say)
+    would put a parameter on the destroyed groups."""
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 class Job(NamedTuple):
@@ -76,7 +88,27 @@ def _meet(port: int, world_size: int) -> None:
     store.wait(["job_ranks_all_here"])
 
 
-def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> None:
+def _log_job_time(name: str, job_rank: int, seconds: float) -> None:
+    """With TITANLITE_JOB_TIMES=FILE, one line per job and rank appended to FILE: which job of
+    a launch costs the suite its time."""
+    path = os.environ.get("TITANLITE_JOB_TIMES")
+    if path and job_rank == 0:
+        with open(path, "a") as log:
+            log.write(f"{seconds:7.1f} s  {name}\n")
+
+
+# Rank processes fork from multiprocessing's fork server, which imports torch and titanlite
+# once per test process; a spawned rank imported them again (about 2.5 s of CPU each, a third
+# of the suite's CPU time over its few hundred ranks). The server never runs a parallel
+# kernel, so no OpenMP thread pool is forked half-alive.
+multiprocessing.set_forkserver_preload(["titanlite.train", "tests.multiprocess"])
+
+
+def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str, environ: dict) -> None:
+    # A forked rank has the fork server's environment; a rank sees the launching test's, as
+    # a spawned one did (a test's monkeypatched variables included).
+    os.environ.clear()
+    os.environ.update(environ)
     # Ranks share the machine's cores; more threads than cores per rank only thrash.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     results = {}
@@ -93,21 +125,17 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str) -> 
             **AGENT_STORE,
         )
         _meet(port, job.world_size)
+        started = time.perf_counter()
         try:
             # A copy as the job left it: a later job must not change what it returned
             # (a list a log handler of this job still appends to, say).
             results[name] = copy.deepcopy(job.fn(*job.args))
         except BaseException as error:
             raise RuntimeError(f"job {name!r} failed on its rank {job_rank}") from error
+        _log_job_time(name, job_rank, time.perf_counter() - started)
         if dist.is_initialized():  # the next job starts a default group of its own
             dist.destroy_process_group()
-        # DTensor caches sharding decisions and redistribution planners with the meshes they
-        # were made for, and a mesh of the next job with the same shape compares equal to
-        # this one's (torch 2.13 compares layouts, not process groups): a cached output spec
-        # (an in-place optimizer update's, say) would put a parameter on this job's
-        # destroyed groups.
-        _clear_sharding_prop_cache()
-        clear_redistribute_planner_cache()
+        forget_dtensor_caches()
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     exit_process(0)  # as train.py's ranks end: no interpreter teardown racing gloo's threads
 
@@ -121,7 +149,8 @@ def run_jobs_on_ranks(world_size: int, jobs: dict[str, Job]) -> dict[str, list]:
     does (a job on every rank waits for everything before it)."""
     placed = _place(world_size, jobs)
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_worker, args=(world_size, placed, out_dir), nprocs=world_size, start_method="spawn")
+        worker_args = (world_size, placed, out_dir, dict(os.environ))
+        mp.start_processes(_worker, args=worker_args, nprocs=world_size, start_method="forkserver")
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     return {
         name: [per_rank[rank][name] for rank in range(first, first + job.world_size)] for name, job, first, _ in placed

@@ -198,6 +198,17 @@ CASES = [
                                                        "--training.seq_len=31"],
          r"^training\.seq_len \(31\) must be a multiple of parallelism\.tensor_parallel_degree \(2\) with sequence "
          r"parallel; change it or set parallelism\.enable_sequence_parallel = false$", env={"WORLD_SIZE": "2"}),
+    # An MoE layer under TP routes an equal slice of every sequence on each rank, sequence parallel or not.
+    Case("moe_tp_seq_len_does_not_split", ["--job.validate_only", "--parallelism.tensor_parallel_degree=2",
+                                           "--parallelism.enable_sequence_parallel=false", "--model.name=qwen3",
+                                           "--model.flavor=tiny_moe", "--training.seq_len=31"],
+         r"^training\.seq_len \(31\) must be a multiple of parallelism\.tensor_parallel_degree \(2\) with an MoE "
+         r"model: each TP rank routes an equal slice of every sequence$", env={"WORLD_SIZE": "2"}),
+    Case("ep_not_a_multiple_of_tp", ["--job.validate_only", "--parallelism.tensor_parallel_degree=2",
+                                     "--parallelism.expert_parallel_degree=3", "--model.name=qwen3",
+                                     "--model.flavor=tiny_moe"],
+         r"^parallelism\.expert_parallel_degree \(3\) must be a multiple of parallelism\.tensor_parallel_degree "
+         r"\(2\): expert parallelism borrows all the TP ranks, then FSDP ranks$", env={"WORLD_SIZE": "4"}),
     Case("async_tp_without_cuda", ["--job.validate_only", "--parallelism.tensor_parallel_degree=2", "--compile.enable",
                                    "--parallelism.enable_async_tensor_parallel"],
          r"^parallelism\.enable_async_tensor_parallel needs CUDA GPUs; set it to false$", env={"WORLD_SIZE": "2"}),

@@ -152,11 +152,25 @@ def test_moe_quick_checks_both_paths_and_prints_the_ratios():
     # The all-to-all half: its bytes were checked against the routing (else exit 1); a plain and
     # a checkpointed row per rank, and the measured / estimated ratio of each rank.
     rows = [line.rstrip(" |").split(" | ") for line in lines if line.startswith(("| 0 | ", "| 1 | "))]
-    assert [row[1] for row in rows] == ["plain", "checkpointed"] * 2, lines
-    assert lines[-1].startswith("measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: "), lines
-    ratios = [float(ratio) for ratio in lines[-1].split(": ")[1].split(" (")[0].split(", ")]
+    assert [row[1] for row in rows[:4]] == ["plain", "checkpointed"] * 2, lines
+    (a2a,) = [
+        line for line in lines if line.startswith("measured / estimated all-to-all bytes, EP 2 on 2 gloo ranks: ")
+    ]
+    ratios = [float(ratio) for ratio in a2a.split(": ")[1].split(" (")[0].split(", ")]
     # Bytes are deterministic (seeded routing); an even load would give 1, random routing is near it.
     assert len(ratios) == 2 and all(0.8 < ratio < 1.2 for ratio in ratios), lines
+    # Under TP 2 each rank routes half of the sequence (the split layer's output was checked
+    # against the whole layer's, else exit 1): half the expert rows, about half the bytes.
+    (tp,) = [line for line in lines if line.startswith("before / after per rank, TP 2 with EP 2 over its ranks: ")]
+    assert tp.endswith(" (rank 0, rank 1; shape 8/2/64/64/256)"), lines
+    rows_part, bytes_part = tp.split(": ", 1)[1].split(" (")[0].split("; ")
+    rows_ratios = rows_part.removeprefix("expert rows ").split(", ")
+    bytes_ratios = bytes_part.removeprefix("all-to-all bytes ").split(", ")
+    assert [float(ratio) for ratio in rows_ratios] == [2.0, 2.0], lines
+    assert all(1.8 < float(ratio) < 2.2 for ratio in bytes_ratios), lines
+    # The estimator's Qwen3-30B-A3B table: each TP degree's figures 1/tp of TP 1's.
+    table = [line.rstrip(" |").split(" | ") for line in lines if line.startswith(("| 2 | ", "| 4 | ", "| 8 | "))]
+    assert [float(row[5]) for row in table[-3:]] == [2.0, 4.0, 8.0], lines
 
 
 def test_moe_check_rejects_a_wrong_grouped_kernel(monkeypatch, capsys):

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.multiprocess import Job, forget_dtensor_caches, run_jobs_on_ranks
 from titanlite.checkpoint import complete_steps
 from titanlite.config import LRScheduler, parse_args
 from titanlite.optim import wsd_factor
@@ -103,6 +103,7 @@ class Session:
     def end(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_dtensor_caches()
 
 
 def position(trainer: Trainer) -> dict:

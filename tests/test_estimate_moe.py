@@ -90,6 +90,15 @@ def test_expert_state_per_rank_is_the_experts_over_ep_over_the_shards_left():
         # n_experts / ep experts on a rank, FSDP-sharded over shards / ep: 1/shards of them all.
         assert state.parameters == experts * 4 / ep / (shards // ep)
         assert state.optimizer_state == 2 * state.parameters + 48 * 3 * 4  # and one step counter per weight
+    # Under TP 2 an ep group takes both tp ranks of ep / 2 shard ranks: each TP rank holds its
+    # own n_experts / ep, FSDP-sharded over shards / (ep / 2): 1/(shards x 2) of them all, the
+    # same on every rank (128 experts split evenly).
+    for shards, ep in ((4, 2), (4, 8), (32, 8)):
+        for shard_rank, tp_rank in ((0, 0), (shards - 1, 1)):
+            state = exact_model_state_bytes(
+                model, shards, rank=shard_rank, tp_rank=tp_rank, ep=ep, kind="experts", tp=2
+            )
+            assert state.parameters == experts * 4 / (shards * 2)
     # Expert parallelism alone (no FSDP left over the experts): a rank's experts shrink as 1/ep.
     alone = {ep: exact_model_state_bytes(model, ep, ep=ep, kind="experts").parameters for ep in (2, 4, 8, 16)}
     assert [alone[2] / alone[ep] for ep in (2, 4, 8, 16)] == [1, 2, 4, 8]
@@ -205,14 +214,29 @@ def test_ep_leaves_each_rank_fewer_experts_to_gather():
     assert ep4.step_s == pytest.approx(step_s, rel=1e-12)
 
 
+@pytest.mark.parametrize("tp, ep", [(1, 1), (1, 4), (2, 1), (2, 4)])
+def test_replicas_all_reduce_each_ranks_shard_of_the_experts(tp, ep):
+    # HSDP 2 x 4 (x TP): a rank's experts are n_experts / ep of them over 4 / (ep / tp) ranks,
+    # 1/4 of them all without EP (every TP rank holding the same) and 1/(4 x tp) with it; the
+    # dense weights 1/(4 x tp). The replicas all-reduce that shard in fp32.
+    counts = param_counts(A3B)
+    experts = sum(counts.experts)
+    timing = _a3b_step(dp_replicate=2, dp_shard=4, tp=tp, ep=ep)
+    expert_shard = experts / 4 if ep == 1 else experts / (4 * tp)
+    shard = (counts.total - experts) / (4 * tp) + expert_shard
+    assert timing.all_reduce_bytes == pytest.approx(2 * shard * 4 / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize(
     "shard, tp, ep, gpus_per_node, ep_spans, expert_shard_spans",
     [
         (64, 1, 8, 8, False, True),  # an EP group per node, the experts' FSDP across nodes
         (64, 1, 16, 8, True, True),
         (8, 1, 8, 8, False, False),
-        (16, 2, 4, 8, False, True),  # EP stride 2 x 4 ranks = one node
-        (16, 2, 8, 8, True, True),
+        # Under TP 2 an EP group is the 2 tp ranks of ep / 2 shard ranks: ep consecutive ranks.
+        (16, 2, 4, 8, False, True),
+        (16, 2, 8, 8, False, True),  # one node; the experts' FSDP group strides 8 ranks
+        (16, 2, 16, 8, True, True),
     ],
 )
 def test_ep_group_links(shard, tp, ep, gpus_per_node, ep_spans, expert_shard_spans):
@@ -229,27 +253,29 @@ def test_bad_expert_parallel_degrees_are_one_clear_error():
         estimate_step_time(QWEN3_FLAVORS["0.6B"], seq_len=64, local_batch_size=1, hardware="h100", dp_shard=2, ep=2)
 
 
-# --- tensor parallelism: attention split, the MoE layer held whole on every TP rank ------------
+# --- tensor parallelism: attention split, the MoE layers' tokens split over the TP ranks ------
 
 
-def test_tp_divides_attention_but_not_the_moe_layers_flops():
+def test_tp_divides_all_the_flops_the_moe_layers_by_token():
     # By hand: each of 48 MoE layers' router (2048 x 128) and a token's 8 experts of 3 x 2048 x 768.
     moe = 6 * 48 * (2048 * 128 + 8 * 3 * 2048 * 768)
     plain, tp2 = _a3b_step(), _a3b_step(dp_shard=4, tp=2)
     done = plain.flops_per_token + plain.recompute_flops_per_token  # full AC: the MoE's forward again too
     moe_done = moe * 4 / 3
     tokens, speed = 4096, plain.hardware.peak_flops * plain.efficiency
-    assert plain.compute_s == pytest.approx(done * tokens / speed, rel=1e-12) and plain.redundant_compute_s == 0
-    assert tp2.compute_s == pytest.approx(((done - moe_done) / 2 + moe_done) * tokens / speed, rel=1e-12)
-    assert tp2.redundant_compute_s == pytest.approx(moe_done / 2 * tokens / speed, rel=1e-12)
-    # MFU counts useful work: each token's model FLOPs once over the 2 devices sharing it, not
-    # the MoE work the second device repeats.
+    assert plain.compute_s == pytest.approx(done * tokens / speed, rel=1e-12)
+    assert tp2.compute_s == pytest.approx(done / 2 * tokens / speed, rel=1e-12)
+    # Each TP rank routes its own half of the sequence through router and experts.
+    assert plain.moe_flops_per_token == pytest.approx(moe_done, rel=1e-12)
+    assert tp2.moe_flops_per_token == pytest.approx(moe_done / 2, rel=1e-12)
+    assert (plain.moe_tokens_per_device_per_micro_batch, tp2.moe_tokens_per_device_per_micro_batch) == (4096, 2048)
+    # MFU counts each token's model FLOPs once over the 2 devices sharing it.
     assert tp2.tokens_per_device_per_step == 4096 / 2
     useful_flops_per_s = tp2.flops_per_token * 4096 / 2 / tp2.step_s
     assert tp2.mfu_percent == pytest.approx(100 * useful_flops_per_s / tp2.hardware.peak_flops, rel=1e-12)
 
 
-def test_pipeline_stage_work_keeps_its_moe_layers_whole_under_tp():
+def test_pipeline_stage_work_counts_each_stages_moe_layers():
     config = parse_args(["--model.name=qwen3", "--model.flavor=30B-A3B", "--parallelism.pipeline_parallel_degree=4"])
     plan = plan_pipeline(config.parallelism, type(model_on_meta(A3B)), A3B, 8)
     stages = [rank_work(A3B, 4096, 1.0, _one_stage(plan, stage), 2) for stage in range(plan.num_stages)]
@@ -261,14 +287,20 @@ def test_pipeline_stage_work_keeps_its_moe_layers_whole_under_tp():
 @pytest.mark.parametrize("sequence_parallel", [True, False])
 def test_tp_collectives_of_an_moe_block(sequence_parallel):
     # Per block, in units of one whole [tokens, dim] activation: attention's all-gather and
-    # reduce-scatter (all-reduce) both ways, 4; the MoE layer's input all-gather in forward and its
-    # output gradient's in backward, 2 with sequence parallel, none without (no reduce-scatter
-    # after the experts: TP does not split them). Full AC re-runs 3 (2) per block; the ends 4.
+    # reduce-scatter (all-reduce) both ways, 4; the MoE layer, with sequence parallel, takes and
+    # gives the rank's part of the sequence: nothing; without it, it all-gathers its output in
+    # forward and its input's gradient in backward: 2. Full AC re-runs attention's 2 per block
+    # (the recomputation stops before the block's last collective); the ends 4.
     timing = _a3b_step(dp_shard=4, tp=2, sequence_parallel=sequence_parallel)
     activation = 4096 * 2048 * 2
-    per_block, recomputed = (6, 3) if sequence_parallel else (4, 2)
+    per_block, recomputed = (4, 2) if sequence_parallel else (6, 2)
     units = 48 * per_block + 48 * recomputed + 4
-    assert timing.tp_bytes == pytest.approx((units * activation + 3 * 2 * 4096 * 4) / 2, rel=1e-12)
+    # Every TP rank's gradients of the routers and experts it holds whole are partial sums over
+    # its tokens: FSDP all-reduces them over tp (bf16), once in the step's one micro-batch.
+    held_whole = 48 * 128 * 2048 + sum(param_counts(A3B).experts)
+    assert timing.tp_moe_gradient_bytes == pytest.approx(2 * held_whole * 2 / 2, rel=1e-12)
+    activations = (units * activation + 3 * 2 * 4096 * 4) / 2
+    assert timing.tp_bytes == pytest.approx(activations + timing.tp_moe_gradient_bytes, rel=1e-12)
     dense = replace(A3B, n_experts=0)  # the same attention with a dense FFN: 8 per block
     dense_timing = estimate_step_time(
         dense,
@@ -280,28 +312,36 @@ def test_tp_collectives_of_an_moe_block(sequence_parallel):
         ac_mode="full",
         sequence_parallel=sequence_parallel,
     )
-    assert dense_timing.tp_bytes - timing.tp_bytes == pytest.approx(48 * (8 - per_block) * activation / 2)
+    dense_recomputed = 3 if sequence_parallel else 2
+    expected = 48 * (8 - per_block + dense_recomputed - recomputed) * activation / 2
+    assert dense_timing.tp_bytes - activations == pytest.approx(expected)
+    # EP over the TP ranks splits the experts: only the routers' gradients are summed.
+    with_ep = _a3b_step(dp_shard=4, tp=2, ep=2, sequence_parallel=sequence_parallel)
+    assert with_ep.tp_moe_gradient_bytes == pytest.approx(2 * 48 * 128 * 2048 * 2 / 2, rel=1e-12)
 
 
-def test_all_to_all_under_ep_x_tp_sends_all_of_the_data_parallel_ranks_tokens():
-    # EP 2 at each TP index: a TP rank routes all 4096 tokens of its data-parallel rank (sequence
-    # parallel gathers them first) and exchanges them with its EP peer, the rank t further on.
-    alone, with_tp = _a3b_step(ep=2), _a3b_step(dp_shard=4, tp=2, ep=2)
-    assert with_tp.ep_bytes == alone.ep_bytes > 0
+def test_all_to_all_under_ep_x_tp_sends_the_tp_ranks_share_of_the_tokens():
+    # EP 2 is the TP group: each TP rank routes its 2048 of the data-parallel rank's 4096 tokens
+    # and exchanges them with its TP partner, the next rank.
+    with_tp = _a3b_step(dp_shard=4, tp=2, ep=2)
+    assert with_tp.ep_bytes == pytest.approx(expert_all_to_all_bytes(2048, 8, 2048, 2, 128, 2, 48, 48), rel=1e-12)
+    assert with_tp.ep_bytes < _a3b_step(ep=2).ep_bytes / 2 + 48 * 2 * 128 * 8  # half the rows, the same counts
     assert with_tp.ep_bytes == _a3b_step(dp_shard=4, tp=2, ep=2, sequence_parallel=False).ep_bytes
     assert with_tp.ep_link == "intra-node"
-    assert _a3b_step(dp_shard=4, tp=2, ep=2, gpus_per_node=2).ep_link == "inter-node"
+    # EP 4 over TP 2 x 2 shard ranks: 4 consecutive ranks, across 2-GPU nodes.
+    assert _a3b_step(dp_shard=4, tp=2, ep=4, gpus_per_node=2).ep_link == "inter-node"
 
 
-def test_simulated_all_to_all_buffers_are_not_divided_by_tp():
+def test_simulated_all_to_all_buffers_are_divided_by_tp():
     config = parse_args([*TINY_MOE, "--parallelism.expert_parallel_degree=2"])
     plan = plan_run(config, 4)
     args = QWEN3_FLAVORS["tiny_moe"]
     model = model_on_meta(args)
     with_tp = replace(plan, parallel_dims=replace(plan.parallel_dims, tp=2))
     buffers = 2 * 2 * 64 * args.top_k * args.dim * 2  # all of the rank's 2 x 64 tokens, bf16 rows both ways
-    for layout in (plan, with_tp):
-        assert expert_parallel_bytes(layout, config, model, None)["buffers"] == buffers
+    assert expert_parallel_bytes(plan, config, model, None)["buffers"] == buffers
+    # Each TP rank routes half of them.
+    assert expert_parallel_bytes(with_tp, config, model, None)["buffers"] == buffers // 2
 
 
 # --- the sweep ---------------------------------------------------------------------------------
@@ -313,25 +353,24 @@ def test_sweep_varies_the_expert_parallel_degree(capsys):
     assert estimate.main([*argv, "--json"]) == 0
     results = json.loads(capsys.readouterr().out)
     # TP 1, 2 and 4 (8 would split 30B-A3B's 4 key/value heads), each with every EP degree that
-    # divides its 8 / tp shard ranks: 3 divides neither them nor the 128 experts. A layout the
-    # trainer refuses (EP x TP, until it is built) is a "skipped" line instead of a row.
-    tried = {(1, 1), (1, 2), (1, 8), (2, 1), (2, 2), (4, 1), (4, 2)}
+    # fits its ranks (all the tp ranks, then some of its 8 / tp shard ranks): 3 divides neither
+    # them nor the 128 experts, and TP 4 takes EP 8 only.
+    tried = {(1, 1), (1, 2), (1, 8), (2, 1), (2, 2), (2, 8), (4, 1), (4, 8)}
     rows = [(r["layout"]["tp"], r["layout"].get("ep", 1)) for r in results]
-    assert {(1, 1), (1, 2), (1, 8), (2, 1), (4, 1)} <= set(rows) <= tried and len(rows) == len(set(rows))
+    assert set(rows) == tried and len(rows) == len(set(rows))
     assert estimate.main(argv) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    skipped = {
-        (tp, ep) for tp, ep in tried - set(rows) if any(f"1 x {8 // tp} x {tp} ep {ep}:" in line for line in lines)
-    }
-    assert skipped == tried - set(rows)
+    assert not any(line.startswith("skipped") for line in lines)
     by_layout = dict(zip(rows, results, strict=True))
     ep2 = by_layout[(1, 2)]["step_time"]
     assert ep2["ep"] == 2 and ep2["ep_bytes"] > 0 and by_layout[(1, 1)]["step_time"]["ep_bytes"] == 0
-    # TP 2 splits attention but not the MoE layers: each device repeats its TP partner's MoE work.
-    tp2 = by_layout[(2, 1)]["step_time"]
-    assert tp2["redundant_compute_s"] > 0 and tp2["tp_bytes"] > 0 and ep2["redundant_compute_s"] == 0
-    # Nor does TP split the experts: 1/4 of them per GPU at TP 2 (8 / 2 shards) is too much for 80 GB.
-    assert not by_layout[(2, 1)]["memory_floor"]["fits"] and by_layout[(1, 2)]["memory_floor"]["fits"]
+    # TP 2 sums over tp the gradients of the weights both TP ranks hold whole: without EP the
+    # experts' too, with EP 2 (over the two TP ranks) the routers' only.
+    tp2, tp2_ep2 = by_layout[(2, 1)]["step_time"], by_layout[(2, 2)]["step_time"]
+    assert tp2["tp_moe_gradient_bytes"] > 100 * tp2_ep2["tp_moe_gradient_bytes"] > 0
+    # Nor does TP split the experts: 1/4 of them per GPU at TP 2 (8 / 2 shards) is too much for
+    # 80 GB; with EP 2 over the TP ranks 1/8.
+    assert not by_layout[(2, 1)]["memory_floor"]["fits"] and by_layout[(2, 2)]["memory_floor"]["fits"]
     verdict = lines[-1]
-    assert verdict.startswith("8 GPUs: FSDP + EP 1x8x1 ep ") and "EP wins" in verdict
+    assert verdict.startswith("8 GPUs: FSDP + EP 1x8x1 ep ") and "EP wins" in verdict and "TP does not" in verdict
     assert math.isfinite(ep2["step_s"])

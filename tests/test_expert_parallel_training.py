@@ -1,6 +1,7 @@
 """Expert parallelism in the trainer: tiny_moe trained under EP 2 (2 ranks), EP 2 x FSDP 2
 (4 ranks), EP 2 with replicas (HSDP 2 x 2, the experts' FSDP over one rank), EP 2 x TP 2
-(sequence parallel) and PP 2 x EP 2 equals one process within 1e-5 per step (loss, grad
+(sequence parallel; the ep groups are the TP groups), EP 2 over the 2 ranks of TP 2 alone (no
+FSDP) and PP 2 x EP 2 equals one process within 1e-5 per step (loss, grad
 norm, final weights), with each optimizer kernel, full activation checkpointing and compiled
 blocks (1e-4 for the weights); a checkpoint written under EP 2 x TP 2 resumes under FSDP 4,
 and one written there resumes under EP 2 x FSDP 2, equal to the uninterrupted run; an EP x TP
@@ -77,6 +78,9 @@ LAYOUTS = {
             "--optimizer.implementation=foreach",
         ],
     ),
+    # EP borrows the TP ranks: each TP rank routes its half of the sequence and holds 2 of the
+    # 4 experts, with no data parallelism (and so no FSDP) at all.
+    "ep2_over_tp2": (2, [*batch(1), *EP2, "--parallelism.tensor_parallel_degree=2"]),
 }
 
 
@@ -139,7 +143,7 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
 
 # --- checkpoints reshard between EP 2 x TP 2, FSDP 4 and EP 2 x FSDP 2 ---------------------
 
-# Sequence parallel is on by default: the MoE layers gather the sequence and cut it back.
+# Sequence parallel is on by default: each TP rank routes its own slice of the sequence.
 EP2_TP2 = [*batch(2), *EP2, "--parallelism.tensor_parallel_degree=2"]
 EP2_FSDP2, FSDP4 = [*batch(4), *EP2], batch(4)
 BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes on to EP 2 x FSDP 2
@@ -147,7 +151,8 @@ BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes on to EP 2 x FSDP 2
 
 def reshard_worker(dump: str, ports: list[int]) -> dict:
     """test_checkpoint_resume's runs (EMA on) of tiny_moe, as a chain: EP 2 x TP 2
-    uninterrupted, saving at step 4 (each expert block held by both TP ranks of its ep rank);
+    uninterrupted, saving at step 4 (each TP rank holding its own experts, FSDP-sharded over the
+    2 shard ranks);
     that checkpoint resumed on FSDP 4, which saves at step 6; that one resumed on EP 2 x FSDP 2.
     Each resumed run: what it loaded and its steps."""
     session = Session(ports)
@@ -205,7 +210,8 @@ RUNS = {
     "pp2_ep2": Job(4, train_pipeline, (pp_args("1F1B", 4, 2, *MOE, *EP2),)),
     "bf16 reference": Job(1, train_bf16_counting_expert_gemms, (batch(1),)),
     "bf16 ep2": Job(2, train_bf16_counting_expert_gemms, ([*batch(2), *EP2],)),
-    # TP alone autocasts too, the experts held whole by both TP ranks.
+    # TP alone autocasts too, the experts held whole by both TP ranks, each routing its half
+    # of the sequence.
     "bf16 tp2": Job(2, train_bf16_counting_expert_gemms, ([*batch(1), "--parallelism.tensor_parallel_degree=2"],)),
 }
 
@@ -267,10 +273,15 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
         assert report["expert_parallel"]
         assert report["mesh"] == ("efsdp", "ep") and report["placements"] == (Shard(1), Shard(0))
         assert report["shape"] == (4, 32, 64) and report["local_shape"] == (2, 16, 64)
-    # Under TP the experts keep their own mesh, without tp: both TP ranks hold the same block.
+    # Under TP the ep group is the TP group (each TP rank holds its own 2 experts), and FSDP
+    # splits them over the 2 shard ranks.
     for report in (out["ep2_tp2"]["experts"] for out in runs["reshard"]):
         assert report["expert_parallel"] and report["mesh"] == ("efsdp", "ep")
-        assert report["placements"] == (Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
+        assert report["placements"] == (Shard(1), Shard(0)) and report["local_shape"] == (2, 16, 64)
+    # EP over the TP ranks alone: no FSDP, the experts on the ep mesh only.
+    for report in (run["experts"] for run in runs["layout ep2_over_tp2"]):
+        assert report["mesh"] == ("ep",) and report["placements"] == (Shard(0),)
+        assert report["local_shape"] == (2, 32, 64)
     hsdp = runs["layout ep2_hsdp2_accum_foreach"]
     # Rank 0 logs its line (the ranks LOG_RANK names do; it defaults to 0).
     assert hsdp[0]["experts"]["lines"] == [
@@ -341,18 +352,23 @@ def test_the_expert_view_splits_dp_shard_and_leaves_the_mesh_as_it_was():
         dist.destroy_process_group()
 
 
-def test_the_expert_view_under_tp_keeps_each_ep_group_on_one_tp_index():
-    """PP 2 x HSDP (2 x 2) x TP 2 with EP 2 on 16 ranks (a fake process group), seen from rank
-    11 (stage 1, replica 0, shard rank 1, tp rank 1): its ep group is the other shard rank of
-    its replica with the same tp index, and its experts' FSDP mesh the same place in each
-    replica; the dense parameters' meshes are as without EP."""
+@pytest.mark.parametrize(
+    "ep, ep_group, expert_fsdp",
+    [(2, [10, 11], [[9, 11], [13, 15]]), (4, [8, 9, 10, 11], [[11], [15]])],
+)
+def test_the_expert_view_under_tp_takes_the_tp_ranks_then_shard_ranks(ep, ep_group, expert_fsdp):
+    """PP 2 x HSDP (2 x 2) x TP 2 on 16 ranks (a fake process group), seen from rank 11 (stage
+    1, replica 0, shard rank 1, tp rank 1): EP 2's group is its TP group, EP 4's both shard
+    ranks of its replica with both their tp ranks; the experts' FSDP mesh is the ranks holding
+    the same experts (the other shard rank at the same tp index, or none) in each replica; the
+    dense parameters' meshes are as without EP."""
     dist.init_process_group("fake", store=FakeStore(), rank=11, world_size=16)
     try:
-        dims = ParallelDims.resolve(2, 2, 16, tp=2, pp=2, ep=2)
+        dims = ParallelDims.resolve(2, 2, 16, tp=2, pp=2, ep=ep)
         mesh = dims.build_mesh("cpu")
-        assert dims.ep_mesh(mesh).mesh.tolist() == [9, 11] and dims.tp_mesh(mesh).mesh.tolist() == [10, 11]
+        assert dims.ep_mesh(mesh).mesh.tolist() == ep_group and dims.tp_mesh(mesh).mesh.tolist() == [10, 11]
         assert dims.expert_fsdp_mesh(mesh).mesh_dim_names == ("dp_replicate", "efsdp")
-        assert dims.expert_fsdp_mesh(mesh).mesh.tolist() == [[11], [15]]
+        assert dims.expert_fsdp_mesh(mesh).mesh.tolist() == expert_fsdp
         assert dims.dp_mesh(mesh).mesh.tolist() == [[9, 11], [13, 15]]
     finally:
         dist.destroy_process_group()

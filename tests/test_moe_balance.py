@@ -3,8 +3,10 @@
 args), each balancing loss against its definition written out token by token, their
 gradients against those losses by hand (whole model, and per pipeline stage), the bias
 update on a skipped step, the metrics' tags, the console's scale and the warning of a
-collapsed router. The data-parallel sums and the run's metrics are checked under FSDP 2, EP
-2, TP 2 and PP 2 in tests/test_qwen3_moe.py, in its launch of ranks."""
+collapsed router, and the losses of a forward whose sequences are split over two ranks (as
+tensor parallelism splits them). The data-parallel and tensor-parallel sums and the run's
+metrics are checked under FSDP 2, EP 2, TP 2 (with and without sequence parallel), EP 2 over
+TP 2's ranks and PP 2 in tests/test_qwen3_moe.py, in its launch of ranks."""
 
 from dataclasses import replace
 
@@ -134,6 +136,38 @@ def test_each_balancing_loss_is_its_definition(score_func):
     logits = [torch.randn(3, 5, 6, generator=generator) * 2 for _ in range(2)]  # 2 layers, 3 sequences of 5
     ours = balance_losses([layer_stats(layer, args) for layer in logits], args)
     torch.testing.assert_close(ours, by_hand_losses(logits, 2, sigmoid=score_func == "sigmoid"), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_a_forward_split_by_sequence_over_two_ranks_gets_the_whole_forwards_losses(score_func):
+    """Tensor parallelism's split, its all-reduce written out: each of 2 ranks routes its half
+    of every sequence, and its terms plus the other rank's (balance_losses' ``total``) give
+    each rank every loss of the whole forward: the pooled and per-layer ones from counts and
+    probabilities, the sequence-wise one from each sequence's two halves, the z-loss as the
+    mean over both. The gradient reaching each rank's logits is the whole forward's for
+    those tokens; a half's losses alone are not the whole's."""
+    args = MoEArgs(8, 6, 2, 8, score_func=score_func, **dict.fromkeys(BALANCE_LOSS_COEFS, 1.0))
+    generator = torch.Generator().manual_seed(5)
+    logits = [(torch.randn(3, 6, 6, generator=generator) * 2).requires_grad_() for _ in range(2)]  # 3 sequences of 6
+    whole = balance_losses([layer_stats(layer, args) for layer in logits], args)
+    whole_grads = torch.autograd.grad(whole.sum(), logits)
+    halves = [[layer[:, 3 * rank : 3 * rank + 3].detach().requires_grad_() for layer in logits] for rank in (0, 1)]
+    sent = []  # what each rank hands the all-reduce
+
+    def keep(terms: torch.Tensor) -> torch.Tensor:
+        sent.append(terms.detach())
+        return terms
+
+    for rank in (0, 1):
+        balance_losses([layer_stats(layer, args) for layer in halves[rank]], args, keep, ranks=2)
+    for rank in (0, 1):
+        stats = [layer_stats(layer, args) for layer in halves[rank]]
+        ours = balance_losses(stats, args, lambda terms, other=sent[1 - rank]: terms + other, ranks=2)
+        torch.testing.assert_close(ours, whole, rtol=1e-6, atol=0)
+        for got, expected in zip(torch.autograd.grad(ours.sum(), halves[rank]), whole_grads, strict=True):
+            torch.testing.assert_close(got, expected[:, 3 * rank : 3 * rank + 3], rtol=1e-5, atol=1e-7)
+    alone = balance_losses([layer_stats(layer, args) for layer in halves[0]], args)
+    assert not torch.allclose(alone, whole, rtol=1e-3)
 
 
 def test_the_load_balancing_losses_run_from_1_when_even_to_n_experts_over_top_k_when_collapsed():

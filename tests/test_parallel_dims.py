@@ -153,9 +153,21 @@ def test_the_trainer_prints_the_warning_at_start_up(capsys, monkeypatch):
     assert "mixed_precision_reduce" not in capsys.readouterr().err
 
 
-def test_expert_parallel_borrows_the_shard_ranks():
+def test_expert_parallel_borrows_the_tp_ranks_then_the_shard_ranks():
     dims = ParallelDims.resolve(1, -1, 8, tp=2, ep=2)
     assert (dims.dp_shard, dims.ep, dims.strategy) == (4, 2, "FSDP + EP + TP")
+    assert (dims.ep_shard, dims.expert_fsdp) == (1, 4)  # the ep group is the TP group
+    dims = ParallelDims.resolve(1, -1, 8, tp=2, ep=8)
+    assert (dims.ep_shard, dims.expert_fsdp) == (4, 1)
+    dims = ParallelDims.resolve(1, -1, 8, ep=4)  # without TP, shard ranks only
+    assert (dims.ep_shard, dims.expert_fsdp) == (4, 2)
     message = r"expert_parallel_degree \(4\) must divide .*data_parallel_shard_degree \(2\)"
     with pytest.raises(ValueError, match=message):
         ParallelDims.resolve(2, -1, 4, ep=4)
+    with pytest.raises(
+        ValueError, match=r"expert_parallel_degree \(2\) must be a multiple of .*tensor_parallel_degree \(4\)"
+    ):
+        ParallelDims.resolve(1, -1, 8, tp=4, ep=2)
+    message = r"expert_parallel_degree / parallelism.tensor_parallel_degree \(4\) must divide .*shard_degree \(2\)"
+    with pytest.raises(ValueError, match=message):
+        ParallelDims.resolve(1, 2, 4, tp=2, ep=8)

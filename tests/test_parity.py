@@ -120,8 +120,9 @@ def test_layout_matches_single_process(runs, layout):
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
 
 
-# Qwen3-MoE's attention split over 2 TP ranks, its MoE feed-forward held whole on every TP
-# rank, FSDP over the other 2 (the 2-rank TP cases are in test_qwen3_moe's launch).
+# Qwen3-MoE's attention split over 2 TP ranks, its MoE router and experts held whole on both,
+# each routing its half of the sequence (their gradients summed over tp by FSDP), FSDP over
+# the other 2 (the 2-rank TP cases are in test_qwen3_moe's launch).
 TINY_MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
 MOE_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *TINY_MOE],))
 MOE_LAYOUTS = {"tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE])}

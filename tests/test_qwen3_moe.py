@@ -210,7 +210,7 @@ def test_the_published_config_reads_back_as_the_flavor():
 
 
 def test_tensor_parallelism_of_an_moe_flavor_splits_its_heads_but_not_its_feed_forward():
-    """The MoE feed-forward is held whole on every TP rank: only the attention heads must
+    """The MoE's router and experts are held whole on every TP rank: only the attention heads must
     divide (an MoE flavor's ffn_hidden_dim is the unused dense width of its config.json)."""
     problem = get_model_spec("qwen3").tensor_parallel_problem
     moe, dense = get_model_args("qwen3", "tiny_moe"), get_model_args("qwen3", "tiny")
@@ -247,6 +247,7 @@ def test_the_qwen3_30b_a3b_config_validates(monkeypatch, capsys):
 # --- one process vs FSDP 2, PP 2 and TP 2 ---------------------------------------------------
 
 MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
+EP2 = ["--parallelism.expert_parallel_degree=2"]
 # The expert bias on: it must train under every layout as the weights do.
 BIAS = [*MOE, "--model.moe_bias_update_rate=0.001"]
 
@@ -278,9 +279,11 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         records = trainer.train()
     params = full_weights(trainer.model)  # before the update below moves the bias once more
     counted = HostSyncs()
+    routed = None
     if trainer.pipeline is None:  # a pipeline's model runs through its schedule only
         with torch.no_grad():
             trainer.model(TOKENS)  # training mode: the layers count its tokens
+        routed = torch.stack([layer.tokens_per_expert.clone() for layer in trainer.balancer.layers])
         with counted:
             trainer.balancer.after_step(trainer.optimizer)
     report = {
@@ -288,6 +291,7 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "params": params,
         "syncs": counted.report(),
+        "routed": routed,  # [layers, experts]: the (token, expert) pairs this rank routed of TOKENS' forward
         "ops": set(counted.other_ops),
         "metrics": [json.loads(line) for path in Path(dump).rglob("metrics.jsonl") for line in path.open()],
         "view_warnings": [str(w.message) for w in caught if "returned a view tensor" in str(w.message)],
@@ -296,22 +300,20 @@ def train_balanced(extra_args: list[str], dump: str) -> dict:
     return report
 
 
-# Attention split over 2 TP ranks, the MoE feed-forward whole on both, running on the same
-# tokens: the two cases switch sequence parallel (the MoE's input all-gathered, its output cut
-# back to the rank's part), loss parallel, activation checkpointing and accumulation on and
-# off (test_parity adds TP 2 x FSDP 2 with full AC to its 4-rank launch). Every rank's MoE
-# gradient is already the whole one: a reduction over tp would double it, which the grad
-# norms and the weights would show.
+# Attention split over 2 TP ranks, the MoE's router and experts whole on both, each rank
+# routing its own half of the sequence: the two cases switch sequence parallel (the MoE takes
+# its input and gives its output as the rank's part of the sequence; without it, the layer cuts
+# the whole input and all-gathers its output), loss parallel, activation checkpointing,
+# accumulation and the auxiliary loss on and off (test_parity adds TP 2 x FSDP 2 with full AC
+# to its 4-rank launch). Each rank's MoE gradient is a partial sum over its tokens: a missing
+# reduction over tp would halve it, which the grad norms and the weights would show. Each case
+# is compared with the one process of its own balancing settings.
 TP_LAYOUTS = {
-    "tp2": ["--training.local_batch_size=8", *TP2, *BIAS],
-    "tp2_no_sp_no_lp_selective_ac_op_accum": [
-        "--training.local_batch_size=4",
-        *TP2,
-        *NO_SP,
-        *NO_LP,
-        *SELECTIVE_OP,
-        *BIAS,
-    ],
+    "tp2": (["--training.local_batch_size=8", *TP2, *BIAS], "reference"),
+    "tp2_no_sp_no_lp_selective_ac_op_accum_aux_loss": (
+        [*BALANCED, *TP2, *NO_SP, *NO_LP, *SELECTIVE_OP],
+        "balanced reference",
+    ),
 }
 
 
@@ -319,7 +321,10 @@ TP_LAYOUTS = {
 # sigmoid router with its route scale, group-limited choice (2 groups of 2: a token's top 2
 # is the best group) and the expert bias, and the per-layer, sequence-wise and z losses (their
 # stages' losses add up to the model's, so PP matches one process too). Each layout runs
-# forwards of the reference's 4 sequences, on which the per-layer loss depends.
+# forwards of the reference's 4 sequences, on which the per-layer loss depends. Under TP 2
+# (with and without sequence parallel, and with EP 2 over its ranks) each rank routes half of
+# every sequence: the losses' terms (counts, probabilities, each sequence's, whose tokens both
+# ranks share, and the z-loss's mean) are summed over tp for every rank to get one process's.
 ROUTER_OPTIONS = [
     *MOE,
     "--model.moe_score_func=sigmoid",
@@ -336,6 +341,9 @@ ROUTER_LAYOUTS = {
     "fsdp2_full_ac": [*ROUTER, *FULL_AC],
     "ep2": [*ROUTER, "--parallelism.expert_parallel_degree=2"],
     "tp2": [*ROUTER, *TP2],
+    "tp2_no_sp": [*ROUTER, *TP2, *NO_SP],
+    # EP 2 over the 2 TP ranks: each routes its half of every sequence and holds 2 experts.
+    "ep2_tp2": [*ROUTER, *TP2, *EP2],
     # 2 micro-batches of 4 sequences through the pipeline
     "pp2": [*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *pp_args("1F1B", 8, 4, *ROUTER_OPTIONS)],
 }
@@ -368,11 +376,14 @@ def runs(hf_moe, tmp_path_factory):
         # The same micro-batches: 2 accumulation steps of 4 sequences, or 2 ranks of 4.
         "balanced reference": Job(1, train_balanced, (BALANCED, dump("balanced_reference"))),
         "balanced fsdp2": Job(2, train_balanced, (BALANCED, dump("balanced_fsdp2"))),
+        # The auxiliary loss's statistics and the bias's counts summed over the TP ranks.
+        "balanced tp2": Job(2, train_balanced, ([*BALANCED, *TP2], dump("balanced_tp2"))),
+        "balanced ep2_tp2": Job(2, train_balanced, ([*BALANCED, *TP2, *EP2], dump("balanced_ep2_tp2"))),
         "pp2": Job(2, train_balanced, ([*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *PP_MOE], dump("pp2"))),
         "fsdp2 seeded": Job(2, seeded_logits, (str(hf_moe[0]), str(tmp_path_factory.mktemp("seeded")))),
     } | {
         f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
-        for name, args in TP_LAYOUTS.items()
+        for name, (args, _) in TP_LAYOUTS.items()
     }
     # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
     # and the counting stay eager inside the compiled blocks.
@@ -412,16 +423,19 @@ def test_the_expert_bias_moves_and_resumes_with_the_weights(runs):
     assert bias.abs().max() > 1e-4 and bias.sum().abs() < 1e-6  # moved, and centred
 
 
-def test_load_balancing_under_fsdp_matches_single_process(runs):
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "ep2_tp2"])
+def test_load_balancing_matches_single_process(runs, layout):
     """The auxiliary loss's gradients, the bias from counts summed over the 2 ranks, and the
-    metrics equal one process's that ran the same micro-batches one after the other."""
+    metrics equal one process's that ran the same micro-batches one after the other. Under
+    TP 2 (and EP 2 over its ranks) each rank routed half of each sequence: the loss's
+    statistics and the bias's counts are summed over both."""
     reference = runs["balanced reference"][0]
-    for rank_run in runs["balanced fsdp2"]:
+    for rank_run in runs[f"balanced {layout}"]:
         assert_same_training(rank_run, reference, rtol=1e-5)
     # The auxiliary loss changes the routers' training (it is not lost on the way).
     gate = "layers.0.feed_forward.gate.weight"
     assert (reference["params"][gate] - runs["reference"][0]["params"][gate]).abs().max() > 1e-4
-    ours, theirs = runs["balanced fsdp2"][0]["metrics"], reference["metrics"]
+    ours, theirs = runs[f"balanced {layout}"][0]["metrics"], reference["metrics"]
     assert len(ours) == len(theirs) == 8
     moe_tags = [tags.MOE_MAX_LOAD, tags.MOE_AUX_LOSS] + [tags.moe_layer_load(block) for block in range(3)]
     for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
@@ -448,8 +462,24 @@ def test_the_aux_loss_under_fsdp_returns_no_view_for_fsdp_to_warn_of(runs):
         assert rank_run["view_warnings"] == []
 
 
-def test_the_bias_update_sums_counts_without_a_host_sync(runs):
-    for rank_run in runs["balanced fsdp2"]:
+@pytest.mark.parametrize("layout", ["tp2", "ep2_tp2"])
+def test_each_tp_rank_routes_only_its_own_half_of_the_tokens(runs, layout):
+    """One forward of TOKENS after training (2 sequences of 16, top 2 of 4 experts, 3 layers):
+    each TP rank routed half of the (token, expert) pairs that one process routes, and the two
+    halves add up, expert by expert, to the one process's counts (their weights agree within
+    1e-5, far closer than any routing decision here)."""
+    whole = runs["balanced reference"][0]["routed"]
+    pairs = TOKENS.numel() * 2
+    assert whole.sum(dim=1).tolist() == [pairs] * 3
+    ranks = [rank_run["routed"] for rank_run in runs[f"balanced {layout}"]]
+    for routed in ranks:
+        assert routed.sum(dim=1).tolist() == [pairs // 2] * 3
+    assert torch.equal(ranks[0] + ranks[1], whole)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp2", "ep2_tp2"])
+def test_the_bias_update_sums_counts_without_a_host_sync(runs, layout):
+    for rank_run in runs[f"balanced {layout}"]:
         assert rank_run["syncs"] == "none"
         assert {"c10d.allreduce_", "aten.sign"} <= rank_run["ops"]  # the mode saw the update run
 
@@ -465,8 +495,9 @@ def test_moe_pipeline_matches_single_process(runs):
 
 @pytest.mark.parametrize("layout", TP_LAYOUTS)
 def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
+    reference = runs[TP_LAYOUTS[layout][1]][0]
     for rank_run in runs[f"layout {layout}"]:  # every rank must agree, not only rank 0
-        assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
+        assert_same_training(rank_run, reference, rtol=1e-5)
 
 
 ROUTER_TAGS = [tags.MOE_MAX_LOAD, tags.MOE_LOAD_BALANCE_LOSS, tags.MOE_SEQ_BALANCE_LOSS, tags.MOE_Z_LOSS]

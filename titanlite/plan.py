@@ -195,16 +195,21 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     problem = get_model_spec(job_config.model.name).tensor_parallel_problem(model_args, tp)
     if problem is not None:
         raise ConfigError(f"{problem} ({job_config.model.name} {job_config.model.flavor})")
-    if tp > 1 and job_config.parallelism.enable_sequence_parallel:
-        # Sequence parallel splits every sequence into tp equal slices.
+    sequence_parallel = job_config.parallelism.enable_sequence_parallel
+    moe = getattr(model_args, "is_moe", False)
+    if tp > 1 and (sequence_parallel or moe):
+        # Sequence parallel splits every sequence into tp equal slices, and so does an MoE
+        # layer under TP, each rank routing its own slice (parallel/moe_tensor_parallel.py).
         lengths = {"training.seq_len": job_config.training.seq_len}
         if job_config.validation.enable and job_config.validation.seq_len != -1:
             lengths["validation.seq_len"] = job_config.validation.seq_len
+        why = "sequence parallel; change it or set parallelism.enable_sequence_parallel = false"
+        if moe:
+            why = "an MoE model: each TP rank routes an equal slice of every sequence"
         for key, seq_len in lengths.items():
             if seq_len % tp != 0:
                 raise ConfigError(
-                    f"{key} ({seq_len}) must be a multiple of parallelism.tensor_parallel_degree ({tp}) with "
-                    "sequence parallel; change it or set parallelism.enable_sequence_parallel = false"
+                    f"{key} ({seq_len}) must be a multiple of parallelism.tensor_parallel_degree ({tp}) with {why}"
                 )
     if not job_config.parallelism.enable_async_tensor_parallel:
         return
@@ -226,7 +231,8 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
     """Expert parallelism against the model's MoE layers, read from the model itself (built
     on the meta device, so no model's args are named here): it needs experts, as many on
     each ep rank, and expert rows that FSDP splits evenly over the ranks EP leaves
-    (data_parallel_shard_degree / expert_parallel_degree)."""
+    (data_parallel_shard_degree / (expert_parallel_degree / tensor_parallel_degree)): an ep
+    group takes all the TP ranks first (ParallelDims.ep_shard)."""
     key, ep, model = "parallelism.expert_parallel_degree", dims.ep, job_config.model
     which = f"{model.name} {model.flavor}"
     layers = moe_layers(meta_model(job_config, model_args))
@@ -235,11 +241,12 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
     n_experts = layers[0].args.n_experts
     if n_experts % ep:
         raise ConfigError(f"{key} ({ep}) must divide the model's {n_experts} experts ({which})")
-    expert_fsdp = dims.dp_shard // ep
+    expert_fsdp = dims.expert_fsdp
     widths = {layers[0].args.dim, layers[0].args.hidden_dim}
     if any(width % expert_fsdp for width in widths):
+        borrowed = f"({key} / parallelism.tensor_parallel_degree)" if dims.tp > 1 else key
         raise ConfigError(
-            f"parallelism.data_parallel_shard_degree / {key} ({expert_fsdp}) must divide the experts' widths "
+            f"parallelism.data_parallel_shard_degree / {borrowed} ({expert_fsdp}) must divide the experts' widths "
             f"{sorted(widths)} ({which}): FSDP splits each expert's rows over those ranks"
         )
 

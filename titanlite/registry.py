@@ -54,7 +54,8 @@ MODELS = {
 
 def _qwen3_tensor_parallel_problem(args: qwen3.Qwen3Args, tp: int) -> str | None:
     """Llama's TP plan splits Qwen3's attention, and its dense feed-forward; an MoE
-    feed-forward is held whole on every TP rank, so its sizes need not divide."""
+    feed-forward's router and experts are held whole on every TP rank (TP splits its tokens),
+    so its sizes need not divide."""
     return tensor_parallel_problem(args, tp, split_ffn=not args.is_moe)
 
 

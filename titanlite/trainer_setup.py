@@ -74,9 +74,7 @@ def config_ok_line(plan: RunPlan) -> str:
     )
     dims = plan.parallel_dims
     experts = (
-        ""
-        if dims.ep == 1
-        else f", experts split over ep {dims.ep} and FSDP-sharded over {dims.dp_shard // dims.ep} rank(s)"
+        "" if dims.ep == 1 else f", experts split over ep {dims.ep} and FSDP-sharded over {dims.expert_fsdp} rank(s)"
     )
     return (
         f"titanlite: config ok: {dims.strategy} over {dims.world_size} rank(s){stages}{experts}, "
@@ -172,7 +170,7 @@ def log_built_model(
         settings["pipeline"] = f"{plan.pipeline.schedule}, {plan.pipeline.microbatches} micro-batch(es) per step"
     parts = model.parts if pipeline is not None else [model]
     log_startup(model, settings, len(model.layers), sharded=dims.fsdp_applied, rank=rank, parts=parts)
-    experts = expert_parallel_summary(parts, dims.dp_shard // dims.ep, dims.dp_replicate)
+    experts = expert_parallel_summary(parts, dims.expert_fsdp, dims.dp_replicate)
     if experts is not None:
         logger.info("rank %d: %s", rank, experts)
     if pipeline is not None:

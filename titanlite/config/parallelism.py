@@ -38,8 +38,9 @@ class Parallelism:
 
     expert_parallel_degree: int = ranged(at_least(1), default=1)
     """Ranks each mixture-of-experts layer's experts are split over (expert parallelism): each keeps n_experts / it
-    experts and tokens travel to them by all-to-all. It borrows the FSDP ranks (it must divide the data-parallel shard
-    degree and the model's experts); FSDP shards the experts over the ranks it leaves. 1: every rank holds all
+    experts and tokens travel to them by all-to-all. It borrows all the TP ranks, then FSDP ranks: a multiple of the
+    TP degree whose quotient divides the data-parallel shard degree (without TP: a divisor of the shard degree), and
+    a divisor of the model's experts; FSDP shards the experts over the ranks it leaves. 1: every rank holds all
     experts."""
 
     pipeline_parallel_degree: int = ranged(at_least(1), default=1)

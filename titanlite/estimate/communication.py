@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 from titanlite.estimate.hardware import Hardware
-from titanlite.parallel.parallel_dims import ParallelDims
+from titanlite.parallel.parallel_dims import ParallelDims, ep_shard_ranks
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ def _group_size(dp_replicate: int, dp_shard: int, tp: int, dim: str, pp: int, ep
         "shard": dp_shard,
         "tp": tp,
         "ep": ep,
-        "expert_shard": dp_shard // ep,
+        "expert_shard": dp_shard // ep_shard_ranks(ep, tp),
     }[dim]
 
 
@@ -53,9 +53,10 @@ def group_spans_nodes(
     "expert_shard") has ranks on two nodes. Ranks fill the (pp, replicate, shard, tp) mesh row
     by row, rank = ((h x r + i) x s + j) x t + k, and nodes hold consecutive ranks: a TP group
     is t consecutive ranks, a shard group has stride t, a replicate group stride s x t, a
-    pipeline stride r x s x t. Expert parallelism splits the shard dimension, its ep ranks the
-    inner part (j = j' x ep + e): an EP group has stride t, and the expert_shard group FSDP
-    shards the experts over (the s / ep ranks holding the same experts) stride ep x t.
+    pipeline stride r x s x t. Expert parallelism takes the tp ranks of e = ep / t shard ranks
+    (ep alone without TP), the inner part of the shard index (j = j' x e + i): an EP group is
+    ep consecutive ranks (stride 1), and the expert_shard group FSDP shards the experts over
+    (the s / e shard ranks holding the same experts) has stride e x t.
     A group spans nodes when its first and last rank sit on different nodes (the ranks between
     them lie between). One straddling group is enough: a collective waits for its slowest group.
     """
@@ -65,8 +66,8 @@ def group_spans_nodes(
         "replicate": dp_shard * tp,
         "shard": tp,
         "tp": 1,
-        "ep": tp,
-        "expert_shard": ep * tp,
+        "ep": 1,
+        "expert_shard": ep_shard_ranks(ep, tp) * tp,
     }[dim]
     span = (size - 1) * stride
     firsts = (rank for rank in range(pp * dp_replicate * dp_shard * tp) if rank // stride % size == 0)

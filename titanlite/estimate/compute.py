@@ -1,6 +1,6 @@
 """The compute side of a step's estimate: the FLOPs one device does per token (the model's,
 and what activation checkpointing recomputes; its pp rank's stages only; 1/t of them under
-tensor parallelism but the MoE layers', which every TP rank runs whole) and the seconds they
+tensor parallelism, the MoE layers' included, whose tokens TP splits) and the seconds they
 take (pure arithmetic, see step_time)."""
 
 import functools
@@ -47,13 +47,13 @@ def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float
 
 def device_flops_per_token(work: "RankWork", tp: int) -> float:
     """FLOPs one device does per token of its data-parallel rank's batch, recomputation
-    included: TP splits everything over its t ranks but the MoE layers, which each of them
-    runs whole on every token (parallelize._whole_moe_plan):
+    included: TP splits all of them over its t ranks, the dense matrices by their features and
+    the MoE layers by their tokens (each TP rank routes its own slice of the sequence through
+    router and experts held whole: parallel/moe_tensor_parallel.py):
 
-        (F + R - F_moe - R_moe) / t + F_moe + R_moe
+        (F + R) / t
     """
-    moe = work.moe_flops + work.moe_recompute_flops
-    return (work.flops + work.recompute_flops - moe) / tp + moe
+    return (work.flops + work.recompute_flops) / tp
 
 
 def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
@@ -64,13 +64,10 @@ def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float,
     return flops_per_token_done * tokens / (peak_flops * efficiency)
 
 
-def compute_time(work: "RankWork", tp: int, tokens: int, peak_flops: float, efficiency: float) -> tuple[float, float]:
-    """(seconds, of them the MoE work the other TP ranks repeat) of the FLOPs one device does in
-    a step, ``tokens`` being its data-parallel rank's tokens over the step: compute_seconds of
-    device_flops_per_token, and of (1 - 1/t) of the MoE layers' FLOPs (0 without TP or MoE)."""
-    seconds = functools.partial(compute_seconds, tokens=tokens, peak_flops=peak_flops, efficiency=efficiency)
-    moe = work.moe_flops + work.moe_recompute_flops
-    return seconds(device_flops_per_token(work, tp)), seconds(moe * (1 - 1 / tp))
+def compute_time(work: "RankWork", tp: int, tokens: int, peak_flops: float, efficiency: float) -> float:
+    """Seconds of the FLOPs one device does in a step, ``tokens`` being its data-parallel
+    rank's tokens over the step: compute_seconds of device_flops_per_token."""
+    return compute_seconds(device_flops_per_token(work, tp), tokens, peak_flops, efficiency)
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,7 @@ class RankWork:
     blocks: int  # transformer blocks of its stages
     experts: int = 0  # routed experts' weights of its stages (all of them, not only a token's top_k)
     moe_layers: int = 0  # MoE layers of its stages
-    moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP does not split them
+    moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP splits them by token
     moe_recompute_flops: float = 0.0  # of recompute_flops, its MoE layers'
 
 

@@ -112,10 +112,11 @@ def data_parallel_traffic(
     reshard_after_forward: str,
 ) -> DataParallelTraffic:
     """FSDP and the replicas move each device's 1/t of its stages' dense weights over the shard
-    group, and its n_experts / ep experts (which TP does not split) over the s / ep ranks holding
-    the same ones. Without a pipeline every accumulation step gathers (and, unless resharding is
-    "never", gathers again in backward); under PP each stage's parameters are gathered once per
-    accumulation step, unless "always" frees them after each micro-batch's forward."""
+    group, and its n_experts / ep experts (which TP does not split by features) over the
+    s / (ep / t) ranks holding the same ones (the shard group without EP). Without a pipeline
+    every accumulation step gathers (and, unless resharding is "never", gathers again in
+    backward); under PP each stage's parameters are gathered once per accumulation step, unless
+    "always" frees them after each micro-batch's forward."""
     r, s, t, ep = dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep
     if pipeline is None:
         regathered = regathered_params(model_args, reshard_after_forward)
@@ -125,12 +126,14 @@ def data_parallel_traffic(
         always = reshard_after_forward == "always"
         regathered, regathered_experts = (work.params, work.experts) if always else (0, 0)
         gathers = grad_accum_steps * (pipeline.microbatches if always else 1)
-    dense, expert_shards = work.params - work.experts, s // ep
+    dense, expert_shards = work.params - work.experts, dims.expert_fsdp
     traffic = functools.partial(fsdp_traffic, param_bytes=param_bytes, reduce_bytes=reduce_bytes, gathers=gathers)
     scatters = grad_accum_steps  # every accumulation step reduce-scatters, however often it gathers
     dense_gather_b, dense_scatter_b = traffic(dense / t, (regathered - regathered_experts) / t, s, scatters)
     expert_gather_b, expert_scatter_b = traffic(work.experts / ep, regathered_experts / ep, expert_shards, scatters)
-    reduce_b = replicate_all_reduce_bytes(dense / t + work.experts / ep, reduce_bytes, s, r)
+    # A rank's shard of the experts is n_experts / ep of them over the expert_shards ranks: as
+    # much as experts x (ep / t) / ep spread over all s shard ranks.
+    reduce_b = replicate_all_reduce_bytes(dense / t + work.experts * dims.ep_shard / ep, reduce_bytes, s, r)
     shard_link, shard_bw = mesh_link(hardware, dims, "shard")
     expert_shard_link, expert_shard_bw = mesh_link(hardware, dims, "expert_shard")
     replicate_link, replicate_bw = mesh_link(hardware, dims, "replicate")

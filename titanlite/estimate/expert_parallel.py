@@ -46,19 +46,20 @@ def moe_all_to_all_bytes(
     activation_bytes: int,
     ep: int,
     recomputed_blocks: int,
+    tp: int = 1,
 ) -> float:
     """Per-device all-to-all bytes of one micro-batch through the busiest rank's MoE layers
-    (expert_all_to_all_bytes): the tokens entering a MoE layer on a device are all
-    of the data-parallel rank's micro-batch, whatever the TP degree (every TP rank runs the MoE
-    layer whole on them, sequence parallel or not, and exchanges them with the EP ranks of its
-    own TP index); the layers activation checkpointing re-runs are the ``recomputed_blocks``'
-    share of the MoE layers (tensor_parallel.recomputed_collective_blocks: the blocks whose
-    forward collectives run twice). 0 for a dense model or ep 1."""
+    (expert_all_to_all_bytes): the tokens entering a MoE layer on a device are its 1/tp slice of
+    the data-parallel rank's micro-batch of ``micro_tokens`` (each TP rank routes its own part of
+    the sequence, sequence parallel or not, and exchanges it over an ep group that takes the TP
+    ranks: parallel/moe_tensor_parallel.py); the layers activation checkpointing re-runs are the
+    ``recomputed_blocks``' share of the MoE layers (tensor_parallel.recomputed_collective_blocks:
+    the blocks whose forward collectives run twice). 0 for a dense model or ep 1."""
     if ep == 1 or not work.moe_layers:
         return 0.0
     recomputed_moe = recomputed_blocks * work.moe_layers // work.blocks
     return expert_all_to_all_bytes(
-        micro_tokens,
+        micro_tokens / tp,
         model_args.top_k,
         model_args.dim,
         activation_bytes,

@@ -14,7 +14,7 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.estimate.compiled import CompiledParts
 from titanlite.models.moe import MoE
-from titanlite.parallel.parallel_dims import MESH_DIMS
+from titanlite.parallel.parallel_dims import MESH_DIMS, ep_shard_ranks
 from titanlite.parallel.pipeline import prune_to_stage
 from titanlite.plan import RunPlan, meta_model
 
@@ -73,6 +73,7 @@ def exact_model_state_bytes(
     tp_rank: int = 0,
     ep: int = 1,
     kind: str = "all",
+    tp: int = 1,
 ) -> ModelStateBytes:
     """Parameters, gradients and Adam state of one rank, by arithmetic on parameter shapes:
     those of an unsharded (e.g. meta) model, or of a parallelised one, whose tensor-parallel
@@ -85,10 +86,12 @@ def exact_model_state_bytes(
     moments are ``zeros_like`` the parameter's local shard, so they are not padded; its step
     counter is one float32 per parameter. Gradients are counted in their parameter's layout.
 
-    With expert parallelism over ``ep`` of the shard ranks (the inner part of the shard index:
-    rank = shard rank x ep + ep rank), a stacked expert weight [n_experts, ...] (its global
-    shape, whether EP has split it yet or not) keeps n_experts / ep experts on each rank, and
-    FSDP splits dim 0 of that piece over the shards / ep ranks holding the same experts.
+    With expert parallelism over ``ep`` ranks, the ``tp`` ranks (the TP degree) of ep / tp
+    shard ranks (the inner part of the shard index: shard rank = efsdp rank x ep / tp + its
+    place among them; ParallelDims.ep_shard), a stacked expert weight [n_experts, ...] (its
+    global shape, whether EP has split it yet or not) keeps n_experts / ep experts on each
+    rank, and FSDP splits dim 0 of that piece over the shards / (ep / tp) ranks holding the
+    same experts.
     """
     if optimizer_name not in ("AdamW", "Adam"):
         raise ValueError(f"no arithmetic for optimizer {optimizer_name}")
@@ -103,8 +106,9 @@ def exact_model_state_bytes(
         shape = tensor_parallel_shape(param, tp_rank)
         row_elems = math.prod(shape[1:])  # 1 for a scalar, which FSDP does not split
         if is_expert and ep > 1:
-            _, local_experts = _shard_rows(shape[0], ep, rank % ep)
-            padded, actual = _shard_rows(local_experts, shards // ep, rank // ep)
+            ep_shard = ep_shard_ranks(ep, tp)
+            _, local_experts = _shard_rows(shape[0], ep, rank % ep_shard * tp + tp_rank)
+            padded, actual = _shard_rows(local_experts, shards // ep_shard, rank // ep_shard)
         else:
             padded, actual = _shard_rows(shape[0], shards, rank) if shape else (1, 1)
         padded_bytes += padded * row_elems * param.element_size()
@@ -149,13 +153,15 @@ def step_floor_bytes(
     parameters TP splits) is taken as split ``tp`` ways on top of the FSDP shards. For a matrix
     that is what rank 0 holds when the dimensions divide evenly and less otherwise; the norms
     and MoE routers, which TP replicates, are counted low; so the figure stays a floor. The routed experts of
-    an MoE model are not split by TP: n_experts / ``ep`` of them on a rank, FSDP-sharded over the
-    shards / ep ranks left (exact_model_state_bytes), about 1 / shards of them in all. Under loss
-    parallel each rank holds its vocabulary slice of the logits, else all of them.
+    an MoE model are not split by TP's features: without expert parallelism every TP rank holds
+    them, FSDP-sharded over the shards (1 / shards of them); with it n_experts / ``ep`` of them
+    on a rank, FSDP-sharded over the shards / (ep / tp) ranks left (exact_model_state_bytes),
+    about 1 / (shards x tp) of them in all. Under loss parallel each rank holds its vocabulary
+    slice of the logits, else all of them.
     """
     loss_bytes = compute_bytes if compiled_loss else 4  # per logit, beside the logits
     dense = exact_model_state_bytes(model, shards, kind="dense")
-    experts = exact_model_state_bytes(model, shards, ep=ep, kind="experts")
+    experts = exact_model_state_bytes(model, shards, ep=ep, kind="experts", tp=tp)
     vocab_per_rank = math.ceil(vocab_size / tp) if loss_parallel else vocab_size
     weights = (dense.parameters + dense.optimizer_state) // tp + experts.parameters + experts.optimizer_state
     return {

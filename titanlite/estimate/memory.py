@@ -230,8 +230,9 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     if parallel_dims.ep > 1:
         notes.append(
             f"expert parallelism {parallel_dims.ep}: simulated with the experts FSDP-sharded over all "
-            f"{parallel_dims.dp_shard} shard ranks (fake tensors cannot run the all-to-all, whose split sizes "
-            "are read on the host); the experts gathered per block and the all-to-all buffers added by arithmetic"
+            f"{parallel_dims.dp_shard} shard ranks{' (each TP rank holding the same)' if parallel_dims.tp > 1 else ''} "
+            "(fake tensors cannot run the all-to-all, whose split sizes are read on the host); the experts' state, "
+            "the experts gathered per block and the all-to-all buffers corrected by arithmetic"
         )
     if accumulation > 1:
         notes.append(

@@ -65,14 +65,15 @@ def expert_parallel_bytes(
                      micro-batches, where the stage stays gathered and its gradients unreduced
                      for the whole step, (1 - 1/ep) of all the stage's experts so held
                      (floor.unsharded_stage_bytes); never more than the simulated temporaries
-                   + 2 x tokens x top_k x dim x parameter bytes: the rows a rank receives for
-                     its experts and the results it sends back, beside the rows the layer
+                   + 2 x tokens / tp x top_k x dim x parameter bytes: the rows a rank receives
+                     for its experts and the results it sends back, beside the rows the layer
                      makes without EP (an even load: a rank's experts get its share of pairs),
-                     all of the data-parallel rank's tokens on every TP rank
+                     each TP rank routing its 1/tp of the data-parallel rank's tokens
 
-    The sharded experts, their gradients and Adam state are 1 / shards of them either way
-    (n_experts / ep experts over shards / ep ranks; exact_model_state_bytes with ``ep``),
-    different only by FSDP's padding, which the caller takes from that arithmetic."""
+    The sharded experts, their gradients and Adam state are 1 / shards of them without EP
+    (every TP rank holding the same) and 1 / (shards x tp) with it (n_experts / ep experts over
+    shards / (ep / tp) ranks; exact_model_state_bytes with ``ep``): the caller takes the
+    difference from that arithmetic."""
     args, training, ep = plan.model_args, job_config.training, plan.parallel_dims.ep
     p_bytes = DTYPES[training.mixed_precision_param].itemsize
     gathered = int(max(param_counts(args).experts, default=0) * (1 - 1 / ep)) * p_bytes
@@ -84,8 +85,8 @@ def expert_parallel_bytes(
         without_ep = dataclasses.replace(plan, parallel_dims=dataclasses.replace(plan.parallel_dims, ep=1))
         held = [unsharded_stage_bytes(job_config, layout, model) for layout in (without_ep, plan)]
         gathered = max(gathered, held[0] - held[1])
-    # TP holds the MoE layer whole: each TP rank routes all of the tokens (sequence parallel
-    # all-gathers them first), so its buffers are not divided by the TP degree.
+    # Each TP rank routes its own slice of the sequence (parallel/moe_tensor_parallel.py).
+    tokens //= plan.parallel_dims.tp
     return {"gathered": gathered, "buffers": 2 * tokens * args.top_k * args.dim * p_bytes}
 
 
@@ -168,7 +169,7 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
     shard_rank, tp_rank = _mesh_coordinates(mesh)
     optimizer_name = job_config.optimizer.name
     state = partial(exact_model_state_bytes, model, parallel_dims.dp_shard, optimizer_name, shard_rank, tp_rank)
-    exact = state(ep=ep)
+    exact = state(ep=ep, tp=parallel_dims.tp)
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
     peak, measured, activations = fold_step(step)
     measured = dataclasses.replace(measured, gradients=gradient_bytes)

@@ -25,13 +25,15 @@ Assumptions (each is also stated where it is used):
     max(compute, communication) plus the part that nothing can hide.
   * Tensor parallelism splits every matmul (and attention, by heads) over the t ranks of a
     TP group, which see the same batch: each device does 1/t of its data-parallel rank's
-    FLOPs and holds 1/t of the weights FSDP gathers. An MoE feed-forward is the exception:
-    every TP rank holds it whole (router and experts) and runs it on all of its data-parallel
-    rank's tokens, the same work on each (parallelize._whole_moe_plan), so its FLOPs are not
-    divided by t; MFU counts them once per token (useful work), not t times. TP's collectives
-    sit between the matmuls that need their results, so they add to the compute time (async
-    TP, which overlaps them with the matmuls in compiled code, is taken as hiding them entirely).
-    TP groups are consecutive ranks, inside a node whenever t divides the GPUs per node.
+    FLOPs and holds 1/t of the weights FSDP gathers. An MoE feed-forward is split by tokens
+    instead: every TP rank holds its router and experts whole (unless expert parallelism,
+    whose ep groups take the TP ranks, splits the experts) and routes its own 1/t of the
+    sequence (parallel/moe_tensor_parallel.py), so its FLOPs and all-to-all bytes are divided
+    by t too, and the gradients of the weights it holds whole are summed over the TP group.
+    TP's collectives sit between the matmuls that need their results, so they add to the
+    compute time (async TP, which overlaps them with the matmuls in compiled code, is taken as
+    hiding them entirely; the MoE gradients' sum is not). TP groups are consecutive ranks,
+    inside a node whenever t divides the GPUs per node.
   * Compute runs at `efficiency` x peak on every FLOP, recomputed ones included.
   * Pipeline parallelism over p ranks (the outermost mesh dimension, so across nodes once a
     stage's ranks fill a node): each rank computes its stages only, and the step is the
@@ -65,7 +67,11 @@ from titanlite.estimate.expert_parallel import moe_all_to_all_bytes
 from titanlite.estimate.hardware import Hardware, get_hardware
 from titanlite.estimate.inputs import check_choices, check_experts, positive_int, resolve_layout
 from titanlite.estimate.pipeline import backward_per_forward, pipeline_send_bytes, pipelined_seconds
-from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
+from titanlite.estimate.tensor_parallel import (
+    moe_gradient_all_reduce_bytes,
+    recomputed_collective_blocks,
+    tensor_parallel_bytes,
+)
 from titanlite.metrics.flops import flops_per_token, mfu
 from titanlite.models.llama.args import LlamaArgs
 from titanlite.parallel import tensor_parallel_problem
@@ -95,12 +101,12 @@ class StepTimeEstimate:
     tokens_per_device_per_micro_batch: float  # the data-parallel rank's tokens / tp
     tokens_per_device_per_step: float
     compute_s: float
-    redundant_compute_s: float  # of compute_s, the MoE work the other TP ranks repeat (0 without TP or MoE)
     # communication
     all_gather_bytes: float  # FSDP parameter all-gathers (forward + backward re-gathers)
     reduce_scatter_bytes: float  # FSDP gradient reduce-scatters
     all_reduce_bytes: float  # HSDP/DDP gradient all-reduce across replicas
-    tp_bytes: float  # TP's activation collectives (and the logits' with or without loss parallel)
+    tp_bytes: float  # TP's activation collectives (and the logits'), and the sum of the MoE weights' gradients
+    tp_moe_gradient_bytes: float  # of tp_bytes, summing the gradients of the MoE weights every TP rank holds whole
     shard_link: str  # "intra-node", "inter-node" or "none" (a group of one)
     replicate_link: str
     tp_link: str
@@ -124,11 +130,13 @@ class StepTimeEstimate:
     pp_s: float
     pp_exposed_s: float  # the sends while the pipeline fills and drains, which nothing hides
     # expert parallelism (ep 1: no all-to-all; the experts' FSDP traffic is in the shard group's)
-    ep: int  # ranks each MoE layer's experts are split over (a split of the shard group)
+    ep: int  # ranks each MoE layer's experts are split over (all the tp ranks and a split of the shard group)
     ep_bytes: float  # the all-to-alls' bytes (token rows to their experts and back, and the counts)
     ep_link: str
     ep_s: float
     expert_shard_link: str  # the link FSDP gathers and reduces the experts over (the shard group's without EP)
+    moe_flops_per_token: float  # of the device's FLOPs per token of its data-parallel rank, its MoE layers' (1/t)
+    moe_tokens_per_device_per_micro_batch: float  # the tokens a device routes through each MoE layer (1/t)
     step_s: float
     # verdict
     verdict: str  # "compute-bound" or "communication-bound"
@@ -159,12 +167,21 @@ class StepTimeEstimate:
             if self.ep > 1
             else []
         )
+        moe_under_tp = (
+            [
+                f"MoE under TP {self.tp}: {self.moe_tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch "
+                f"through each MoE layer; of the TP bytes, {self.tp_moe_gradient_bytes / 1e9:.2f} GB sum the "
+                "gradients of the MoE weights every TP rank holds"
+            ]
+            if self.tp > 1 and self.moe_tokens_per_device_per_micro_batch
+            else []
+        )
         return "\n".join(
             [
                 f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
                 f"on {self.world_size} {hw.name}",
                 f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
-                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s{self._redundant_note()})",
+                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s)",
                 f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
                 f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
                 f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
@@ -172,17 +189,13 @@ class StepTimeEstimate:
                 f"TP {self.tp_bytes / 1e9:.2f} GB over {self.tp_link} -> {self.tp_s * 1e3:.1f} ms",
                 *pipeline,
                 *experts,
+                *moe_under_tp,
                 f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch vs "
                 f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
                 f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
                 f"MFU {self.mfu_percent:.1f}%",
             ]
         )
-
-    def _redundant_note(self) -> str:
-        if not self.redundant_compute_s:
-            return ""
-        return f"; {self.redundant_compute_s * 1e3:.1f} ms of it the MoE layers every TP rank repeats"
 
 
 def estimate_step_time(
@@ -216,8 +229,8 @@ def estimate_step_time(
     local_batch_size is the sequences of one data-parallel rank's micro-batch, which all tp
     ranks of its group (and, with ``pipeline``, all pp ranks of its pipeline) see; the
     pipeline splits it into pipeline.microbatches micro-batches. ``ep``: expert parallelism's
-    degree, a split of the dp_shard ranks (an MoE model's experts, n_experts / ep per rank,
-    FSDP-sharded over the dp_shard / ep ranks left). hardware: a Hardware or a
+    degree, all the tp ranks and a split of the dp_shard ranks (an MoE model's experts,
+    n_experts / ep per rank, FSDP-sharded over the dp_shard / (ep / tp) ranks left). hardware: a Hardware or a
     table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
     when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input.
     """
@@ -235,21 +248,21 @@ def estimate_step_time(
     pp = 1 if pipeline is None else pipeline.pp
     dims = resolve_layout(dp_replicate, dp_shard, world_size, tp, pp, ep)
     t = dims.tp
-    # An MoE feed-forward is held whole by TP: only attention's sizes must split.
+    # TP splits an MoE feed-forward by tokens: only attention's sizes must split.
     problem = tensor_parallel_problem(model_args, t, split_ffn=not getattr(model_args, "n_experts", 0))
     if problem is not None:
         raise ValueError(problem)
     check_experts(model_args, ep)
 
     # compute: a TP group shares its data-parallel rank's tokens, each device 1/t of the FLOPs
-    # of its pipeline rank's stages (the whole model without PP) but all of their MoE layers';
+    # of its pipeline rank's stages (the whole model without PP), the MoE layers' split by token;
     # the busiest rank sets the pace
     model_flops = flops_per_token(model_args, seq_len)
     fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
     work = rank_work(model_args, seq_len, fraction, pipeline, t)
     micro_tokens = local_batch_size * seq_len  # per data-parallel rank
     rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
-    compute_s, redundant_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency)
+    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency)
 
     # communication: each parallelism's collectives over the step, on its own link
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
@@ -270,8 +283,9 @@ def estimate_step_time(
     tp_b = tensor_parallel_bytes(
         rank_model, micro_tokens, p_bytes, t, sequence_parallel, loss_parallel, recomputed_blocks, work.moe_layers
     )
-    tensor = over("tp", grad_accum_steps * tp_b)
-    all_to_all = moe_all_to_all_bytes(model_args, work, micro_tokens, p_bytes, ep, recomputed_blocks)
+    moe_gradient_b = _moe_gradient_bytes(model_args, work, dims, grad_accum_steps, p_bytes)
+    tensor = over("tp", grad_accum_steps * tp_b + moe_gradient_b)
+    all_to_all = moe_all_to_all_bytes(model_args, work, micro_tokens, p_bytes, ep, recomputed_blocks, t)
     experts = over("ep", grad_accum_steps * all_to_all)
     pp_b, pp_exposed_b = pipeline_send_bytes(
         pipeline,
@@ -310,11 +324,11 @@ def estimate_step_time(
         tokens_per_device_per_micro_batch=micro_tokens / t,
         tokens_per_device_per_step=device_tokens,
         compute_s=compute_s,
-        redundant_compute_s=redundant_s,
         all_gather_bytes=data_parallel.all_gather_bytes,
         reduce_scatter_bytes=data_parallel.reduce_scatter_bytes,
         all_reduce_bytes=data_parallel.all_reduce_bytes,
         tp_bytes=tensor.sent_bytes,
+        tp_moe_gradient_bytes=moe_gradient_b,
         shard_link=data_parallel.shard_link,
         replicate_link=data_parallel.replicate_link,
         tp_link=tensor.link,
@@ -342,6 +356,8 @@ def estimate_step_time(
         ep_link=experts.link,
         ep_s=ep_s,
         expert_shard_link=data_parallel.expert_shard_link,
+        moe_flops_per_token=(work.moe_flops + work.moe_recompute_flops) / t,
+        moe_tokens_per_device_per_micro_batch=micro_tokens / t if work.moe_layers else 0.0,
         # Compute-bound when the compute time exceeds the communication time.
         verdict="compute-bound" if compute_s > comm_s else "communication-bound",
         # The threshold C / W uses the link that carries the heavy data-parallel traffic.
@@ -356,6 +372,19 @@ def estimate_step_time(
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
     )
+
+
+def _moe_gradient_bytes(model_args, work, dims, grad_accum_steps: int, param_bytes: int) -> float:
+    """The bytes one device sends over a step summing over tp the gradients of the MoE weights
+    its TP group holds whole (tensor_parallel.moe_gradient_all_reduce_bytes): the routers of its
+    stages' MoE layers, and their experts without expert parallelism. Under FSDP every
+    accumulation step sums them, in the parameter dtype; without it the step sums them once,
+    in float32 (the parameters' dtype, autocast computing in bf16)."""
+    if dims.tp == 1 or not work.moe_layers:
+        return 0.0
+    held_whole = work.moe_layers * model_args.n_experts * model_args.dim + (work.experts if dims.ep == 1 else 0)
+    sums, gradient_bytes = (grad_accum_steps, param_bytes) if dims.fsdp_applied else (1, 4)
+    return sums * moe_gradient_all_reduce_bytes(held_whole, gradient_bytes, dims.tp)
 
 
 def estimate_for_job_config(

@@ -37,6 +37,7 @@ from titanlite.config import ConfigError, JobConfig
 from titanlite.estimate.hardware import Hardware
 from titanlite.estimate.memory import estimate_memory
 from titanlite.estimate.results import floor_only_memory, layout_result, memory_result
+from titanlite.parallel.parallel_dims import ep_problem
 from titanlite.plan import meta_model, run_model_args, tokenizer_for_estimate
 from titanlite.registry import get_model_spec
 
@@ -184,7 +185,7 @@ def _candidates(
                     f"sequences does not split over {data_parallel} data-parallel ranks"
                 )
                 continue
-            for ep in expert_parallel_degrees(job_config, settings.ep_degrees, shard):
+            for ep in expert_parallel_degrees(job_config, settings.ep_degrees, shard, tp):
                 layout = with_layout(job_config, replicate, shard, tp, global_batch // data_parallel, pp, schedule, ep)
                 candidates.append(SweepCandidate(world_size, name + (f" ep {ep}" if ep > 1 else ""), layout))
     return candidates, skipped
@@ -252,11 +253,11 @@ def data_parallel_layouts(world_size: int, gpus_per_node: int, tp_degrees: list[
     return layouts
 
 
-def expert_parallel_degrees(job_config: JobConfig, degrees: tuple[int, ...], shard: int) -> list[int]:
-    """The EP degrees the sweep tries for a layout of ``shard`` FSDP ranks: those of
-    ``degrees`` that divide the shard degree (whose ranks EP borrows) and the model's experts;
-    1 alone for a dense model."""
+def expert_parallel_degrees(job_config: JobConfig, degrees: tuple[int, ...], shard: int, tp: int = 1) -> list[int]:
+    """The EP degrees the sweep tries for a layout of ``shard`` FSDP ranks and ``tp`` TP ranks:
+    those of ``degrees`` that fit the ranks EP borrows (all the TP ranks, then shard ranks:
+    parallel_dims.ep_problem) and divide the model's experts; 1 alone for a dense model."""
     n_experts = getattr(run_model_args(job_config, tokenizer_for_estimate(job_config)[0]), "n_experts", 0)
     if not n_experts:
         return [1]
-    return sorted({1} | {ep for ep in degrees if shard % ep == 0 and n_experts % ep == 0})
+    return sorted({1} | {ep for ep in degrees if ep_problem(ep, shard, tp) is None and n_experts % ep == 0})

@@ -142,8 +142,10 @@ def _degree(result: dict, dim: str) -> int:
     return result["layout"].get(dim, 1)
 
 
-def _moe_under_tp(result: dict) -> bool:
-    return result["step_time"]["redundant_compute_s"] > 0
+def _experts_whole_under_tp(result: dict) -> bool:
+    """Whether every TP rank of the layout holds an MoE model's experts (TP without EP)."""
+    timing = result["step_time"]
+    return timing["moe_tokens_per_device_per_micro_batch"] > 0 and timing["ep"] == 1
 
 
 # Per dimension: its name in the verdicts, how it cuts the data-parallel traffic, and what it
@@ -153,8 +155,8 @@ _DIMENSIONS = {
         "TP",
         lambda result: (
             f"TP {_degree(result, 'tp')} divides the bytes each GPU gathers and reduces by the TP degree"
-            # only an MoE model's TP ranks repeat work: the MoE layers, whose experts TP holds whole
-            + (" (the dense weights': TP holds the experts whole)" if _moe_under_tp(result) else "")
+            # an MoE model's experts TP holds whole, unless EP (over the TP ranks) splits them
+            + (" (the dense weights': TP holds the experts whole)" if _experts_whole_under_tp(result) else "")
         ),
         lambda timing: f"its collectives adding {timing['tp_s'] * 1e3:,.0f} ms a step over {timing['tp_link']}",
     ),

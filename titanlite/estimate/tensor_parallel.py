@@ -46,17 +46,19 @@ def tensor_parallel_bytes(
                    the same four reversed in backward; without it an all-reduce (2 a) after wo
                    and after w2 in forward and before the column-wise inputs in backward: the
                    same bytes
-        MoE blocks 6 a (sequence parallel) or 4 a instead, for the ``moe_blocks`` of the blocks
-                   whose feed-forward is an MoE layer, which TP holds whole
-                   (parallelize._whole_moe_plan): attention's 4 a as above; the layer's input is
-                   all-gathered (forward) and its whole output cut to the rank's sequence chunk
-                   (no exchange), whose gradient is all-gathered in backward while the input's
-                   gradient, whole on every rank, is cut alike: 2 a; without sequence parallel
-                   the layer's input and output are whole already: nothing. Its weights'
-                   gradients, computed from all the tokens on every rank, need no reduction
+        MoE blocks 4 a (sequence parallel) or 6 a instead, for the ``moe_blocks`` of the blocks
+                   whose feed-forward is an MoE layer, whose tokens TP splits
+                   (parallel/moe_tensor_parallel.py): attention's 4 a as above; with sequence
+                   parallel the layer takes and gives the rank's part of the sequence as the
+                   residual stream holds it: nothing; without it the layer cuts its whole input
+                   (no exchange) and all-gathers its output in forward, and all-gathers its
+                   input's gradient in backward: 2 a. Its weights' gradients are partial sums
+                   over the ranks' tokens: moe_gradient_all_reduce_bytes
         recompute  3 a (two all-gathers and the reduce-scatter after wo) or 2 a (the all-reduce
-                   after wo) per block checkpointing re-runs: the recomputation stops before the
-                   block's last collective, whose output backward does not need
+                   after wo) per block checkpointing re-runs, 2 a either way for an MoE block
+                   (attention's all-gather and reduce-scatter, or its all-reduce): the
+                   recomputation stops before the block's last collective, whose output
+                   backward does not need
         ends       4 a: the embedding's reduce-scatter (all-reduce) of its partial lookups and,
                    for the output projection, the all-gather of the final norm's output (in
                    backward the reduction of its gradient), each with its mirror in backward
@@ -65,15 +67,36 @@ def tensor_parallel_bytes(
                    the [tokens, vocab] logits in the compute dtype (its backward is a local slice)
 
     The gradients of the norms, which TP replicates, are also summed over the TP group: 2L + 1
-    vectors of dim per micro-batch, left out (a few hundred KB).
+    vectors of dim per micro-batch, left out (a few hundred KB), as is the sum of the MoE
+    balancing losses' terms (one all-reduce per forward of a few numbers per expert, layer and
+    sequence, when a loss is on).
     """
     activation = tokens * args.dim * activation_bytes
-    per_recomputed_block = 3 if sequence_parallel else 2  # an MoE block's the same (its forward all-gather)
-    per_moe_block = 6 if sequence_parallel else 4
+    per_moe_block = 4 if sequence_parallel else 6
     blocks = 8 * (args.n_layers - moe_blocks) + per_moe_block * moe_blocks
-    whole_activations = blocks + per_recomputed_block * recomputed_blocks + 4
+    # The recomputed blocks, as parallelize.py wraps them (every N-th from block 0, or all), are
+    # taken to be MoE blocks in the share the MoE blocks have of all blocks.
+    recomputed_moe = recomputed_blocks * moe_blocks // args.n_layers
+    recomputed = (3 if sequence_parallel else 2) * (recomputed_blocks - recomputed_moe) + 2 * recomputed_moe
+    whole_activations = blocks + recomputed + 4
     if loss_parallel:
         logits = 3 * 2 * tokens * 4  # three all-reduces (2 x the bytes) of one float32 per token
     else:
         logits = tokens * args.vocab_size * activation_bytes
     return ring_bytes(whole_activations * activation + logits, tp)
+
+
+def moe_gradient_all_reduce_bytes(held_whole: float, gradient_bytes: int, tp: int) -> float:
+    """Per-device bytes of summing over the TP group the gradients of the MoE weights every TP
+    rank holds whole (``held_whole`` of them: the routers, and the experts unless expert
+    parallelism splits them), once per gradient reduction (under FSDP every accumulation step,
+    before its reduce-scatter; without it once per step, before clipping):
+
+        2 x held_whole x gradient_bytes x (t - 1) / t      (an all-reduce)
+
+    Each TP rank routes its own tokens, so each rank's gradient of such a weight is a partial
+    sum. FSDP sums it over tp on the compute stream, before its reduce-scatter: like TP's
+    activation collectives it is not hidden. Expert parallelism, whose ep groups take the TP
+    ranks, leaves only the routers' (n_experts x dim per layer) to sum.
+    """
+    return 2 * ring_bytes(held_whole * gradient_bytes, tp)

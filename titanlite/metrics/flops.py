@@ -27,7 +27,7 @@ class ParamCounts:
     head: int  # the final norm's and the output projection's, tied or not (its matmul is work)
     idle_experts: int = 0  # routed experts' weights a token does not meet: all but its top_k in each MoE layer
     experts: tuple[int, ...] = ()  # each block's routed experts' weights (0 for a dense block), in order
-    moe_active: int = 0  # weights a token meets in the MoE layers (routers and its top_k experts): not split by TP
+    moe_active: int = 0  # weights a token meets in the MoE layers (routers and its top_k experts), any TP degree
 
     @property
     def root(self) -> int:
@@ -82,8 +82,8 @@ def _idle_expert_params(moe: MoE) -> int:
 
 def active_moe_params(module: torch.nn.Module) -> int:
     """Of the MoE layers in ``module``, the weights one token meets: each layer's router and
-    its top_k experts (the layer's weights less the experts it skips). Tensor parallelism holds
-    these whole on every rank and runs them on all of the data-parallel rank's tokens."""
+    its top_k experts (the layer's weights less the experts it skips). Tensor parallelism splits
+    their work by token: each TP rank routes its own slice of the sequence."""
     return sum(_numel(moe) - _idle_expert_params(moe) for moe in moe_layers(module))
 
 

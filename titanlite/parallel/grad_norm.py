@@ -23,9 +23,9 @@ def _copies(grad: torch.Tensor, stages: int) -> int:
     """How many ranks hold this rank's piece of ``grad``: every rank of its pipeline stage for
     a plain tensor, which nothing split (``stages`` pipeline stages each hold other
     parameters); for a DTensor, the sizes of the mesh dimensions it is replicated over, times
-    the copies of its whole mesh in the stage. A mesh may leave out some of the stage's
-    dimensions: the experts' under expert parallelism has no tp, and every TP rank of a
-    group holds the same expert pieces."""
+    the copies of its whole mesh in the stage, for a mesh that leaves out some of the stage's
+    dimensions (none does today: the experts' ep mesh takes all the tp ranks, and FSDP adds
+    the data-parallel ranks EP leaves)."""
     ranks_per_stage = dist.get_world_size() // stages if dist.is_initialized() else 1
     if not isinstance(grad, DTensor):
         return ranks_per_stage

@@ -1,13 +1,14 @@
 """MoE load balancing over the training loop's steps.
 
 After every optimizer step that was applied, each MoE layer's token counts (accumulated by
-the layer over the step's forwards) are summed over the data-parallel ranks, the ranks
-that routed different tokens; a tensor-parallel group routes the same tokens on each of its
-ranks and counts once. Under pipeline parallelism each stage sums its own layers over its
-own data-parallel group. The sums update the auxiliary-loss-free expert bias, and the
-counts start again from 0. Everything runs on the device: no value is read on the host.
-The step's load per layer (max / mean tokens per expert) and balancing losses stay on the
-device for the metrics, which read them at log steps only.
+the layer over the step's forwards) are summed over the ranks that routed different tokens:
+the data-parallel ranks, and the ranks of a tensor-parallel group, each of which routes its
+own slice of the sequence (moe_tensor_parallel.py). Under pipeline parallelism each stage
+sums its own layers over its own data-parallel and tensor-parallel groups. The sums update
+the auxiliary-loss-free expert bias, and the counts start again from 0. Everything runs on
+the device: no value is read on the host. The step's load per layer (max / mean tokens per
+expert) and balancing losses stay on the device for the metrics, which read them at log
+steps only.
 """
 
 import re
@@ -36,11 +37,15 @@ class ExpertLoadBalancer:
         self.block_indices = [int(_BLOCK_INDEX.search(name).group(1)) for name, _ in named]
         self.n_layers = n_layers
         dp_mesh = dims.dp_mesh(mesh)
-        # HSDP's and DDP's data-parallel mesh is 2-D: a sum over each dimension in turn is the
-        # sum over all its ranks.
-        self.dp_groups = [] if dp_mesh is None else [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
+        # The groups the counts are summed over, one after the other. HSDP's and DDP's
+        # data-parallel mesh is 2-D: a sum over each dimension in turn is the sum over all its
+        # ranks. Then tp: each TP rank routes its own slice of the sequence.
+        self.count_groups = [] if dp_mesh is None else [dp_mesh.get_group(dim) for dim in range(dp_mesh.ndim)]
+        tp_mesh = dims.tp_mesh(mesh)
+        self.count_groups += [] if tp_mesh is None else [tp_mesh.get_group()]
         # For the metrics' one sum over all ranks: every rank of a stage holds the same load
-        # values, and the ranks of a tensor-parallel group the same balancing losses.
+        # values, and the ranks of a tensor-parallel group the same balancing losses (each
+        # rank's the whole forward's: their terms are summed over tp, add_load_balancing_loss).
         self.ranks_per_stage, self.tp = dims.world_size // dims.pp, dims.tp
         self.losses_on = [coef > 0 for coef in moe_args.balance_loss_coefs]
         for layer in self.layers:
@@ -53,15 +58,15 @@ class ExpertLoadBalancer:
 
     @torch.no_grad()
     def after_step(self, optimizer: torch.optim.Optimizer, *_) -> None:
-        """Sum the counts over the data-parallel ranks, update the expert biases, keep the
-        step's load and balancing losses, and start the counts again. A fused optimizer runs
+        """Sum the counts over the data-parallel and TP ranks, update the expert biases, keep
+        the step's load and balancing losses, and start the counts again. A fused optimizer runs
         every step and skips a non-finite one on the device (its found_inf flag): so do the
         biases. Other kernels are not called on such a step (titanlite.nonfinite), and its
         counts join the next step's."""
         if not self.layers:
             return
         counts = torch.stack([layer.tokens_per_expert for layer in self.layers])  # [layers, experts]
-        for group in self.dp_groups:
+        for group in self.count_groups:
             dist.all_reduce(counts, group=group)
         skip = getattr(optimizer, "found_inf", None)
         for layer, layer_counts in zip(self.layers, counts.unbind(0), strict=True):

@@ -14,13 +14,17 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # outermost, so the slowest links carry the least traffic.
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
-# Expert parallelism's view of the mesh: the dp_shard dimension split into (efsdp, ep). The
-# ep ranks of one group are consecutive shard ranks (the inner dimension), so an all-to-all
-# stays within the ranks closest together; efsdp counts the groups, and FSDP shards the
-# experts over it (and replicates them over dp_replicate).
+# Expert parallelism's view of the mesh: the dp_shard dimension split into (efsdp, ep), or
+# under tensor parallelism into (efsdp, ep_shard). An ep group is the ep_shard consecutive
+# shard ranks of the inner dimension together with all the tp ranks of each (under TP every
+# TP rank routes its own slice of the sequence, so for the experts the TP ranks are ranks with
+# tokens of their own, like the shard ranks): ep = ep_shard x tp consecutive ranks, so an
+# all-to-all stays within the ranks closest together. efsdp counts the groups, and FSDP
+# shards the experts over it (and replicates them over dp_replicate).
 EXPERT_MESH_DIMS = ("efsdp", "ep")
+EXPERT_MESH_DIMS_UNDER_TP = ("efsdp", "ep_shard")
 
-# The attribute of a run's mesh that holds its expert view (see ParallelDims.build_mesh).
+# The attribute of a run's mesh that holds its expert view and ep mesh (see ParallelDims.build_mesh).
 _EXPERT_VIEW = "titanlite_expert_view"
 
 
@@ -41,7 +45,7 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
-    ep: int = 1  # expert parallelism: a split of the dp_shard ranks, not a dimension of its own
+    ep: int = 1  # expert parallelism: all the tp ranks and a split of the dp_shard ranks, not a dimension of its own
 
     @classmethod
     def resolve(
@@ -49,7 +53,7 @@ class ParallelDims:
     ) -> "ParallelDims":
         """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
         ValueError naming the key when the degrees do not multiply to the world size or the
-        expert-parallel degree does not divide the shard degree it borrows its ranks from."""
+        expert-parallel degree does not fit the TP and shard ranks it borrows (ep_problem)."""
         names = (
             "parallelism.data_parallel_replicate_degree",
             "parallelism.data_parallel_shard_degree",
@@ -73,12 +77,21 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        if dp_shard % ep != 0:
-            raise ValueError(
-                f"parallelism.expert_parallel_degree ({ep}) must divide {names[1]} ({dp_shard}): "
-                "expert parallelism borrows the FSDP ranks"
-            )
+        problem = ep_problem(ep, dp_shard, tp)
+        if problem is not None:
+            raise ValueError(problem)
         return cls(dp_replicate, dp_shard, world_size, tp, pp, ep)
+
+    @property
+    def ep_shard(self) -> int:
+        """The shard ranks each ep group takes (ep_shard_ranks)."""
+        return ep_shard_ranks(self.ep, self.tp)
+
+    @property
+    def expert_fsdp(self) -> int:
+        """The ranks FSDP shards each rank's experts over under expert parallelism (efsdp):
+        the shard ranks holding the same experts, dp_shard / ep_shard."""
+        return self.dp_shard // self.ep_shard
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -125,15 +138,19 @@ class ParallelDims:
         (dp_replicate, dp_shard, tp) mesh. None for a single process.
 
         With expert parallelism the mesh also carries its expert view: the same ranks with
-        dp_shard unflattened into (efsdp, ep) (DeviceMesh._unflatten). Everything that shards
-        or reads over dp_shard (FSDP of the dense parameters, the data loader's rank, the
-        collective timeouts) keeps using the mesh as it is; ep_mesh and expert_fsdp_mesh
-        slice the view. The view is made once, here, because unflattening creates the
-        efsdp and ep process groups on every call."""
+        dp_shard unflattened into (efsdp, ep) (DeviceMesh._unflatten), and the 1-D ep mesh;
+        under TP dp_shard is unflattened into (efsdp, ep_shard) and the ep mesh is the view's
+        (ep_shard, tp) flattened into one dimension (DeviceMesh._flatten). Everything that
+        shards or reads over dp_shard or tp (FSDP of the dense parameters, TP, the data
+        loader's rank, the collective timeouts) keeps using the mesh as it is; ep_mesh and
+        expert_fsdp_mesh read the view. Both are made once, here, because unflattening and
+        flattening create process groups on every call."""
         mesh = self._build_layout_mesh(device_type)
         if mesh is not None and self.ep > 1:
-            view = mesh._unflatten("dp_shard", (self.dp_shard // self.ep, self.ep), EXPERT_MESH_DIMS)
-            setattr(mesh, _EXPERT_VIEW, view)
+            names = EXPERT_MESH_DIMS_UNDER_TP if self.tp > 1 else EXPERT_MESH_DIMS
+            view = mesh._unflatten("dp_shard", (self.expert_fsdp, self.ep_shard), names)
+            ep_mesh = view["ep_shard", "tp"]._flatten("ep") if self.tp > 1 else view["ep"]
+            setattr(mesh, _EXPERT_VIEW, (view, ep_mesh))
         return mesh
 
     def _build_layout_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -172,7 +189,7 @@ class ParallelDims:
     def ep_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The 1-D expert-parallel group of ``mesh`` (this rank and the ranks holding the other
         experts of each MoE layer), or None without expert parallelism."""
-        return expert_view(mesh)["ep"] if mesh is not None and self.ep > 1 else None
+        return expert_view(mesh)[1] if mesh is not None and self.ep > 1 else None
 
     def expert_fsdp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """What FSDP shards (and replicates) the experts over under expert parallelism: the
@@ -182,7 +199,7 @@ class ParallelDims:
         same units and reductions (the replicas' all-reduce, the divide factor) as the rest."""
         if mesh is None or self.ep == 1:
             return None
-        view = expert_view(mesh)
+        view, _ = expert_view(mesh)
         return view["efsdp"] if self.dp_replicate == 1 else view["dp_replicate", "efsdp"]
 
     def tp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -207,9 +224,39 @@ class ParallelDims:
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)
 
 
-def expert_view(mesh: DeviceMesh) -> DeviceMesh:
-    """The expert view build_mesh keeps on a run's mesh under expert parallelism: its
-    dimensions with dp_shard split into (efsdp, ep)."""
+def ep_shard_ranks(ep: int, tp: int) -> int:
+    """The shard ranks each ep group takes: ep / tp, the rest of the group being the tp ranks
+    of each (1 without expert parallelism)."""
+    return ep // tp if ep > 1 else 1
+
+
+def ep_problem(ep: int, dp_shard: int, tp: int) -> str | None:
+    """Why ``ep`` ranks cannot hold the experts in this layout (one line naming the keys), or
+    None. An ep group takes all the tp ranks (each routes tokens of its own) and ep / tp of
+    the shard ranks, as torchtitan's expert parallelism borrows TP and FSDP ranks."""
+    key, shard_key, tp_key = (
+        "parallelism.expert_parallel_degree",
+        "parallelism.data_parallel_shard_degree",
+        "parallelism.tensor_parallel_degree",
+    )
+    if ep == 1:
+        return None
+    if tp == 1:
+        if dp_shard % ep == 0:
+            return None
+        return f"{key} ({ep}) must divide {shard_key} ({dp_shard}): expert parallelism borrows the FSDP ranks"
+    borrows = "expert parallelism borrows all the TP ranks, then FSDP ranks"
+    if ep % tp != 0:
+        return f"{key} ({ep}) must be a multiple of {tp_key} ({tp}): {borrows}"
+    if dp_shard % (ep // tp) != 0:
+        return f"{key} / {tp_key} ({ep // tp}) must divide {shard_key} ({dp_shard}): {borrows}"
+    return None
+
+
+def expert_view(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """(expert view, ep mesh) that build_mesh keeps on a run's mesh under expert parallelism:
+    its dimensions with dp_shard split into (efsdp, ep) or (efsdp, ep_shard), and the 1-D ep
+    mesh."""
     view = getattr(mesh, _EXPERT_VIEW, None)
     if view is None:
         raise ValueError("this mesh has no expert view: build it with ParallelDims.build_mesh and ep > 1")
@@ -217,11 +264,12 @@ def expert_view(mesh: DeviceMesh) -> DeviceMesh:
 
 
 def all_groups(mesh: DeviceMesh | None) -> list:
-    """Every process group of ``mesh``'s dimensions, and of its expert view's when it has one."""
+    """Every process group of ``mesh``'s dimensions, and of its expert view's and ep mesh's
+    when it has them."""
     if mesh is None:
         return []
-    view = getattr(mesh, _EXPERT_VIEW, None)
-    return [*mesh.get_all_groups(), *(view.get_all_groups() if view is not None else [])]
+    views = getattr(mesh, _EXPERT_VIEW, ())
+    return [*mesh.get_all_groups(), *(group for view in views for group in view.get_all_groups())]
 
 
 def _gloo_pipeline_group(device_type: str) -> dict | None:

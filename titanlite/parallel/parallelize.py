@@ -5,12 +5,13 @@ The order matters and is fixed:
   1. expert parallelism splits each mixture-of-experts layer's stacked experts over the
      ``ep`` ranks (DTensors, Shard(0)), with the all-to-alls that carry tokens to them. It
      comes first because it reads the experts' plain (meta) weights, before tensor
-     parallelism would make them Replicate DTensors on ``tp``; the ep ranks it exchanges
-     with share this rank's tp index;
+     parallelism would make them Replicate DTensors on ``tp``; its ep groups take all the
+     tp ranks (and some shard ranks);
   2. tensor parallelism turns each block's matrices into DTensors split over the mesh's
      ``tp`` dimension, with the collectives between them; everything after sees the
-     already-split block. It holds each MoE layer whole on every TP rank, and leaves
-     experts EP has split on their own mesh;
+     already-split block. Each MoE layer's router and experts it holds whole on every TP
+     rank, which routes its own slice of the sequence (moe_tensor_parallel.py), and it
+     leaves experts EP has split on their own mesh;
   3. activation checkpointing wraps each transformer block, so that
   4. torch.compile sees the checkpointed block and compiles recomputation (and TP's
      collectives) with it, and
@@ -34,7 +35,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -44,8 +44,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
-from titanlite.models.moe import GroupedExperts, MoE, moe_layers, swiglu_experts
+from titanlite.models.moe import MoE, moe_layers
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
+from titanlite.parallel.moe_tensor_parallel import moe_tensor_parallel_plan
 from titanlite.parallel.parallel_dims import ParallelDims
 
 # Ops whose outputs per-op selective checkpointing keeps: the matmuls (plain, grouped for
@@ -140,7 +141,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             "attention.wo": RowwiseParallel(output_layouts=stream),
         }
         if isinstance(block.feed_forward, MoE):
-            block_plan |= _whole_moe_plan(block.feed_forward, tp_mesh, stream)
+            block_plan |= moe_tensor_parallel_plan(block.feed_forward, tp_mesh, stream)
         else:
             block_plan |= {
                 "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
@@ -160,57 +161,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             replicate_over(block.attention_norm, tp_mesh)
             replicate_over(block.ffn_norm, tp_mesh)
         parallelize_module(block, tp_mesh, block_plan)
-
-
-# A mixture-of-experts feed-forward (titanlite/models/moe/) is not split: every TP rank
-# holds all of its weights and runs it on all of the block's tokens, the same work on every
-# rank. Its input is made whole first (with sequence parallelism, an all-gather of the
-# sequence, as for a dense feed-forward); its output, whole, is cut back to this rank's part
-# of the sequence, whose backward all-gathers the gradient. So every rank routes the same
-# tokens the same way and computes the same full gradient for the MoE's weights, which
-# therefore need no reduction over tp. (Routing only this rank's part of the sequence would
-# save the repeated work, but then each rank's gradient would be a partial sum over its
-# tokens and would have to be summed over tp.)
-# The weights are DTensors held whole on the tp mesh (Replicate), as the norms are (see
-# replicate_over), while the layer computes on their plain local tensors: its routing,
-# sorting and counting code, and the buffers it adds its token counts to, stay plain.
-# With expert parallelism (applied before, see parallelize_decoder) the experts are already
-# DTensors on the ep mesh and stay there: each TP rank sends its whole copy of the block's
-# tokens to the ep ranks of its own tp index and runs its experts on what they send, so the
-# TP ranks of a group again do the same work and get the same full expert gradient, which
-# FSDP then reduces over the data-parallel ranks holding the same experts, never over tp.
-
-
-def _whole_moe_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
-    """The block plan's entries for an MoE feed-forward held whole; its weights are made
-    Replicate DTensors on ``tp_mesh`` here. Experts already split by expert parallelism (not
-    a GroupedExperts) keep their own mesh."""
-    replicate_over(moe.gate, tp_mesh)
-    if isinstance(moe.experts, GroupedExperts):
-        distribute_module(moe.experts, tp_mesh)  # every parameter Replicate
-        # The same module, multiplying by the local tensors: its parameter names, and so the
-        # checkpoint's, and its init_weights stay as they are (FSDP swaps classes alike).
-        moe.experts.__class__ = _ExpertsOnLocalWeights
-    return {
-        "feed_forward": PrepareModuleInputOutput(
-            input_layouts=(stream,),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(stream,),
-            use_local_output=True,
-        )
-    }
-
-
-class _ExpertsOnLocalWeights(GroupedExperts):
-    """GroupedExperts whose stacked weights are DTensors held whole by every TP rank: it
-    multiplies by their local tensors, and each rank's gradient, computed from all the
-    tokens, is the whole gradient (placed Replicate)."""
-
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (weight.to_local(grad_placements=[Replicate()]) for weight in (self.w1, self.w2, self.w3))
-        return swiglu_experts(x, counts, w1, w2, w3, self.use_grouped_mm)
 
 
 class _WaitedCollective(torch.autograd.Function):
@@ -393,7 +343,7 @@ def parallelize_decoder(
 ) -> nn.Module:
     """Apply EP, TP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
     parallelism = job_config.parallelism
-    # 1. Expert parallelism over the ep ranks (a split of dp_shard's), every MoE layer.
+    # 1. Expert parallelism over the ep ranks (all of tp's and a split of dp_shard's), every MoE layer.
     ep_mesh = parallel_dims.ep_mesh(mesh)
     if ep_mesh is not None:
         for moe in moe_layers(model):

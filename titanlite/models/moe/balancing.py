@@ -18,13 +18,16 @@ really chosen, so with the expert bias on they follow the biased choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from titanlite.models.moe.args import MoEArgs
+
+# A differentiable sum over the ranks that share a forward's tokens (MoE.sum_over_token_ranks).
+RankSum = Callable[[torch.Tensor], torch.Tensor]
 
 if TYPE_CHECKING:
     from titanlite.models.moe.layer import MoE
@@ -113,26 +116,59 @@ def load_balancing_loss(stats: Sequence[RouterStats]) -> torch.Tensor:
     return tokens_per_expert.numel() * torch.sum(tokens_per_expert * mean_prob)
 
 
-def balance_losses(stats: Sequence[RouterStats], args: MoEArgs) -> torch.Tensor:
+def balance_losses(
+    stats: Sequence[RouterStats], args: MoEArgs, total: RankSum | None = None, ranks: int = 1
+) -> torch.Tensor:
     """The BALANCE_LOSSES of one forward's layers, [4]: the pooled loss, then the per-layer
-    ones summed over the layers; each 0 where ``args`` turns it off."""
+    ones summed over the layers; each 0 where ``args`` turns it off. ``total``: a sum over the
+    ``ranks`` ranks that each routed an equal share of the forward's tokens (tensor
+    parallelism's, MoE.sum_over_token_ranks), whose gradient passes through; then ``stats``
+    are this rank's share, and the losses are the whole forward's on every rank. None: the
+    stats are the whole forward's."""
+    z_losses = [router_z_loss(stat.logits) if args.z_loss_coef > 0 else None for stat in stats]
+    if total is not None:
+        stats, z_losses = _over_ranks(stats, z_losses, total, ranks)
     pooled = load_balancing_loss(stats) if args.router_aux_loss_coef > 0 else stats[0].prob_sums.new_zeros(())
-    per_layer = torch.stack([_layer_losses(stat, args) for stat in stats]).sum(dim=0)
-    return torch.cat([pooled.unsqueeze(0), per_layer])
+    per_layer = torch.stack([_layer_losses(stat, z, args) for stat, z in zip(stats, z_losses, strict=True)])
+    return torch.cat([pooled.unsqueeze(0), per_layer.sum(dim=0)])
 
 
-def _layer_losses(stat: RouterStats, args: MoEArgs) -> torch.Tensor:
-    """[load_balance, seq_balance, z] of one layer, each 0 where ``args`` turns it off."""
+def _summed_terms(stat: RouterStats) -> dict[str, torch.Tensor]:
+    """The fields of ``stat`` that add up over the tokens, and so over ranks routing
+    different ones (those its losses use)."""
+    fields = {"token_counts": stat.token_counts, "prob_sums": stat.prob_sums}
+    fields |= {"seq_counts": stat.seq_counts, "seq_prob_sums": stat.seq_prob_sums}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def _over_ranks(
+    stats: Sequence[RouterStats], z_losses: list[torch.Tensor | None], total: RankSum, ranks: int
+) -> tuple[list[RouterStats], list[torch.Tensor | None]]:
+    """Each layer's stats summed over the ranks (its sequences' too: every rank holds a slice
+    of each sequence) and its z-loss averaged over them (each rank's is a mean over as many
+    tokens), in one call of ``total`` for all the layers."""
+    terms = [_summed_terms(stat) for stat in stats]
+    pieces = [value for layer in terms for value in layer.values()] + [z for z in z_losses if z is not None]
+    sums = iter(total(torch.cat([piece.reshape(-1) for piece in pieces])).split([piece.numel() for piece in pieces]))
+    whole = []
+    for stat, layer in zip(stats, terms, strict=True):
+        summed = {name: next(sums).view_as(value) for name, value in layer.items()}
+        # The logits cannot be summed over ranks: their z-loss is averaged instead.
+        whole.append(replace(stat, n_tokens=stat.n_tokens * ranks, logits=None, **summed))
+    return whole, [None if z is None else next(sums).view(()) / ranks for z in z_losses]
+
+
+def _layer_losses(stat: RouterStats, z_loss: torch.Tensor | None, args: MoEArgs) -> torch.Tensor:
+    """[load_balance, seq_balance, z] of one layer (``z_loss``: its z-loss, None when off),
+    each 0 where ``args`` turns it off."""
     zero = stat.prob_sums.new_zeros(())
-    balance, sequence, z = zero, zero, zero
+    balance, sequence = zero, zero
     if args.load_balance_coef > 0:
         balance = layer_balance_loss(stat.token_counts, stat.prob_sums, stat.n_tokens, args.top_k)
     if args.seq_balance_coef > 0:
         seq_len = stat.n_tokens // stat.seq_counts.shape[0]
         sequence = sequence_balance_loss(stat.seq_counts, stat.seq_prob_sums, seq_len, args.top_k)
-    if args.z_loss_coef > 0:
-        z = router_z_loss(stat.logits)
-    return torch.stack([balance, sequence, z])
+    return torch.stack([balance, sequence, zero if z_loss is None else z_loss])
 
 
 class _AddLossGradient(torch.autograd.Function):
@@ -160,15 +196,18 @@ def add_load_balancing_loss(output: torch.Tensor, layers: Sequence[MoE]) -> torc
     forward's share of the step's tokens (aux_loss_step_tokens). The gradients reach the
     routers through the backward of ``output``; the losses themselves (without their
     coefficients) are added to the first layer's balance_loss_sums for the metrics. Every
-    layer's stats are used once and dropped."""
+    layer's stats are used once and dropped. Under tensor parallelism each rank's layers
+    routed their own slice of the forward's tokens: the losses are those of the whole forward
+    (balance_losses, one sum over the TP ranks), the same on every rank."""
     stats = [layer.last_router_stats for layer in layers if layer.last_router_stats is not None]
     for layer in layers:
         layer.last_router_stats = None
     if not stats or not layers[0].training or not torch.is_grad_enabled():
         return output
     first = layers[0]
-    share = stats[0].n_tokens / first.aux_loss_step_tokens if first.aux_loss_step_tokens else 1.0
-    losses = balance_losses(stats, first.args) * share
+    tokens = stats[0].n_tokens * first.token_ranks  # the forward's, over the ranks that share it
+    share = tokens / first.aux_loss_step_tokens if first.aux_loss_step_tokens else 1.0
+    losses = balance_losses(stats, first.args, first.sum_over_token_ranks, first.token_ranks) * share
     with torch.no_grad():
         first.balance_loss_sums += losses.detach()
     weighted = sum(coef * loss for coef, loss in zip(first.args.balance_loss_coefs, losses.unbind(), strict=True))

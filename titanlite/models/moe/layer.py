@@ -5,7 +5,7 @@ from torch import nn
 
 from titanlite.models.init import fill_trunc_normal_
 from titanlite.models.moe.args import BALANCE_LOSSES, MoEArgs
-from titanlite.models.moe.balancing import RouterStats, router_stats
+from titanlite.models.moe.balancing import RankSum, RouterStats, router_stats
 from titanlite.models.moe.experts import GroupedExperts, to_compute_dtype
 from titanlite.models.moe.router import RouterGate, Routing, count_tokens, route_logits
 
@@ -45,13 +45,19 @@ class MoE(nn.Module):
         # auxiliary loss weighs its tokens' share of them, so that the summed gradients are the
         # mean over the step's forwards. None: every forward weighs 1.
         self.aux_loss_step_tokens: int | None = None
+        # Set by tensor parallelism, whose ranks each route their own equal slice of a forward's
+        # tokens: how many ranks share them, and a sum over those ranks whose gradient passes
+        # through unchanged. The balancing losses' terms are summed so (add_load_balancing_loss),
+        # and every rank gets the losses of the whole forward, as one process does.
+        self.token_ranks = 1
+        self.sum_over_token_ranks: RankSum | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         bias = self.expert_bias if self.args.bias_update_rate > 0 else None
-        # The router is called as a module, not read as a weight, so that hooks on it act
-        # (tensor parallelism hands it a weight held whole on every rank, as a DTensor).
+        # The router is called as a module, not read as a weight, so that parallel code can
+        # change how it multiplies (tensor parallelism: by its weight's local tensor).
         logits = self.gate(tokens)
         routing = route_logits(logits, tokens.dtype, self.args, bias)
         counts = count_tokens(routing.experts, self.args.n_experts)

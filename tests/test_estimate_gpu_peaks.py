@@ -21,9 +21,12 @@ import torch
 from titanlite.config import parse_args
 from titanlite.estimate import estimate_memory
 from titanlite.estimate.compiled import compiled_block_saving, compiled_loss
+from titanlite.estimate.floor import step_floor_bytes
 from titanlite.loss import cross_entropy_sum
-from titanlite.models.llama import LlamaArgs
+from titanlite.models.llama import LlamaArgs, Transformer
 from titanlite.models.llama.model import TransformerBlock, rope_tables
+from titanlite.models.qwen3.model import Qwen3Block
+from titanlite.registry import get_model_args
 
 REPO = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -201,3 +204,24 @@ def test_the_cuda_attention_kernels_keep_what_the_cpu_simulation_counts(kernel):
     padding = 4 * batch * heads * (-seq % 32) if kernel == "efficient" else 0
     seed_and_offset = {"cudnn": 16, "flash": 24, "efficient": 16}[kernel]
     assert cuda_bytes == cpu_bytes + padding + seed_and_offset
+
+
+def test_the_block_terms_stay_where_they_were_measured():
+    """Qwen3's blocks (norms on q and k) and MoE blocks keep other tensors: no saving is
+    claimed for them, so the estimate keeps their eager figure."""
+    with torch.device("meta"):
+        qwen3 = Qwen3Block(0, get_model_args("qwen3", "debugmodel"))
+        llama = TransformerBlock(0, ARGS)
+    assert compiled_block_saving(qwen3, 1000) == 0
+    assert compiled_block_saving(llama, 1000) > 0
+
+
+def test_the_floor_counts_the_compiled_loss_buffer_instead_of_float32():
+    with torch.device("meta"):
+        model = Transformer(LlamaArgs(**{**vars(ARGS), "n_layers": 2}))
+    floors = [
+        step_floor_bytes(model, ARGS.vocab_size, 1, BATCH, SEQ, 2, cpu_offload=False, compiled_loss=compiled)
+        for compiled in (False, True)
+    ]
+    logits = BATCH * SEQ * ARGS.vocab_size
+    assert [floor["logits"] for floor in floors] == [logits * (2 + 4), logits * (2 + 2)]

@@ -30,8 +30,8 @@ compiled step's peak, block by block.
   for check1b's 8 checkpointed blocks).
 
 The block terms are counted only where they were measured: Llama blocks (attention and SwiGLU
-feed-forward as titanlite.models.llama defines them; the weight copies: any block's linear
-layers) under autocast without tensor parallelism. Under FSDP the parameters arrive in bf16
+feed-forward as titanlite.models.llama defines them) under autocast without tensor
+parallelism. Under FSDP the parameters arrive in bf16
 and the residual stream is bf16 too, so eager keeps other tensors; there, and for other
 blocks, the estimate keeps the eager blocks' figure, an over-estimate of a compiled step.
 """
@@ -83,16 +83,22 @@ def compiled_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return _CompiledCrossEntropy.apply(logits, labels)
 
 
-def compiled_block_saving(block: nn.Module, tokens: int) -> int:
-    """Bytes a compiled ``block`` run whole under autocast keeps less than eager for its
-    backward, for ``tokens`` tokens (the module docstring derives it); 0 for a block this was
-    not measured on, or one under activation checkpointing."""
-    measured_kind = (
+def _measured_kind(block: nn.Module) -> bool:
+    """Whether ``block`` (unwrapped from its checkpoint wrapper) is a block of the kind the
+    terms were measured on: titanlite.models.llama's, with its attention and SwiGLU."""
+    block = getattr(block, "_checkpoint_wrapped_module", block)
+    return (
         type(block) is TransformerBlock
         and type(block.attention) is Attention
         and type(block.feed_forward) is FeedForward
     )
-    if not measured_kind:
+
+
+def compiled_block_saving(block: nn.Module, tokens: int) -> int:
+    """Bytes a compiled ``block``, run whole under autocast, keeps less than eager for its
+    backward, for ``tokens`` tokens (the module docstring derives it); 0 for a block of
+    another kind."""
+    if not _measured_kind(block):
         return 0
     dim = block.attention.wq.in_features
     kv_dim = block.attention.wk.out_features
@@ -114,7 +120,8 @@ class HeldSavings:
         self._weight_copies = 0
         hooks = [(block, self._until_backward(saving)) for block, saving in whole]
         hooks += [(block, self._until_autocast_exits(copies)) for block, copies in checkpointed]
-        self._handles = [block.register_forward_hook(hook) for block, hook in hooks]
+        for block, hook in hooks:
+            block.register_forward_hook(hook)
 
     def _until_backward(self, saving: int):
         def after_forward(module, inputs, output):
@@ -140,24 +147,21 @@ class HeldSavings:
         self.bytes -= self._weight_copies
         self._weight_copies = 0
 
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-
 
 def held_savings(
     model: nn.Module, parts: CompiledParts, compute_dtype: str, parallel_dims, tokens: int
 ) -> HeldSavings | None:
-    """The savings of ``model``'s compiled blocks that activation checkpointing leaves whole,
-    each block seeing ``tokens`` tokens per call, where they were measured: compiled blocks
-    under autocast (no FSDP, which casts the parameters itself; a 16-bit ``compute_dtype``)
-    and no tensor parallelism (see the module docstring); None otherwise."""
+    """What ``model``'s compiled blocks keep less than eager ones (each block seeing ``tokens``
+    tokens per call), where it was measured: under autocast (no FSDP, which casts the
+    parameters itself; a 16-bit ``compute_dtype``), without tensor parallelism, for blocks
+    of the measured kind; None where nothing is. See the module docstring."""
     autocast = not parallel_dims.fsdp_applied and DTYPES[compute_dtype] != torch.float32
     layers = getattr(model, "layers", None)
     if not (parts.blocks and autocast and parallel_dims.tp == 1 and layers is not None):
         return None
-    whole = [block for block in layers.values() if not isinstance(block, CheckpointWrapper)]
-    checkpointed = [block for block in layers.values() if isinstance(block, CheckpointWrapper)]
+    measured = [block for block in layers.values() if _measured_kind(block)]
+    whole = [block for block in measured if not isinstance(block, CheckpointWrapper)]
+    checkpointed = [block for block in measured if isinstance(block, CheckpointWrapper)]
     copy_bytes = torch.empty((), dtype=DTYPES[compute_dtype]).element_size()
     return HeldSavings(
         [(block, compiled_block_saving(block, tokens)) for block in whole],

@@ -21,8 +21,9 @@ live there are grouped by the line of titanlite that allocated them and their si
 with torch.cuda's memory viz) for each run.
 
 Beside each run, `titanlite.estimate.estimate_memory` for the same config (fake tensors,
-in the parent process; `--no-estimate` skips it), and the measured / estimated ratio of the
-steady steps' largest allocated and reserved peaks.
+in the parent process; `--no-estimate` skips it): the measured / estimated ratio of the
+steady steps' largest allocated peak (against the estimate's peak) and reserved peak
+(against its reserved figure, the caching allocator's slack added).
 
 --cpu-dry-run runs every line on the CPU with the tiny model (seq 128, no compile), except
 the lines marked "# cuda-only" (gpu_check.CUDA_ONLY); its numbers mean nothing.
@@ -206,20 +207,29 @@ def estimate(sizes: gpu_check.Sizes) -> dict:
 
     with tempfile.TemporaryDirectory() as dump:
         found = estimate_memory(parse_args(trainer_argv(sizes, dump)), 1, device_type="cuda")
-    return {"peak": found.peak_bytes, "parts": {name: value for name, value in found.peak.items()}}
+    return {
+        "peak": found.peak_bytes,
+        "reserved": found.reserved_bytes,
+        "parts": {name: value for name, value in found.peak.items()},
+    }
+
+
+def _against(measured: int, predicted: int | None) -> str:
+    """The measured figure over the estimate and their ratio, in GiB (the measured one alone
+    without an estimate: --no-estimate)."""
+    estimate = f" / {predicted / GIB:.2f} = {measured / predicted:.2f}" if predicted else " / n/a"
+    return f"{measured / GIB:.2f}{estimate}"
 
 
 def report(results: list[dict]) -> None:
-    print("| mode | seq | allocated GiB | reserved GiB | fragmentation GiB | estimate GiB | allocated / est | MFU % |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| mode | seq | allocated / estimate GiB | reserved / estimate GiB | fragmentation GiB | MFU % |")
+    print("|---|---|---|---|---|---|")
     for r in results:
-        peak, predicted = r["peak"], (r.get("estimate") or {}).get("peak")
-        ratio = f"{peak['allocated'] / predicted:.2f}" if predicted else "n/a"
-        est = f"{predicted / GIB:.2f}" if predicted else "n/a"
+        peak, predicted = r["peak"], r.get("estimate") or {}
         mfu = f"{r['mfu']:.1f}" if r["mfu"] is not None else "n/a"
         print(
-            f"| {r['mode']} | {r['seq_len']} | {peak['allocated'] / GIB:.2f} | {peak['reserved'] / GIB:.2f} | "
-            f"{peak['inactive_split'] / GIB:.2f} | {est} | {ratio} | {mfu} |"
+            f"| {r['mode']} | {r['seq_len']} | {_against(peak['allocated'], predicted.get('peak'))} | "
+            f"{_against(peak['reserved'], predicted.get('reserved'))} | {peak['inactive_split'] / GIB:.2f} | {mfu} |"
         )
     for r in results:
         phases = ", ".join(f"{k[6:-4]} {v:.2f}" for k, v in r["steps"][-1].items() if k.startswith("after_"))

@@ -74,7 +74,7 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--reserve_gib",
         type=float,
         default=2.0,
-        help="memory kept aside for the CUDA context, NCCL and fragmentation (default 2)",
+        help="memory kept aside for the CUDA context, library workspaces and NCCL (default 2)",
     )
     parser.add_argument(
         "--sweep", action="store_true", help="FSDP and HSDP with each TP degree at 8, 64, 512 and 4096 GPUs"
@@ -174,7 +174,8 @@ def _report(result: dict, describe_model: str) -> str:
             if name != "total":
                 lines.append(f"  {name.replace('_', ' '):<44} {value / GIB:8.2f}")
         verdict = "fits" if memory["fits"] else "DOES NOT FIT"
-        lines.append(f"  {'peak':<44} {memory['peak_bytes'] / GIB:8.2f}")
+        lines.append(f"  {'peak (allocated)':<44} {memory['peak_bytes'] / GIB:8.2f}")
+        lines.append(f"  {'reserved by the caching allocator at the peak':<44} {memory['reserved_bytes'] / GIB:8.2f}")
         lines.append(
             f"  {verdict} in {memory['device_bytes'] / GIB:.0f} GiB keeping {memory['reserve_bytes'] / GIB:.1f} "
             f"aside: headroom {memory['headroom_bytes'] / GIB:.2f} GiB"

@@ -11,8 +11,8 @@ asynchronous checkpoints on other steps. One run covers the cases:
 - steps 2, 3 and 5 (after a log line, before a validation, after one): no sync, and the
   mode saw each feature's operators; step 5 is non-finite, skipped without the host
   knowing (it learns at the save point of step 6);
-- step 7, right after an asynchronous save, with the EMA's update of old (a 0-d tensor
-  weight passed to _foreach_lerp_): the mode counts its one sync, so the count can fail.
+- step 7, right after an asynchronous save, with an EMA update of old (a 0-d tensor weight
+  passed to _foreach_lerp_): the mode counts its one sync, so the count can fail.
 """
 
 import logging
@@ -65,15 +65,21 @@ FEATURE_OPS = {
     "the global gradient norm": "aten._foreach_norm",
     "clipping": "aten._foreach_mul_",
     "fused AdamW": "aten._fused_adamw_",
-    "the EMA": "aten._foreach_lerp_",
+    "the EMA": "aten._fused_sgd_",
     "the non-finite flag": "aten.bitwise_not",
 }
+
+
+def local_lists(ema) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The EMA's local averages and weights, in the order of its state dict."""
+    averages = [average.to_local() for average in ema.averages.values()]
+    return averages, [ema.weights[name].to_local() for name in ema.averages]
 
 
 def old_ema_update(ema, skip):
     """The EMA's update before it kept its weight on the device: a sync inside C++."""
     weight = (~skip).to(torch.float32) * (1.0 - ema.decay)
-    torch._foreach_lerp_(ema._average_list, ema._weight_list, weight)
+    torch._foreach_lerp_(*local_lists(ema), weight)
 
 
 def local_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -99,7 +105,7 @@ def quiet_steps_report(dump: str) -> dict:
         def run(*args):
             step = step_of()
             if method.__name__ == "_one_step" and step in (3, 4, NAN_STEP, NAN_STEP + 1):
-                snapshots[step] = local_copies(trainer.ema._average_list), local_copies(trainer.ema._weight_list)
+                snapshots[step] = tuple(map(local_copies, local_lists(trainer.ema)))
             if step not in modes:
                 return method(*args)
             if step == PLANTED_STEP:
@@ -167,7 +173,7 @@ PP_FEATURE_OPS = {
     "FSDP's all-gathers": "fsdp.all_gather_copy_in",
     "the global gradient norm": "aten._foreach_norm",
     "fused AdamW": "aten._fused_adamw_",
-    "the EMA": "aten._foreach_lerp_",
+    "the EMA": "aten._fused_sgd_",
 }
 
 

@@ -1,6 +1,7 @@
 """The warmup-stable-decay schedule, the optimizer options and the weight average's update."""
 
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -95,19 +96,24 @@ def move_weights(model: torch.nn.Module) -> None:
 
 
 @pytest.mark.parametrize("decay", [0.3, 0.5, 0.9, 0.9999])  # both of lerp's formulas (weight below and above 0.5)
-def test_ema_update_is_the_lerp_by_a_number_without_a_host_sync(decay):
+def test_ema_update_is_one_fused_step_without_a_host_sync(decay):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.LayerNorm(48), torch.nn.Linear(48, 3))
     ema = EMA(model, decay)
     move_weights(model)
+    weights = [weight.clone() for weight in ema.weights.values()]
     expected = [average.clone() for average in ema.state_dict().values()]
-    torch._foreach_lerp_(expected, list(ema.weights.values()), 1.0 - decay)  # the Python-number overload
+    torch._foreach_lerp_(expected, weights, 1.0 - decay)  # the Python-number overload
     with HostSyncs() as syncs:
         ema.update(skip=torch.tensor(False))
     assert syncs.syncs == {}, syncs.report()
-    assert syncs.other_ops["aten._foreach_lerp_"] == 1
+    assert syncs.other_ops["aten._fused_sgd_"] == 1
     for average, want in zip(ema.state_dict().values(), expected, strict=True):
-        assert torch.equal(average, want)  # bit for bit
+        if decay > 0.5:  # a lerp weight below 0.5, lerp's formula average + w (weight - average)
+            assert torch.equal(average, want)  # bit for bit on the CPU
+        else:  # lerp computes weight - (weight - average)(1 - w) then: the same within a rounding
+            assert torch.allclose(average, want, rtol=2**-23, atol=2**-23)
+    assert all(torch.equal(weight, now) for weight, now in zip(weights, ema.weights.values(), strict=True))
     # A skipped step leaves the average alone, still without reading the flag.
     before = [average.clone() for average in ema.state_dict().values()]
     move_weights(model)
@@ -116,6 +122,26 @@ def test_ema_update_is_the_lerp_by_a_number_without_a_host_sync(decay):
     assert syncs.syncs == {}, syncs.report()
     for average, want in zip(ema.state_dict().values(), before, strict=True):
         assert torch.equal(average, want)
+
+
+def test_ema_update_makes_as_many_calls_for_any_number_of_tensors():
+    """The update is one multi-tensor call per device and dtype: a model with ten times the
+    tensors makes the same operator calls (on CUDA, one launch per chunk of tensors instead
+    of one per tensor)."""
+
+    def calls(layers: int) -> Counter:
+        model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(layers)))
+        model.append(torch.nn.Linear(4, 4).to(torch.float64))  # a second dtype: a second group
+        ema = EMA(model, 0.9)
+        with HostSyncs() as mode:
+            ema.update(skip=torch.tensor(False))
+        assert mode.syncs == {}, mode.report()
+        return mode.other_ops
+
+    few, many = calls(2), calls(20)
+    assert len(EMA(torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(20))), 0.9).averages) == 40
+    assert few == many
+    assert few["aten._fused_sgd_"] == 2  # float32 and float64
 
 
 # --- resuming under a changed config -------------------------------------------------------

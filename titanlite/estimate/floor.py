@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.estimate.compiled import CompiledParts
 from titanlite.models.moe import MoE
 from titanlite.parallel.parallel_dims import MESH_DIMS, ep_shard_ranks
 from titanlite.parallel.pipeline import prune_to_stage
@@ -138,12 +139,15 @@ def step_floor_bytes(
     tp: int = 1,
     loss_parallel: bool = True,
     ep: int = 1,
+    compiled_loss: bool = False,
 ) -> dict[str, int]:
     """What one rank surely holds at once during a step, by arithmetic on Python ints (no
     tensor is made, so any batch size is safe to ask about): the sharded weights and Adam
     state (unless offloaded), and the logits in the compute dtype beside the float32
-    log-probabilities the loss keeps for backward. The real peak is higher (activations,
-    gradients, all-gathered units); scripts/estimate.py simulates it.
+    log-probabilities the loss keeps for backward, or with ``compiled_loss`` beside the one
+    buffer of the logits' size and dtype the compiled loss keeps instead
+    (titanlite.estimate.compiled). The real peak is higher (activations, gradients,
+    all-gathered units); scripts/estimate.py simulates it.
 
     With tensor parallelism over ``tp`` ranks the model (unsharded: nothing in it says which
     parameters TP splits) is taken as split ``tp`` ways on top of the FSDP shards. For a matrix
@@ -155,13 +159,14 @@ def step_floor_bytes(
     about 1 / (shards x tp) of them in all. Under loss parallel each rank holds its vocabulary
     slice of the logits, else all of them.
     """
+    loss_bytes = compute_bytes if compiled_loss else 4  # per logit, beside the logits
     dense = exact_model_state_bytes(model, shards, kind="dense")
     experts = exact_model_state_bytes(model, shards, ep=ep, kind="experts", tp=tp)
     vocab_per_rank = math.ceil(vocab_size / tp) if loss_parallel else vocab_size
     weights = (dense.parameters + dense.optimizer_state) // tp + experts.parameters + experts.optimizer_state
     return {
         "weights and Adam state": 0 if cpu_offload else weights,
-        "logits": local_batch_size * seq_len * vocab_per_rank * (compute_bytes + 4),
+        "logits": local_batch_size * seq_len * vocab_per_rank * (compute_bytes + loss_bytes),
     }
 
 
@@ -202,6 +207,7 @@ def _floors(
             parallel_dims.tp,
             loss_parallel=not job_config.parallelism.disable_loss_parallel,
             ep=parallel_dims.ep,
+            compiled_loss=CompiledParts.of(job_config).loss,
         )
 
     pipeline = plan.pipeline

@@ -43,14 +43,14 @@ during forward and backward; a first step alone would miss it.
 
 Choices to know about:
 
-* Compile is forced off: compiling would cost minutes, and compiled blocks change only how
-  much scratch memory fused kernels need (usually less), not the resident state; the
-  estimate is for eager execution and so errs on the high side.
-* The mesh and the fake tensors are CPU ones whatever ``device_type`` says (it is only
-  recorded): this process needs no accelerator, and byte counts do not depend on the
-  device. Not counted: the CUDA caching allocator's rounding of each block to 512 bytes
-  and its fragmentation, the CUDA context and library workspaces (which are not tensors),
-  and NCCL buffers. ``fits`` takes a reserve for these.
+* Compile: the step runs eagerly (compiling would cost minutes), with what the compiled
+  loss allocates in place of the eager loss and what compiled blocks keep less taken off,
+  where that was measured (titanlite.estimate.compiled).
+* The mesh and the fake tensors are CPU ones whatever ``device_type`` says: this process
+  needs no accelerator, and byte counts do not depend on the device. On "cuda" the
+  caching allocator's reserve is added for ``reserved_bytes`` (ALLOCATOR_SLACK), which
+  ``fits`` compares with the device; not counted: the CUDA context and library workspaces
+  (which are not tensors) and NCCL buffers, for which ``fits`` keeps a reserve aside.
 * With gradient accumulation the last micro-batch is measured, with the earlier ones'
   gradients resident (as unpadded shards: a few rows per parameter less than FSDP's).
 * With CPU offload the sharded parameters, gradients and optimizer state are taken out
@@ -74,11 +74,30 @@ from titanlite.estimate.simulation import (
     fake_process_group,
     simulate,
     stage_ends,
-    without_compile,
     without_converters,
 )
 from titanlite.estimate.tracker import CATEGORIES
 from titanlite.plan import plan_run, tokenizer_for_estimate
+
+# The CUDA caching allocator reserves more than the tensors hold. Memory a block held stays
+# cached when the block is freed, and a later request the cached blocks cannot serve whole
+# is carved out of a larger one or gets a new segment; the pieces left over (inactive split
+# blocks) are reserved but not allocated. Only what a step allocates and frees (activations
+# and temporaries) is carved so; the state allocated once (weights, optimizer state, EMA) is
+# not. Measured on an H200 (docs/performance.md, "GPU memory against the estimator"), the
+# reserved peak exceeded the allocated one by 0.08 to 0.19 of the step's activations and
+# temporaries at the peak, the eager and compiled 1 B steps at seq 4096 and 8192; the
+# estimate takes the most, rounded up.
+ALLOCATOR_SLACK = 0.2
+
+
+def reserved_bytes(peak: dict[str, int], device_type: str) -> int:
+    """What the CUDA caching allocator reserves at a step's peak ``peak`` (CATEGORIES and
+    "total", the tensors' bytes): the tensors plus ALLOCATOR_SLACK of the step's own; on a
+    device without that allocator the tensors alone."""
+    if device_type != "cuda":
+        return peak["total"]
+    return peak["total"] + int(ALLOCATOR_SLACK * (peak["activations"] + peak["temporary"]))
 
 
 class EstimateError(RuntimeError):
@@ -141,7 +160,14 @@ class MemoryEstimate:
 
     @property
     def peak_bytes(self) -> int:
+        """The most the step's tensors hold at once (the allocator's allocated peak)."""
         return self.peak["total"]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the caching allocator reserves at that peak (see ALLOCATOR_SLACK): what the
+        device must have free."""
+        return reserved_bytes(self.peak, self.device_type)
 
     @property
     def worst_stage(self) -> StageMemory | None:
@@ -156,7 +182,7 @@ class MemoryEstimate:
         out = [
             f"memory per rank ({self.strategy}, {self.world_size} rank(s), {self.dp_shard} shard(s) x tp {self.tp}, "
             f"batch {self.local_batch_size} x {self.seq_len}, {self.num_params / 1e9:.2f} B params): "
-            f"peak {self.peak_bytes / gib:.2f} GiB{where}",
+            f"peak {self.peak_bytes / gib:.2f} GiB{where}, {self.reserved_bytes / gib:.2f} GiB reserved",
         ]
         for name in CATEGORIES:
             out.append(f"  {name:<16} {self.peak[name] / gib:8.2f} GiB at the peak")
@@ -172,10 +198,11 @@ class MemoryEstimate:
 
 
 def fits(estimate: MemoryEstimate, memory_bytes: int, reserve_bytes: int = 0) -> tuple[bool, int]:
-    """Whether the step fits in ``memory_bytes`` per rank, keeping ``reserve_bytes`` aside for
-    what is not tensors (CUDA context, allocator fragmentation). Returns (fits, headroom);
-    a negative headroom is how much is missing."""
-    headroom = memory_bytes - reserve_bytes - estimate.peak_bytes
+    """Whether the step fits in ``memory_bytes`` per rank: the caching allocator's reserved
+    figure (the tensors and what the allocator keeps cached beside them), with
+    ``reserve_bytes`` aside for what is no tensor (the CUDA context, library workspaces,
+    NCCL's buffers). Returns (fits, headroom); a negative headroom is how much is missing."""
+    headroom = memory_bytes - reserve_bytes - estimate.reserved_bytes
     return headroom >= 0, headroom
 
 
@@ -199,8 +226,10 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
     start = time.perf_counter()
     notes = []
     if job_config.compile.enable:
-        notes.append("compile is forced off in the estimate; compiled blocks may need a little less scratch memory")
-        job_config = without_compile(job_config)
+        notes.append(
+            "compile: the step is simulated eagerly, with the compiled loss's and blocks' memory "
+            "in place of theirs where measured (titanlite.estimate.compiled)"
+        )
     if job_config.model.converters:
         notes.append(FLOAT8_MEMORY_NOTE)
         job_config = without_converters(job_config)

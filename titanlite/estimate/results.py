@@ -58,6 +58,7 @@ def floor_only_memory(result: dict, hardware: Hardware, reserve_bytes: int) -> d
     floor_bytes = result["memory_floor"]["bytes"]
     return {
         "peak_bytes": floor_bytes,
+        "reserved_bytes": floor_bytes,
         "floor_only": True,
         "device_bytes": hardware.memory_bytes,
         "reserve_bytes": reserve_bytes,
@@ -67,11 +68,13 @@ def floor_only_memory(result: dict, hardware: Hardware, reserve_bytes: int) -> d
 
 
 def memory_result(memory: MemoryEstimate, hardware: Hardware, reserve_bytes: int) -> dict:
-    """The "memory" of a simulated layout: the peak and its breakdown, the sharded state, and
-    whether it fits beside ``reserve_bytes`` (per pp rank too under pipeline parallelism)."""
+    """The "memory" of a simulated layout: the peak and its breakdown, what the caching
+    allocator reserves at it, the sharded state, and whether the reserved figure fits beside
+    ``reserve_bytes`` (per pp rank too under pipeline parallelism)."""
     fit, headroom = fits(memory, hardware.memory_bytes, reserve_bytes)
     result = {
         "peak_bytes": memory.peak_bytes,
+        "reserved_bytes": memory.reserved_bytes,
         "by_category_at_peak": memory.peak,
         "largest_activations": memory.activations,
         "parameters": memory.exact.parameters,

@@ -19,8 +19,17 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.estimate.compiled import CompiledParts, compiled_loss, held_savings
 from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_bytes, unsharded_stage_bytes
-from titanlite.estimate.tracker import CATEGORIES, fold_step, prime_optimizer, tracked_stage_step, tracked_step
+from titanlite.estimate.tracker import (
+    CATEGORIES,
+    Compiled,
+    fold_step,
+    prime_optimizer,
+    tracked_stage_step,
+    tracked_step,
+)
+from titanlite.loss import cross_entropy_sum
 from titanlite.metrics.flops import param_counts
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
@@ -132,6 +141,8 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
     for a stage two of its micro-batches (one without the pipeline's per-micro-batch
     settings' effects would miss the gathered parameters and unreduced gradients they keep)."""
     training, parallel_dims = job_config.training, plan.parallel_dims
+    compiled_parts = CompiledParts.of(job_config)  # the step runs eagerly, with stand-ins for them
+    job_config = without_compile(job_config)
     ep, ep_plan = parallel_dims.ep, plan
     if ep > 1:  # simulated without EP, then corrected by arithmetic (expert_parallel_bytes)
         job_config, plan = (
@@ -148,14 +159,19 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
         ema_bytes = _ema_bytes(model, job_config)
         context = compute_context(parallel_dims, training.mixed_precision_param, "cpu")
         losses = partial(loss_context, parallel_dims, job_config)
+        microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
+        sequences = training.local_batch_size if stage_modules is None else microbatch
+        compiled = _stand_ins(model, job_config, compiled_parts, parallel_dims, sequences * training.seq_len)
         if stage_modules is None:
             batch = _fake_batch(plan, training.local_batch_size, training.seq_len, has_first=True, has_last=True)
-            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
+            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses, compiled)
         else:
             microbatches = [
                 _stage_batch(job_config, plan, stage_modules) for _ in range(min(2, plan.pipeline.microbatches))
             ]
-            step = tracked_stage_step(model, optimizer, microbatches, global_tokens, training.max_norm, context, losses)
+            step = tracked_stage_step(
+                model, optimizer, microbatches, global_tokens, training.max_norm, context, losses, compiled
+            )
     # The gradients as the step leaves them, in their parameters' layout. The tracker's own
     # figure is their peak, which under TP alone holds the vocabulary-split embedding's
     # gradient whole (DTensor's embedding backward has no vocabulary-split rule) until
@@ -173,6 +189,14 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
         changes = expert_parallel_bytes(ep_plan, job_config, model, stage_modules)
         _add_expert_parallelism(peak, exact, state(), changes)
     return Simulated(peak, activations, step.held_activations, measured, exact, num_params, ema_bytes)
+
+
+def _stand_ins(model: nn.Module, job_config: JobConfig, parts: CompiledParts, parallel_dims, tokens: int) -> Compiled:
+    """What the eagerly simulated step runs or counts in place of the run's compiled parts
+    (titanlite.estimate.compiled): the compiled loss's allocations, the compiled blocks'
+    savings."""
+    savings = held_savings(model, parts, job_config.training.mixed_precision_param, parallel_dims, tokens)
+    return Compiled(loss_fn=compiled_loss if parts.loss else cross_entropy_sum, savings=savings)
 
 
 def _add_expert_parallelism(

@@ -15,7 +15,7 @@ _COLUMNS = (
     ("sched", 6, False),
     ("batch", 5, True),
     ("bubble", 6, True),
-    ("peak GiB", 8, True),
+    ("rsvd GiB", 8, True),
     ("fits", 4, False),
     ("step ms", 7, True),
     ("TP ms", 6, True),
@@ -49,12 +49,13 @@ def fits(result: dict) -> bool | None:
 
 
 def _fit_cell(result: dict) -> tuple[str, str]:
-    """(peak GiB, fits) cells of a row."""
+    """(reserved GiB, fits) cells of a row: the figure the fit was decided on, what the
+    caching allocator reserves at the peak (a floor-only row: at least its floor)."""
     memory = result.get("memory")
     if memory is not None and memory.get("floor_only"):
         return f">{memory['peak_bytes'] / GIB:.1f}", "NO f"
     if memory is not None:
-        return f"{memory['peak_bytes'] / GIB:.2f}", "yes" if memory["fits"] else "NO"
+        return f"{memory.get('reserved_bytes', memory['peak_bytes']) / GIB:.2f}", "yes" if memory["fits"] else "NO"
     return "-", "- w" if result.get("not_simulated") == "faster_fits" else "- s"
 
 
@@ -112,6 +113,7 @@ def _legend(results: list[dict]) -> list[str]:
         "layout: pp x replicas x shards x TP degree",
         "batch: sequences per data-parallel rank",
         "bound: compute- or communication-bound",
+        "rsvd GiB: what the caching allocator reserves at the simulated peak, what fits compares with the GPU",
         "fits: yes / NO as simulated",
         *(f"{code}: {meaning}" for code, meaning in _FIT_CODES.items() if code in fit_codes),
         *(f"{schedule_code(name)}: {name}" for name in sorted(schedules) if schedule_code(name) != name),

@@ -9,6 +9,7 @@ step); those are never allocated, so the trackers here ignore them.
 import contextlib
 import copy
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from titanlite.estimate.floor import ModelStateBytes
 from titanlite.loss import cross_entropy_sum
 from titanlite.parallel import clip_grad_norm_
 
+ACTIVATION = "Activation"  # the tracker's name for what forward makes and keeps
 # The tracker's category names (FSDPMemTracker's, then the plain MemTracker's used for a
 # single process) folded into the figures this module reports.
 _CATEGORY = {
@@ -31,7 +33,7 @@ _CATEGORY = {
     "Gradient": "gradients",
     "OptState": "optimizer_state",
     "Optstate": "optimizer_state",
-    "Activation": "activations",
+    ACTIVATION: "activations",
     "Unsharded Param": "temporary",
     "Unsharded Grad": "temporary",
     "All Gather": "temporary",
@@ -54,6 +56,16 @@ def _snapshot_totals(snapshot: dict) -> dict[str, int]:
     return totals
 
 
+def _less_activations(device_snapshot: dict, saving: int) -> dict:
+    """A copy of one device's tracker snapshot with ``saving`` bytes fewer activations."""
+    snapshot = copy.deepcopy(device_snapshot)
+    if saving:
+        kind = next(kind for kind in snapshot if getattr(kind, "value", kind) == ACTIVATION)
+        snapshot[kind] -= saving
+        snapshot[_TOTAL_KEY] -= saving
+    return snapshot
+
+
 def _category_sum(totals: dict[str, int], category: str) -> int:
     """Bytes of the tracker's categories that fold into one of CATEGORIES."""
     return sum(nbytes for name, nbytes in totals.items() if _CATEGORY.get(name) == category)
@@ -66,17 +78,22 @@ class _CategoryPeaks:
     def _setup_extras(self) -> None:
         self.category_peaks: dict[str, int] = {}
         self._inferring_shapes = 0
+        # What the eager step holds that the compiled one would not (estimate.compiled):
+        # taken off the activations at every moment, so the peak is the compiled step's.
+        self.compiled_savings = None
 
     def _update_peak_stats(self, peak_state) -> None:
         # Only the step's peak and each category's: the tracker's own method also walks every
         # tracked module at every operator for per-module peaks, which nothing here reads and
         # which took about half of a 70B model's simulation.
+        saving = self.compiled_savings.bytes if self.compiled_savings is not None else 0
         for device, snapshot in self._curr_mem_snap.items():
-            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
-                self._peak_mem[device] = snapshot[_TOTAL_KEY]
-                self._peak_mem_snap[device] = copy.deepcopy(snapshot)
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY] - saving:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY] - saving
+                self._peak_mem_snap[device] = _less_activations(snapshot, saving)
         for name, nbytes in _snapshot_totals(self._curr_mem_snap).items():
-            self.category_peaks[name] = max(self.category_peaks.get(name, 0), nbytes)
+            held = nbytes - saving if name == ACTIVATION else nbytes
+            self.category_peaks[name] = max(self.category_peaks.get(name, 0), held)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._inferring_shapes:
@@ -165,13 +182,31 @@ def _without_garbage_collection():
         gc.enable()
 
 
+@dataclass
+class Compiled:
+    """What the simulated step runs in place of the compiled parts (titanlite.estimate.compiled):
+    the loss function, and the blocks' savings to take off the eager step's activations (an
+    object whose ``bytes`` say how many at each moment, or None)."""
+
+    loss_fn: Callable = cross_entropy_sum
+    savings: object = None
+
+    def context_exited(self) -> None:
+        if self.savings is not None:
+            self.savings.compute_context_exited()
+
+
+EAGER = Compiled()  # nothing compiled: the step as it runs eagerly
+
+
 @contextlib.contextmanager
-def _tracking(model, optimizer, inputs):
+def _tracking(model, optimizer, inputs, savings=None):
     """The memory tracker over ``model`` and ``optimizer`` (``inputs`` filed as inputs), with
     the shape-inference tensors ignored and the garbage collector off; yields (tracker, the
     snapshot taken as tracking starts)."""
     tracker_cls = _FSDPTracker if isinstance(model, FSDPModule) else _PlainTracker
     tracker = tracker_cls(model, optimizer)
+    tracker.compiled_savings = savings
     if isinstance(tracker, FSDPMemTracker):
         tracker.track_inputs(inputs)
     with tracker.ignoring_shape_inference(), tracker, _without_garbage_collection():
@@ -193,31 +228,48 @@ def _figures(tracker, at_start: dict[str, int], held_activations: int | None = N
 
 
 def _activations_now(tracker, at_start: dict[str, int]) -> int:
-    """Activation bytes the tracker holds now, above those at the step's start."""
+    """Activation bytes the tracker holds now, above those at the step's start (less what
+    compiled blocks would not hold)."""
     now = _snapshot_totals(tracker.get_tracker_snapshot())
-    return _category_sum(now, "activations") - _category_sum(at_start, "activations")
+    saving = tracker.compiled_savings.bytes if tracker.compiled_savings is not None else 0
+    return _category_sum(now, "activations") - _category_sum(at_start, "activations") - saving
 
 
 def tracked_step(
-    model, optimizer, batch, global_tokens: int, max_norm: float, context, loss_context=contextlib.nullcontext
+    model,
+    optimizer,
+    batch,
+    global_tokens: int,
+    max_norm: float,
+    context,
+    loss_context=contextlib.nullcontext,
+    compiled: Compiled = EAGER,
 ) -> StepMemory:
     """One training step as the trainer runs it, under the memory tracker. ``context`` is the
     compute context (autocast or none), ``loss_context()`` what the loss and its backward run
-    under (loss parallel under TP). The gradients are left in place so that the caller can
-    look at them."""
+    under (loss parallel under TP), ``compiled`` what stands in for compiled parts. The
+    gradients are left in place so that the caller can look at them."""
     inputs, labels = batch
-    with _tracking(model, optimizer, batch) as (tracker, at_start):
+    with _tracking(model, optimizer, batch, compiled.savings) as (tracker, at_start):
         with loss_context():
             with context:
                 logits = model(inputs)
-                loss = cross_entropy_sum(logits, labels) / global_tokens
+                loss = compiled.loss_fn(logits, labels) / global_tokens
+            compiled.context_exited()
             del logits
             loss.backward()
         return _finish(tracker, at_start, model, optimizer, max_norm)
 
 
 def tracked_stage_step(
-    model, optimizer, microbatches, global_tokens: int, max_norm: float, context, loss_context=contextlib.nullcontext
+    model,
+    optimizer,
+    microbatches,
+    global_tokens: int,
+    max_norm: float,
+    context,
+    loss_context=contextlib.nullcontext,
+    compiled: Compiled = EAGER,
 ) -> StepMemory:
     """One pipeline stage's step under the memory tracker: ``microbatches`` is a list of
     (inputs, labels), the inputs tokens for the first stage and the previous stage's output
@@ -228,7 +280,7 @@ def tracked_stage_step(
     reduces (the schedule reduces after the last backward). Also records what the first
     micro-batch holds between its forward and its backward (StepMemory.held_activations)."""
     held = None
-    with _tracking(model, optimizer, microbatches) as (tracker, at_start):
+    with _tracking(model, optimizer, microbatches, compiled.savings) as (tracker, at_start):
         for index, (inputs, labels) in enumerate(microbatches):
             last = index == len(microbatches) - 1
             # Its per-module figures (unused here) allow one call per module; the peaks stay.
@@ -241,7 +293,8 @@ def tracked_stage_step(
                 with context:
                     output = model(inputs)
                     if labels is not None:  # the last stage: the loss, its logits freed
-                        output = cross_entropy_sum(output, labels) / global_tokens
+                        output = compiled.loss_fn(output, labels) / global_tokens
+                compiled.context_exited()
                 if held is None:
                     held = _activations_now(tracker, at_start)
                 output.backward(None if labels is not None else torch.ones_like(output))

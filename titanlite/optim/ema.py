@@ -20,10 +20,14 @@ class EMA(Stateful):
         # Detached views that share storage with the parameters: they see every update.
         self.weights = {name: tensor for name, tensor in model.state_dict().items() if tensor.is_floating_point()}
         self.averages = {name: tensor.detach().clone() for name, tensor in self.weights.items()}
-        # The update runs on the local shards themselves (views of the same storage): the
-        # same kernels as through DTensor, without its dispatch at every step.
-        self._average_list = [_local(average) for average in self.averages.values()]
-        self._weight_list = [_local(self.weights[name]) for name in self.averages]
+        # The update runs on the local shards themselves (views of the same storage), one
+        # multi-tensor call per (device, dtype), the grouping the fused kernel requires.
+        self._groups: dict[tuple[torch.device, torch.dtype], tuple[list, list]] = {}
+        for name, average in self.averages.items():
+            local = _local(average)
+            averages, weights = self._groups.setdefault((local.device, local.dtype), ([], []))
+            averages.append(local)
+            weights.append(_local(self.weights[name]))
 
     @torch.no_grad()
     def restart(self) -> None:
@@ -33,17 +37,37 @@ class EMA(Stateful):
 
     @torch.no_grad()
     def update(self, skip: torch.Tensor) -> None:
-        """One step of the average, as a single foreach update over the local shards; none
-        where ``skip`` (a flag on the device, read there) is set. The host never waits for
-        the device here."""
-        # 0 on a skipped step: the average stays. The weight stays on the device too, as a
-        # tensor, which _foreach_lerp_ takes only as a list of them, one per tensor (a single
-        # tensor goes to its Python-number overload through .item(), a wait for the device).
-        # Same formula, same float32 weight: the averages are bit-identical to the number's.
-        # On CUDA such a list leaves the multi-tensor kernel (its weights would have to be
-        # shaped like the tensors) for one lerp kernel per tensor: queued, never waited for.
-        weight = (~skip).to(torch.float32) * (1.0 - self.decay)
-        torch._foreach_lerp_(self._average_list, self._weight_list, [weight] * len(self._average_list))
+        """One step of the average over the local shards, none where ``skip`` (a flag on the
+        device, read there) is set. The host never waits for the device here.
+
+        The step is SGD's without momentum, taken on the averages with the weights as their
+        "gradients": with weight decay -1 the gradient becomes weights - average, and a
+        learning rate of -(1 - decay) adds (1 - decay) of it, lerp's formula for a weight
+        below 0.5. Torch's fused SGD is the one multi-tensor update that takes a skip flag
+        on the device: found_inf, which its CUDA kernel (multi_tensor_apply over all the
+        tensors, aten/src/ATen/native/cuda/FusedSgdKernel.cu) reads in the kernel and its
+        CPU one reads in memory, leaving every tensor as it was when the flag is 1. The
+        foreach lerp would take its weight only as a host number (a wait for the flag) or
+        as one tensor per tensor, which on CUDA leaves the multi-tensor kernel for one
+        launch per tensor. The weights are only read (no grad_scale is given) and no
+        temporary is made."""
+        found_inf = skip.to(torch.float32)  # 1.0 where the step is skipped
+        for (device, _), (averages, weights) in self._groups.items():
+            # A shard kept elsewhere (CPU offload) needs the flag beside it: that copy from
+            # the accelerator waits for it, as the offloaded optimizer step does anyway.
+            torch._fused_sgd_(
+                averages,
+                weights,
+                [],
+                weight_decay=-1.0,
+                momentum=0.0,
+                lr=-(1.0 - self.decay),
+                dampening=0.0,
+                nesterov=False,
+                maximize=False,
+                is_first_step=False,
+                found_inf=found_inf.to(device),
+            )
 
     def state_dict(self) -> dict:
         return self.averages

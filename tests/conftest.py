@@ -13,6 +13,33 @@ import pytest
 
 from tests.helpers import TinyRun, save_hf_llama, train_tiny
 
+# The modules that take longest (a minute or more of the suite's 2 workers each, in
+# docs/performance.md's CI rows), run first: run_tests.sh's `--dist loadfile` hands modules to
+# its workers in collection order, so a long module collected last (alphabetically) would run
+# alone at the end while the other worker idles. Longest first keeps both busy to the end.
+LONGEST_FIRST = (
+    "test_benchmarks_smoke.py",
+    "test_parity.py",
+    "test_kill_resume.py",
+    "test_estimate_cli.py",
+    "test_checkpoint_resume.py",
+    "test_gpu_check.py",
+    "test_checkpoint_files.py",
+    "test_estimate_memory.py",
+    "test_qwen3_moe.py",
+    "test_stuck_rank.py",
+    "test_expert_parallel_training.py",
+    "test_pipeline_parity.py",
+    "test_launch.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Reorder the collected tests: LONGEST_FIRST's modules first, in its order, then the rest
+    as collected (a stable sort, so each module's own order is kept)."""
+    rank = {name: position for position, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def tiny_hf_llama(tmp_path_factory) -> Path:

@@ -89,8 +89,8 @@ def _meet(port: int, world_size: int) -> None:
 
 
 def _log_job_time(name: str, job_rank: int, seconds: float) -> None:
-    """With TITANLITE_JOB_TIMES=FILE, one line per job and rank appended to FILE: which job of
-    a launch costs the suite its time."""
+    """With TITANLITE_JOB_TIMES=FILE, one line per job (its rank 0's time) appended to FILE:
+    which job of a launch costs the suite its time."""
     path = os.environ.get("TITANLITE_JOB_TIMES")
     if path and job_rank == 0:
         with open(path, "a") as log:

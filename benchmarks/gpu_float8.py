@@ -18,7 +18,7 @@ projection stay in bf16, as the start-up lines say. Reported per run: the median
 the steps after `--warmup`, the largest max-active memory, and the mean loss of the last
 5 steps, with float8 / bf16 ratios.
 
---cpu-dry-run runs every line on the CPU with the tiny model (seq 128, no compile, torchao's
+--cpu-dry-run runs every line on the CPU with the tiny model (seq 64, 4 steps, no compile, torchao's
 emulated float8, every layer of a size divisible by 16 converted), except the lines marked
 "# cuda-only" (gpu_check.CUDA_ONLY); its numbers mean nothing.
 """
@@ -97,7 +97,7 @@ def print_float8_layers(argv: list[str], layers: int) -> None:
 def dry_run_sized(options: argparse.Namespace) -> argparse.Namespace:
     """The options, with a CPU dry run's short sequence and few steps."""
     if options.cpu_dry_run:
-        options.seq_len, options.steps, options.warmup = 128, 8, 2
+        options.seq_len, options.steps, options.warmup = 64, 4, 1
     return options
 
 

@@ -28,7 +28,7 @@ MOE_BALANCING_KEYS = ("moe_load_balance_coef", "moe_aux_loss_coef", "moe_seq_bal
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family in the registry: llama2, llama3 or qwen3."""
+    """Model family in the registry: llama2, llama3, qwen3 or deepseek_v3."""
 
     flavor: str = "debugmodel"
     """Size preset of the model family, e.g. debugmodel, 7B, 8B, 70B."""

@@ -67,7 +67,8 @@ def softmax_scale(args: DeepSeekV3Args) -> float:
     scale = args.qk_head_dim**-0.5
     scaling = args.rope_scaling
     if scaling is not None and scaling.mscale_all_dim:
-        scale *= _yarn_magnitude(scaling.factor, scaling.mscale_all_dim) ** 2
+        magnitude = _yarn_magnitude(scaling.factor, scaling.mscale_all_dim)
+        scale = scale * magnitude * magnitude  # transformers' order of the products
     return scale
 
 
@@ -80,19 +81,21 @@ def rope_frequencies(args: DeepSeekV3Args) -> torch.Tensor:
     """Rotation speed of each of the qk_rope_head_dim / 2 pairs. YaRN: pairs that turn more
     than beta_fast times over the original context keep their speed, those that turn fewer
     than beta_slow times go factor times slower, and those between blend linearly (the
-    ramp's ends rounded outwards to whole pairs)."""
+    ramp's ends rounded outwards to whole pairs). In float32, each step in transformers'
+    order, so that the tables round alike."""
     dim, base = args.qk_rope_head_dim, args.rope_theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    wavelengths = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     scaling = args.rope_scaling
     if scaling is None:
-        return freqs
+        return 1.0 / wavelengths
     length = scaling.original_max_position_embeddings
     low = max(math.floor(_ramp_dimension(scaling.beta_fast, dim, base, length)), 0)
     high = min(math.ceil(_ramp_dimension(scaling.beta_slow, dim, base, length)), dim - 1)
     if low == high:
         high += 0.001  # a ramp of one point would divide by 0
     slowed = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return freqs / scaling.factor * slowed + freqs * (1 - slowed)
+    kept = 1 - slowed
+    return 1.0 / (scaling.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
 def rope_tables(args: DeepSeekV3Args, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import hf_tensors, load_script, train_tiny
+from tests.helpers import assert_hf_to_dcp_to_hf_is_exact, hf_tensors, load_script, train_tiny
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, SCRIPTS, TOKENS, hf_greedy
 from titanlite.checkpoint.load import load_model
 from titanlite.data.tokenizer import ByteTokenizer
@@ -110,13 +110,7 @@ def test_the_expert_bias_changes_the_choice(hf_model):
 
 def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_model, tmp_path):
     folder = hf_model[0]
-    assert load_script(SCRIPTS / "convert_hf_to_dcp.py").main([str(folder), str(tmp_path / "dcp")]) == 0
-    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
-    assert export.main([str(tmp_path / "dcp" / "step-0"), str(tmp_path / "back")]) == 0
-    before, after = hf_tensors(folder), hf_tensors(tmp_path / "back")
-    assert before.keys() == after.keys()
-    for name, tensor in before.items():
-        assert torch.equal(tensor, after[name]), name
+    assert_hf_to_dcp_to_hf_is_exact(folder, tmp_path)
 
 
 @pytest.fixture(scope="module")

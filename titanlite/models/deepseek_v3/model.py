@@ -110,6 +110,19 @@ def rope_tables(args: DeepSeekV3Args, device: torch.device | None = None) -> tup
 # --- Multi-head latent attention -------------------------------------------------------
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T x scale) v over the causal prefix, for q, k [batch, heads, seq, qk]
+    and v [batch, heads, seq, v] (values may be narrower). A module of its own (no
+    parameters) so that tensor parallelism can run it on each rank's heads as plain tensors."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+
 class LatentAttention(nn.Module):
     """Causal multi-head latent attention: keys and values expanded per head from one
     compressed latent, plus one rope key shared by the heads."""
@@ -128,7 +141,7 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
-        self.softmax_scale = softmax_scale(args)
+        self.attend = CausalAttention(softmax_scale(args))
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> the queries, flat per token (heads x qk_head_dim)."""
@@ -150,10 +163,8 @@ class LatentAttention(nn.Module):
         k_rope = apply_rope(k_rope.unsqueeze(2), cos, sin).expand(-1, -1, k_nope.shape[2], -1)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
         k = torch.cat([k_nope, k_rope], dim=-1)
-        # Attention wants [batch, heads, seq, features]; values are narrower than queries and keys.
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.softmax_scale
-        )
+        # Attention wants [batch, heads, seq, features].
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_std: float, generator: torch.Generator) -> None:
@@ -188,6 +199,27 @@ class SharedExpertsMoE(MoE):
 
 class DeepSeekV3Block(TransformerBlock):
     attention_cls = LatentAttention
+    # Tensor parallelism splits the heads: the projections to them (wq or wq_b, wkv_b) by
+    # output features and wo by input features, as Llama's. The low-rank down-projections and
+    # their norms (wq_a, q_norm, wkv_a, kv_norm) are held whole on every rank: every head
+    # reads all of the latent and the one rope key, so a split of them would need an
+    # all-gather before each norm (an RMSNorm needs the whole vector) and again before the
+    # heads; whole, they cost each rank dim x (q_lora_rank + kv_lora_rank + qk_rope_head_dim)
+    # weights (15 M of 187 M per 671B block) and no collective in the forward. The
+    # attention's tensors stay DTensors, so that the rope key, shared by heads on every rank,
+    # gets the sum of their gradients.
+    attention_tp_plan = {
+        "wq": "colwise",
+        "wq_a": "replicate",
+        "q_norm": "replicate",
+        "wq_b": "colwise",
+        "wkv_a": "replicate",
+        "kv_norm": "replicate",
+        "wkv_b": "colwise",
+        "attend": "local_heads",
+        "wo": "rowwise",
+    }
+    attention_tp_dtensors = True
 
     def make_feed_forward(self, layer_id: int, args: DeepSeekV3Args) -> nn.Module:
         if not args.is_moe_layer(layer_id):

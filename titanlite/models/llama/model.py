@@ -160,6 +160,17 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(.))."""
 
     attention_cls = Attention  # a family whose attention differs names its own here
+    # How tensor parallelism splits the attention, as data (titanlite/parallel reads it; no
+    # model imports parallel code): its module -> "colwise" (split by output features, i.e.
+    # by heads), "rowwise" (split by input features, the partial outputs summed) or
+    # "replicate" (held whole by every TP rank, computing on the whole input) or "per_head" (a
+    # norm over each head's features, on this rank's heads) or "local_heads" (a module without
+    # parameters run on this rank's heads as plain tensors). A module the
+    # attention lacks is skipped. attention_tp_dtensors: whether the attention's tensors stay
+    # DTensors between its modules (needed where a replicated module's output meets split
+    # heads, whose gradients then sum over the ranks), else plain local tensors.
+    attention_tp_plan = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+    attention_tp_dtensors = False
 
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()

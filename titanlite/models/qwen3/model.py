@@ -49,6 +49,7 @@ class Qwen3Attention(Attention):
 
 class Qwen3Block(TransformerBlock):
     attention_cls = Qwen3Attention
+    attention_tp_plan = {**TransformerBlock.attention_tp_plan, "q_norm": "per_head", "k_norm": "per_head"}
 
     def make_feed_forward(self, layer_id: int, args: Qwen3Args) -> nn.Module:
         # Qwen3-MoE: the routed experts take the dense feed-forward's place (and name).

@@ -7,8 +7,10 @@ blocks (1e-4 for the weights); a checkpoint written under EP 2 x TP 2 resumes un
 and one written there resumes under EP 2 x FSDP 2, equal to the uninterrupted run; an EP x TP
 checkpoint exports to Hugging Face; the layouts EP cannot run are refused in one line. In bf16,
 EP 2 (FSDP's bf16) and TP 2 (autocast) train like one process (autocast) within bf16's
-tolerance, all through the grouped GEMM and never the loop over experts. Every multi-rank run
-is a job of one launch of 4 ranks."""
+tolerance, all through the grouped GEMM and never the loop over experts. DeepSeek-V3's tiny
+flavor under FSDP 2, EP 2, TP 2, EP 2 x TP 2 and PP 2 equals its one process within 1e-5 per
+step, and its EP 2 x FSDP 2 checkpoint resumes under FSDP 4 equal to the uninterrupted run.
+Every multi-rank run is a job of one launch of 4 ranks."""
 
 import logging
 from pathlib import Path
@@ -187,8 +189,8 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
 
 # --- DeepSeek-V3 ---------------------------------------------------------------------------
 # Its tiny flavor (1 dense block, 2 MoE blocks with a shared expert, latent attention, the bias
-# updated every step) in each layout, against one process; AC in two of them, compile (without
-# AC) in one.
+# updated every step) in each layout, against one process; AC in two of them. (A compiled
+# case would cost this launch about 40 s; docs/parallelism.md has the one run by hand.)
 DEEPSEEK = ["--model.name=deepseek_v3"]
 DEEPSEEK_LAYOUTS = {
     "fsdp2_selective_op_ac": (2, [*batch(2), *SELECTIVE_OP]),
@@ -244,7 +246,6 @@ RUNS = {
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
     **{f"layout {name}": Job(n, train_and_report_experts, (extra,)) for name, (n, extra) in LAYOUTS.items()},
     "pp2_ep2": Job(4, train_pipeline, (pp_args("1F1B", 4, 2, *MOE, *EP2),)),
-    "deepseek compiled tp2": Job(2, REFERENCE.fn, ([*batch(1), *TP2, *DEEPSEEK, *COMPILE_MODEL],)),
     "deepseek reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *DEEPSEEK],)),
     **{
         f"deepseek {name}": Job(n, REFERENCE.fn, ([*extra, *DEEPSEEK],))
@@ -383,12 +384,6 @@ def test_deepseek_v3_layouts_match_one_process(runs, layout):
 
 def test_deepseek_v3_pipeline_matches_one_process(runs):
     assert_pipeline_trains_like_one_process(runs["deepseek pp2"], runs["deepseek reference"][0])
-
-
-def test_compiled_deepseek_v3_under_tensor_parallelism_matches_one_process(runs):
-    # The compiled-blocks bound of test_compiled_expert_parallel_training_matches_one_process.
-    for rank_run in runs["deepseek compiled tp2"]:
-        assert_same_training(rank_run, runs["deepseek reference"][0], rtol=1e-4)
 
 
 def test_a_deepseek_v3_checkpoint_reshards_from_expert_parallel_to_fsdp(runs):

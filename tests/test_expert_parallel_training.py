@@ -52,7 +52,7 @@ from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import optimizer_moments, record_state_at
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
-from titanlite.models.moe import MoEArgs
+from titanlite.models.moe import MoEArgs, moe_layers
 from titanlite.models.moe import experts as moe_experts
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
@@ -127,8 +127,9 @@ BF16 = ["--training.mixed_precision_param=bfloat16"]
 
 def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
     """tiny_moe trained in bf16: losses and grad norms, the grouped GEMMs its steps ran
-    (counted at the dispatcher) and how often the loop over experts ran."""
-    real_loop, loops = moe_experts._linear_per_expert, []
+    (counted at the dispatcher), how often the loop over experts ran and the dtypes of the
+    routers' logits."""
+    real_loop, loops, router_dtypes = moe_experts._linear_per_expert, [], set()
 
     def counted_loop(*args):
         loops.append(1)
@@ -137,6 +138,8 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
     moe_experts._linear_per_expert = counted_loop  # expert_linear looks it up at each call
     try:
         trainer = Trainer(parse_args(BASE_ARGS + MOE + BF16 + extra_args))
+        for moe in moe_layers(trainer.model):
+            moe.gate.register_forward_hook(lambda module, inputs, out: router_dtypes.add(out.dtype))
         with HostSyncs() as counted:
             records = trainer.train()
     finally:
@@ -148,6 +151,7 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "grouped_mms": counted.other_ops["aten._grouped_mm"],
         "loops": len(loops),
+        "router_dtypes": router_dtypes,
     }
 
 
@@ -311,6 +315,8 @@ def test_bf16_training_matches_one_process_through_the_grouped_gemm(runs, layout
     for rank_run in runs[f"bf16 {layout}"]:
         # As many on each rank: every rank's experts received rows at every step.
         assert rank_run["grouped_mms"] == reference["grouped_mms"] and rank_run["loops"] == 0
+        # The routers score in float32 under TP (each rank on its local weight) as in one process.
+        assert rank_run["router_dtypes"] == reference["router_dtypes"] == {torch.float32}
         for key in ("loss", "grad_norm"):  # test_parity's bf16 tolerance
             torch.testing.assert_close(torch.tensor(rank_run[key]), torch.tensor(reference[key]), rtol=2e-2, atol=0)
 

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Shard, distribute_module
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
+from titanlite.models.moe import GroupedExperts, MoE, router_logits, swiglu_experts
 
 
 def moe_tensor_parallel_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
@@ -76,10 +76,12 @@ def _local_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _RouterOnLocalWeight(nn.Linear):
-    """The MoE router (an nn.Linear without bias) on its weight's local tensor."""
+    """The MoE router (an nn.Linear without bias) on its weight's local tensor, in float32 as
+    the layer's own router computes (router_logits: a bf16 product would round the scores
+    enough to change close choices)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, _local_weight(self.weight))
+        return router_logits(x, _local_weight(self.weight))
 
 
 def _dense_linears(moe: MoE) -> list[nn.Linear]:

@@ -193,6 +193,19 @@ def save_one_layer_hf_llama(folder: Path) -> Path:
     return folder
 
 
+def assert_hf_to_dcp_to_hf_is_exact(folder: Path, work: Path) -> None:
+    """convert_hf_to_dcp.py then convert_dcp_to_hf.py (in ``work``) give back every tensor of
+    the Hugging Face ``folder``, bit for bit and under the same names."""
+    scripts = Path(__file__).resolve().parent.parent / "scripts"
+    assert load_script(scripts / "convert_hf_to_dcp.py").main([str(folder), str(work / "dcp")]) == 0
+    export = load_script(scripts / "convert_dcp_to_hf.py")
+    assert export.main([str(work / "dcp" / "step-0"), str(work / "back")]) == 0
+    before, after = hf_tensors(folder), hf_tensors(work / "back")
+    assert before.keys() == after.keys()
+    for name, tensor in before.items():
+        assert torch.equal(tensor, after[name]), name
+
+
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a Hugging Face folder's safetensors files, by name."""
     tensors = {}

@@ -7,8 +7,10 @@ blocks (1e-4 for the weights); a checkpoint written under EP 2 x TP 2 resumes un
 and one written there resumes under EP 2 x FSDP 2, equal to the uninterrupted run; an EP x TP
 checkpoint exports to Hugging Face; the layouts EP cannot run are refused in one line. In bf16,
 EP 2 (FSDP's bf16) and TP 2 (autocast) train like one process (autocast) within bf16's
-tolerance, all through the grouped GEMM and never the loop over experts. Every multi-rank run
-is a job of one launch of 4 ranks."""
+tolerance, all through the grouped GEMM and never the loop over experts. DeepSeek-V3's tiny
+flavor under FSDP 2, EP 2, TP 2, EP 2 x TP 2 and PP 2 equals its one process within 1e-5 per
+step, and its EP 2 x FSDP 2 checkpoint resumes under FSDP 4 equal to the uninterrupted run.
+Every multi-rank run is a job of one launch of 4 ranks."""
 
 import logging
 from pathlib import Path
@@ -36,13 +38,21 @@ from tests.test_checkpoint_resume import (
 )
 from tests.test_expert_parallel import forward_backward
 from tests.test_moe import GROUPED_MMS_PER_PASS, make_moe
-from tests.test_parity import BASE_ARGS, GLOBAL_BATCH, REFERENCE, assert_same_training
+from tests.test_parity import (
+    BASE_ARGS,
+    FULL_AC,
+    GLOBAL_BATCH,
+    REFERENCE,
+    SELECTIVE_OP,
+    TP2,
+    assert_same_training,
+)
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from tests.test_qwen3 import SCRIPTS
 from tests.test_tp_checkpoint import optimizer_moments, record_state_at
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
-from titanlite.models.moe import MoEArgs
+from titanlite.models.moe import MoEArgs, moe_layers
 from titanlite.models.moe import experts as moe_experts
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
@@ -117,8 +127,9 @@ BF16 = ["--training.mixed_precision_param=bfloat16"]
 
 def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
     """tiny_moe trained in bf16: losses and grad norms, the grouped GEMMs its steps ran
-    (counted at the dispatcher) and how often the loop over experts ran."""
-    real_loop, loops = moe_experts._linear_per_expert, []
+    (counted at the dispatcher), how often the loop over experts ran and the dtypes of the
+    routers' logits."""
+    real_loop, loops, router_dtypes = moe_experts._linear_per_expert, [], set()
 
     def counted_loop(*args):
         loops.append(1)
@@ -127,6 +138,8 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
     moe_experts._linear_per_expert = counted_loop  # expert_linear looks it up at each call
     try:
         trainer = Trainer(parse_args(BASE_ARGS + MOE + BF16 + extra_args))
+        for moe in moe_layers(trainer.model):
+            moe.gate.register_forward_hook(lambda module, inputs, out: router_dtypes.add(out.dtype))
         with HostSyncs() as counted:
             records = trainer.train()
     finally:
@@ -138,6 +151,7 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
         "grad_norm": [r.grad_norm for r in records],
         "grouped_mms": counted.other_ops["aten._grouped_mm"],
         "loops": len(loops),
+        "router_dtypes": router_dtypes,
     }
 
 
@@ -177,6 +191,34 @@ def reshard_worker(dump: str, ports: list[int]) -> dict:
     return out
 
 
+# --- DeepSeek-V3 ---------------------------------------------------------------------------
+# Its tiny flavor (1 dense block, 2 MoE blocks with a shared expert, latent attention, the bias
+# updated every step) in each layout, against one process; AC in two of them. (A compiled
+# case would cost this launch about 40 s; docs/parallelism.md has the one run by hand.)
+DEEPSEEK = ["--model.name=deepseek_v3"]
+DEEPSEEK_LAYOUTS = {
+    "fsdp2_selective_op_ac": (2, [*batch(2), *SELECTIVE_OP]),
+    "ep2_full_ac": (2, [*batch(2), *EP2, *FULL_AC]),
+    "tp2": (2, [*batch(1), *TP2]),
+    "ep2_tp2": (4, EP2_TP2),
+}
+
+
+def deepseek_reshard_worker(dump: str, ports: list[int]) -> dict:
+    """DeepSeek-V3 tiny under EP 2 x FSDP 2, uninterrupted, saving at step SAVE_AT; that
+    checkpoint resumed under FSDP 4: what it loaded and its steps."""
+    session = Session(ports)
+    trainer = session.trainer(EP2_FSDP2, DEEPSEEK, f"--checkpoint.interval={SAVE_AT}", f"--job.dump_folder={dump}/ep")
+    at_save = record_state_at(trainer, SAVE_AT)
+    out = {"straight": train_to_end(trainer) | {"saved": at_save}}
+    folder = copy_checkpoint(f"{dump}/ep/checkpoint/step-{SAVE_AT}", f"{dump}/fsdp4")
+    trainer = session.trainer(FSDP4, DEEPSEEK, f"--job.dump_folder={folder}")
+    loaded = loaded_state(trainer) | {"moments": optimizer_moments(trainer)}
+    out["resumed"] = train_to_end(trainer) | {"loaded": loaded}
+    session.end()
+    return out
+
+
 # --- dropless at EP 4 -----------------------------------------------------------------------
 
 
@@ -208,6 +250,12 @@ RUNS = {
     "reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *MOE],)),
     **{f"layout {name}": Job(n, train_and_report_experts, (extra,)) for name, (n, extra) in LAYOUTS.items()},
     "pp2_ep2": Job(4, train_pipeline, (pp_args("1F1B", 4, 2, *MOE, *EP2),)),
+    "deepseek reference": Job(1, REFERENCE.fn, ([*REFERENCE.args[0], *DEEPSEEK],)),
+    **{
+        f"deepseek {name}": Job(n, REFERENCE.fn, ([*extra, *DEEPSEEK],))
+        for name, (n, extra) in DEEPSEEK_LAYOUTS.items()
+    },
+    "deepseek pp2": Job(2, train_pipeline, (pp_args("1F1B", 8, 2, *DEEPSEEK),)),
     "bf16 reference": Job(1, train_bf16_counting_expert_gemms, (batch(1),)),
     "bf16 ep2": Job(2, train_bf16_counting_expert_gemms, ([*batch(2), *EP2],)),
     # TP alone autocasts too, the experts held whole by both TP ranks, each routing its half
@@ -220,7 +268,11 @@ RUNS = {
 def launch(tmp_path_factory) -> tuple[Path, dict[str, list]]:
     """(the resharding job's dump folder, every job's per-rank results)."""
     dump = tmp_path_factory.mktemp("ep_reshard")
-    return dump, run_jobs_on_ranks(4, {"reshard": Job(4, reshard_worker, (str(dump), free_ports(3))), **RUNS})
+    reshards = {
+        "reshard": Job(4, reshard_worker, (str(dump), free_ports(3))),
+        "deepseek reshard": Job(4, deepseek_reshard_worker, (str(dump / "deepseek"), free_ports(2))),
+    }
+    return dump, run_jobs_on_ranks(4, {**reshards, **RUNS})
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +315,8 @@ def test_bf16_training_matches_one_process_through_the_grouped_gemm(runs, layout
     for rank_run in runs[f"bf16 {layout}"]:
         # As many on each rank: every rank's experts received rows at every step.
         assert rank_run["grouped_mms"] == reference["grouped_mms"] and rank_run["loops"] == 0
+        # The routers score in float32 under TP (each rank on its local weight) as in one process.
+        assert rank_run["router_dtypes"] == reference["router_dtypes"] == {torch.float32}
         for key in ("loss", "grad_norm"):  # test_parity's bf16 tolerance
             torch.testing.assert_close(torch.tensor(rank_run[key]), torch.tensor(reference[key]), rtol=2e-2, atol=0)
 
@@ -317,6 +371,47 @@ def test_a_checkpoint_reshards_between_expert_parallel_and_plain_fsdp(runs, resu
             torch.testing.assert_close(torch.tensor(run[key]), expected, rtol=1e-5, atol=0)
         assert_close_tensors(run["weights"], straight["weights"], atol=1e-5)
         assert_close_tensors(run["ema"], straight["ema"], atol=1e-5)
+
+
+def test_deepseek_v3_learns(runs):
+    """(Its expert biases, compared with the weights below, move every step; at the tiny
+    model's near-even router a step of 1e-2 can send a group's tokens to the other group and
+    back, so after an even number of steps they may be 0 again.)"""
+    reference = runs["deepseek reference"][0]
+    assert reference["loss"][-1] < reference["loss"][0] - 0.1
+    assert sum(name.endswith("expert_bias") for name in reference["params"]) == 2
+
+
+@pytest.mark.parametrize("layout", DEEPSEEK_LAYOUTS)
+def test_deepseek_v3_layouts_match_one_process(runs, layout):
+    for rank_run in runs[f"deepseek {layout}"]:
+        assert_same_training(rank_run, runs["deepseek reference"][0], rtol=1e-5)
+
+
+def test_deepseek_v3_pipeline_matches_one_process(runs):
+    assert_pipeline_trains_like_one_process(runs["deepseek pp2"], runs["deepseek reference"][0])
+
+
+def test_a_deepseek_v3_checkpoint_reshards_from_expert_parallel_to_fsdp(runs):
+    """EP 2 x FSDP 2's checkpoint resumed on FSDP 4 loads exactly what was saved (the expert
+    bias among the weights), trains on the same token ids as the uninterrupted run, and its
+    steps equal that run's within 1e-5."""
+    for rank_out in runs["deepseek reshard"]:
+        straight, run = rank_out["straight"], rank_out["resumed"]
+        saved, loaded = straight["saved"], run["loaded"]
+        assert positions(loaded) == positions(saved) and loaded["step"] == SAVE_AT
+        assert any(name.endswith("expert_bias") for name in saved["weights"])
+        assert_bit_identical(loaded["weights"], saved["weights"])
+        assert_bit_identical(loaded["ema"], saved["ema"])
+        assert loaded["moments"].keys() == saved["moments"].keys()
+        for name, moments in saved["moments"].items():
+            assert_bit_identical(loaded["moments"][name], moments)
+        assert run["steps"] == list(range(SAVE_AT + 1, STEPS + 1))
+        assert all(run["batches"][step] == straight["batches"][step] for step in run["steps"])
+        for key in ("loss", "grad_norm"):
+            expected = torch.tensor(straight[key][SAVE_AT:])
+            torch.testing.assert_close(torch.tensor(run[key]), expected, rtol=1e-5, atol=0)
+        assert_close_tensors(run["weights"], straight["weights"], atol=1e-5)
 
 
 def test_an_expert_parallel_checkpoint_exports_to_hugging_face(launch, tmp_path):

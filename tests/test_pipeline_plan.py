@@ -83,6 +83,17 @@ def test_split_by_counts(overrides, blocks):
     assert plan.stage_modules[0][0] == "tok_embeddings" and plan.stage_modules[-1][-2:] == ("norm", "output")
 
 
+def test_blocks_of_unequal_work_split_by_work():
+    """Blocks whose work differs (DeepSeek-V3's dense blocks against its MoE ones; the costs
+    the trainer passes are block_flops_per_token) split where the work before a boundary
+    comes nearest its share; equal work keeps the split by counts."""
+    parallelism = pipeline_config({FIRST_LESS: 0, LAST_LESS: 0}).parallelism
+    heavy_first = plan_pipeline(parallelism, Transformer, EIGHT_LAYERS, 8, block_costs=[3, 3, 1, 1, 1, 1, 1, 1])
+    assert blocks_per_stage(heavy_first) == [2, 6]  # 6 units of 12 before the boundary
+    even = plan_pipeline(parallelism, Transformer, EIGHT_LAYERS, 8, block_costs=[5] * 8)
+    assert blocks_per_stage(even) == blocks_per_stage(plan_of({FIRST_LESS: 0, LAST_LESS: 0})) == [4, 4]
+
+
 def test_tiny_model_fills_two_stages_per_rank():
     # The parity tests run the tiny model's 3 blocks on 4 stages: the embedding alone first.
     plan = plan_of({SCHEDULE: "Interleaved1F1B"}, model_args=TINY)

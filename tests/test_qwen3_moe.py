@@ -19,7 +19,7 @@ import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 
-from tests.helpers import full_weights, hf_tensors, load_script, tiny_args, train_tiny
+from tests.helpers import assert_hf_to_dcp_to_hf_is_exact, full_weights, hf_tensors, load_script, tiny_args, train_tiny
 from tests.host_syncs import HostSyncs
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import (
@@ -93,13 +93,7 @@ def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_moe, tmp_path):
     """The folder reader stacks each block's experts (and starts the expert bias at 0); the
     export splits them again."""
     folder = hf_moe[0]
-    assert load_script(SCRIPTS / "convert_hf_to_dcp.py").main([str(folder), str(tmp_path / "dcp")]) == 0
-    export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
-    assert export.main([str(tmp_path / "dcp" / "step-0"), str(tmp_path / "back")]) == 0
-    before, after = hf_tensors(folder), hf_tensors(tmp_path / "back")
-    assert before.keys() == after.keys()
-    for name, tensor in before.items():
-        assert torch.equal(tensor, after[name]), name
+    assert_hf_to_dcp_to_hf_is_exact(folder, tmp_path)
 
 
 def test_titanlite_weights_go_back_to_transformers_names_and_tensors(hf_moe, tmp_path):

@@ -15,6 +15,7 @@ from titanlite.config import ConfigError, JobConfig, value_text
 from titanlite.config.model import MOE_KEYS
 from titanlite.config.parallelism import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
+from titanlite.metrics.flops import block_flops_per_token
 from titanlite.parallel import ParallelDims
 from titanlite.parallel.parallelize import moe_layers
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
@@ -128,7 +129,8 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         pipeline = None
         if parallel_dims.pp > 1:
             model_cls = get_model_spec(job_config.model.name).model_cls
-            pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
+            costs = block_flops_per_token(model_args, training.seq_len)
+            pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size, costs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if pipeline is not None:

@@ -13,7 +13,7 @@ from torch import nn
 
 from titanlite.config import ConfigError
 from titanlite.errors import unknown_name
-from titanlite.models import llama, qwen3
+from titanlite.models import deepseek_v3, llama, qwen3
 from titanlite.parallel import parallelize_decoder, tensor_parallel_problem
 
 
@@ -48,6 +48,18 @@ MODELS = {
         state_dict_adapter=qwen3.Qwen3StateDictAdapter,
         args_cls=qwen3.Qwen3Args,
         tensor_parallel_problem=lambda args, tp: _qwen3_tensor_parallel_problem(args, tp),
+    ),
+    # Llama's decoder with latent attention and DeepSeekMoE blocks; its TP plan is data in
+    # its folder (the block's tensor_parallel_plan), read by the shared parallelize code.
+    "deepseek_v3": ModelSpec(
+        "deepseek_v3",
+        flavors=deepseek_v3.DEEPSEEK_V3_FLAVORS,
+        parallelize_fn=parallelize_decoder,
+        state_dict_adapter=deepseek_v3.DeepSeekV3StateDictAdapter,
+        args_cls=deepseek_v3.DeepSeekV3Args,
+        tensor_parallel_problem=lambda args, tp: tensor_parallel_problem(
+            args, tp, split_ffn=args.first_k_dense_replace > 0
+        ),
     ),
 }
 
@@ -86,9 +98,11 @@ def get_model_args(name: str, flavor: str):
 
 def model_from_hf_config(config: dict, where: str = "config.json") -> tuple[str, object]:
     """(registry name, model args) for a Hugging Face config.json; ValueError naming `where`
-    for a model no registered class builds. Its model_type picks the family: Qwen3's (dense or MoE), or
-    Llama's (which refuses every other type)."""
+    for a model no registered class builds. Its model_type picks the family: Qwen3's (dense or MoE),
+    DeepSeek-V3's, or Llama's (which refuses every other type)."""
     if config.get("model_type") in qwen3.MODEL_TYPES:
         return "qwen3", qwen3.hf_config_to_args(config, where)
+    if config.get("model_type") in deepseek_v3.MODEL_TYPES:
+        return "deepseek_v3", deepseek_v3.hf_config_to_args(config, where)
     args = llama.hf_config_to_args(config, where)
     return llama.hf_model_name(args), args

@@ -133,12 +133,12 @@ def _check_shapes(step_dir: Path, sources: dict, description: ModelDescription, 
             )
 
 
-def _split(sources: dict, dtype: torch.dtype, limit: int | None, exported_rows) -> object:
-    """huggingface_hub's shard split, computed on meta tensors of the export dtype, cut to
-    the exported rows (sizes only, no memory). Without a limit everything goes into one
-    model.safetensors."""
+def _split(sources: dict, dtype_of, limit: int | None, exported_rows) -> object:
+    """huggingface_hub's shard split, computed on meta tensors of each tensor's export dtype
+    (``dtype_of(hf_name)``), cut to the exported rows (sizes only, no memory). Without a
+    limit everything goes into one model.safetensors."""
     placeholders = {
-        hf: _part(exported_rows(name, torch.empty(entry.size, dtype=dtype, device="meta")), index)
+        hf: _part(exported_rows(name, torch.empty(entry.size, dtype=dtype_of(hf), device="meta")), index)
         for hf, (_, name, entry, index) in sources.items()
     }
     if limit is None:
@@ -197,9 +197,15 @@ def export_to_hf(
     check_output(out_dir)
     metadata = read_checkpoint_metadata(step_dir)
     description = read_model_description(step_dir)
-    if getattr(description.args, "moe_bias_update_rate", 0) > 0:
-        # transformers' MoE models route by the router's probabilities alone: the exported
-        # model chooses its experts without the bias the run trained, unlike the run's model.
+    # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.
+    real_vocab = description.real_vocab_size
+    adapter = get_model_spec(description.name).state_dict_adapter(replace(description.args, vocab_size=real_vocab))
+    shapes = description.weight_shapes()
+    dropped = [name for name in shapes if not adapter.hf_parts(name)]
+    if getattr(description.args, "moe_bias_update_rate", 0) > 0 and dropped:
+        # A family whose Hugging Face model routes by the router's probabilities alone
+        # (Qwen3-MoE) has no place for the bias: the exported model chooses its experts
+        # without the bias the run trained, unlike the run's model.
         logger.warning(
             "%s: the run trained an expert bias (model.moe_bias_update_rate %g) that Hugging Face's "
             "format has no place for; the exported model routes without it",
@@ -208,29 +214,29 @@ def export_to_hf(
         )
     tokenizer_json = _tokenizer_file(step_dir, description.tokenizer_path, tokenizer)
     special_ids = hf_tokenizer.special_ids(tokenizer_json)  # reads the tokenizer before anything is written
-    # The exported model has the tokenizer's rows only: a padded vocabulary's extra rows stay behind.
-    real_vocab = description.real_vocab_size
-    adapter = get_model_spec(description.name).state_dict_adapter(replace(description.args, vocab_size=real_vocab))
     try:  # a model Hugging Face's config cannot describe (an MoE router it lacks) is refused before any write
         hf_config = adapter.hf_config()
     except ValueError as error:
         raise ValueError(f"{step_dir}: {error}") from None
-    shapes = description.weight_shapes()
     sources = _weight_sources(step_dir, metadata, adapter, list(shapes), use_ema)
     _check_shapes(step_dir, sources, description, shapes)
 
     def exported_rows(name: str, tensor: torch.Tensor) -> torch.Tensor:
         return tensor[:real_vocab] if name in adapter.vocab_rows and tensor.shape[0] > real_vocab else tensor
 
-    split = _split(sources, dtype, limit, exported_rows)
+    def dtype_of(hf_name: str) -> torch.dtype:
+        """The export's dtype, or float32 for what the Hugging Face model keeps in float32."""
+        return torch.float32 if hf_name.endswith(adapter.float32_hf_names) else dtype
+
+    split = _split(sources, dtype_of, limit, exported_rows)
     file_mode = 0o666 & ~_umask()  # what open() gives the JSON and tokenizer files
 
-    def passes_through(name: str, entry: TensorStorageMetadata, index: int | None) -> bool:
+    def passes_through(hf_name: str, name: str, entry: TensorStorageMetadata, index: int | None) -> bool:
         """Whether the saved tensor is written as it is: all of it, same dtype, and the
         adapter returns it unchanged (asked on a meta tensor, which costs nothing)."""
         probe = torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
         unchanged = adapter.to_hf_tensor(name, exported_rows(name, probe)) is probe
-        return index is None and entry.properties.dtype == dtype and unchanged
+        return index is None and entry.properties.dtype == dtype_of(hf_name) and unchanged
 
     def saved_entries(hf_names: list[str]) -> dict[str, TensorStorageMetadata]:
         """The saved tensors these Hugging Face tensors come from, each once (a stacked one
@@ -247,9 +253,10 @@ def export_to_hf(
             uses[key] -= 1
             if not uses[key]:  # each saved tensor is released once its last part is converted
                 del loaded[key]
-            if not passes_through(name, entry, index):
+            if not passes_through(hf_name, name, entry, index):
                 # clone: a part must not share memory with the stacked tensor (safetensors refuses it).
-                converted = _part(adapter.to_hf_tensor(name, exported_rows(name, tensor)), index).to(dtype)
+                converted = _part(adapter.to_hf_tensor(name, exported_rows(name, tensor)), index)
+                converted = converted.to(dtype_of(hf_name))
                 tensor = converted.clone() if index is not None else converted.contiguous()
             shard[hf_name] = tensor
         _save_safetensors(shard, folder / file, file_mode)

@@ -28,7 +28,7 @@ MOE_BALANCING_KEYS = ("moe_load_balance_coef", "moe_aux_loss_coef", "moe_seq_bal
 @dataclass
 class Model:
     name: str = "llama3"
-    """Model family in the registry: llama2, llama3 or qwen3."""
+    """Model family in the registry: llama2, llama3, qwen3 or deepseek_v3."""
 
     flavor: str = "debugmodel"
     """Size preset of the model family, e.g. debugmodel, 7B, 8B, 70B."""
@@ -43,8 +43,8 @@ class Model:
 
     moe_score_func: Literal["softmax", "sigmoid"] | None = None
     """MoE models only: how the router turns logits into scores, softmax over the experts (Qwen3-MoE) or one sigmoid per
-    expert (DeepSeek-V3; torchtitan's score_func). Only softmax exports to transformers. Unset: the flavor's (softmax
-    for qwen3's MoE flavors)."""
+    expert (DeepSeek-V3; torchtitan's score_func). Only softmax exports to a Qwen3-MoE, only sigmoid to a DeepSeek-V3.
+    Unset: the flavor's (softmax for qwen3's MoE flavors, sigmoid for deepseek_v3's but 16B)."""
 
     moe_norm_topk_prob: bool | None = None
     """MoE models only: rescale each token's chosen scores to sum to 1 (transformers' norm_topk_prob, torchtitan's
@@ -77,7 +77,7 @@ class Model:
     moe_seq_balance_coef: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
     """MoE models only: weight of DeepSeek-V3's sequence-wise balance loss (each sequence's own f_i x P_i, averaged
     over the sequences, summed over the layers; DeepSeek-V3 uses 1e-4), logged as moe_metrics/seq_balance_loss; 0
-    turns it off. Unset: the flavor's value (0 for qwen3's MoE flavors)."""
+    turns it off. Unset: the flavor's value (0 for qwen3's MoE flavors, 1e-3 for deepseek_v3's)."""
 
     moe_z_loss_coef: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
     """MoE models only: weight of the router z-loss (mean over tokens of logsumexp(logits)^2, summed over the layers;
@@ -88,4 +88,4 @@ class Model:
     """MoE models only: step of the auxiliary-loss-free expert bias (DeepSeek-V3's; torchtitan's load_balance_coeff),
     updated after every optimizer step from the token counts of all data-parallel ranks (DeepSeek-V3 uses 1e-3); 0
     turns it off. Unset: the flavor's value (0 for qwen3's MoE flavors: a Qwen3-MoE trained with the bias does not
-    export to transformers, which has none)."""
+    export to transformers, which has none; 1e-2 for deepseek_v3's, whose bias exports)."""

@@ -102,6 +102,16 @@ def active_params(args) -> int:
     return count_params(args, include_embedding=False) - param_counts(args).idle_experts
 
 
+def block_flops_per_token(args, seq_len: int) -> tuple[int, ...]:
+    """Training FLOPs per token of each block, counted on the model built on the meta device:
+    6 x the block's weights a token meets (in an MoE block its top_k routed experts, not the
+    others) plus the block's share of attention_flops_per_token. What a pipeline split by work
+    weighs each block by (DeepSeek-V3's dense and MoE blocks differ)."""
+    attention = attention_flops_per_token(args, seq_len) // args.n_layers
+    blocks = model_on_meta(args).layers.values()
+    return tuple(6 * (_numel(block) - idle_expert_params(block)) + attention for block in blocks)
+
+
 def attention_flops_per_token(args, seq_len: int, causal: bool = True) -> int:
     """Training FLOPs per token of attention's two matmuls (QK^T and scores x V), which
     involve no parameters: 12 x n_layers x n_heads x head_dim x seq_len for the whole

@@ -1,6 +1,7 @@
 """Parallelism: the device mesh, TP/AC/compile/FSDP2 application and global grad-norm clipping.
 
-Knows the Llama decoder only by its module names (the TP plan) and nothing of the loop.
+Knows the decoders only by Llama's module names and the attention plan each block declares
+as data (attention_tp_plan), and nothing of the loop.
 """
 
 from titanlite.parallel.distributed import (

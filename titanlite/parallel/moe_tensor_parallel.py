@@ -2,9 +2,10 @@
 rank routes its own slice of the sequence, so the layer's work and its all-to-all bytes are
 split over the tp ranks instead of repeated on each.
 
-The layer is not split by features as a dense feed-forward is: the router and the experts are
-held whole on every TP rank (or, with expert parallelism, split by expert over ep ranks that
-include the tp ranks: parallel_dims.py). What TP splits is the tokens:
+The layer is not split by features as a dense feed-forward is: the router and the experts
+(the shared experts too, where a model has them) are held whole on every TP rank (or, with
+expert parallelism, the routed ones split by expert over ep ranks that include the tp ranks:
+parallel_dims.py). What TP splits is the tokens:
   - with sequence parallelism the residual stream between the blocks is already split along
     the sequence, and the layer takes its input as that local piece and gives its output back
     in the same layout: no collective at all;
@@ -35,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Partial, Shard, distribute_module
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
-from titanlite.models.moe import GroupedExperts, MoE, swiglu_experts
+from titanlite.models.moe import GroupedExperts, MoE, router_logits, swiglu_experts
 
 
 def moe_tensor_parallel_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
@@ -51,6 +52,9 @@ def moe_tensor_parallel_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
     if isinstance(moe.experts, GroupedExperts):
         distribute_module(moe.experts, tp_mesh)
         moe.experts.__class__ = _ExpertsOnLocalWeights
+    for linear in _dense_linears(moe):
+        distribute_module(linear, tp_mesh)
+        linear.__class__ = _LinearOnLocalWeight
     moe.token_ranks = tp_mesh.size()
     moe.sum_over_token_ranks = SumOverRanks(tp_mesh.get_group())
     return {
@@ -72,7 +76,24 @@ def _local_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 class _RouterOnLocalWeight(nn.Linear):
-    """The MoE router (an nn.Linear without bias) on its weight's local tensor."""
+    """The MoE router (an nn.Linear without bias) on its weight's local tensor, in float32 as
+    the layer's own router computes (router_logits: a bf16 product would round the scores
+    enough to change close choices)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return router_logits(x, _local_weight(self.weight))
+
+
+def _dense_linears(moe: MoE) -> list[nn.Linear]:
+    """The layer's other linear maps, beside the router and the routed experts: the shared
+    experts every token meets (DeepSeek-V3's), held whole and run on this rank's tokens
+    like the routed ones."""
+    routed = set(moe.experts.modules()) | {moe.gate}
+    return [module for module in moe.modules() if isinstance(module, nn.Linear) and module not in routed]
+
+
+class _LinearOnLocalWeight(nn.Linear):
+    """An nn.Linear without bias on its weight's local tensor (this rank's tokens only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, _local_weight(self.weight))

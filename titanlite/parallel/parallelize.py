@@ -34,7 +34,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -78,10 +80,6 @@ _SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.ma
 # sequence parallelism the activations between pairs (norms, residuals) are split along
 # the sequence instead of repeated: the collective before a pair is an all-gather of the
 # sequence, the one after a reduce-scatter back to it.
-
-
-# Norms over each query/key head's features, inside attention (Qwen3's), where a model has them.
-_PER_HEAD_NORMS = ("q_norm", "k_norm")
 
 
 def tensor_parallel_problem(args, tp: int, split_ffn: bool = True) -> str | None:
@@ -131,16 +129,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
     if model.tok_embeddings is not None:
         model.tok_embeddings.register_forward_hook(_wait_for_collective)
     for block in model.layers.values():
-        # Attention's extra arguments are the RoPE tables, plain tensors every rank holds whole.
-        block_plan = {
-            "attention": PrepareModuleInput(
-                input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=stream),
-        }
+        block_plan = attention_plan(block, stream)
         if isinstance(block.feed_forward, MoE):
             block_plan |= moe_tensor_parallel_plan(block.feed_forward, tp_mesh, stream)
         else:
@@ -150,11 +139,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
                 "feed_forward.w3": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(output_layouts=stream),
             }
-        for norm in _PER_HEAD_NORMS:
-            if hasattr(block.attention, norm):
-                # A norm over each head's features sees this rank's heads only: its input is
-                # split by heads (dimension 2), its gain held whole and its gradient summed.
-                block_plan[f"attention.{norm}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         if sequence_parallel:
             block_plan["attention_norm"] = SequenceParallel()
             block_plan["ffn_norm"] = SequenceParallel()
@@ -162,6 +146,56 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
             replicate_over(block.attention_norm, tp_mesh)
             replicate_over(block.ffn_norm, tp_mesh)
         parallelize_module(block, tp_mesh, float8_styles(block, block_plan, tp_mesh))
+
+
+def attention_plan(block: nn.Module, stream) -> dict:
+    """The block plan's entries for its attention, from the block's attention_tp_plan (data
+    in the model's folder: see TransformerBlock). Attention's extra arguments are the RoPE
+    tables, plain tensors every rank holds whole (Replicate DTensors where the attention
+    computes on DTensors)."""
+    dtensors = block.attention_tp_dtensors
+    tables = (Replicate(), Replicate()) if dtensors else (None, None)
+    plan = {
+        "attention": PrepareModuleInput(
+            input_layouts=(stream, *tables), desired_input_layouts=(Replicate(), *tables), use_local_output=False
+        )
+    }
+    for name, how in block.attention_tp_plan.items():
+        if not hasattr(block.attention, name):
+            continue
+        if how == "colwise":
+            plan[f"attention.{name}"] = ColwiseParallel(use_local_output=not dtensors)
+        elif how == "rowwise":
+            plan[f"attention.{name}"] = RowwiseParallel(output_layouts=stream)
+        elif how == "per_head":
+            # A norm over each head's features sees this rank's heads only: its input is split
+            # by heads (dimension 2), its gain held whole and its gradient summed.
+            plan[f"attention.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif how == "local_heads":
+            # Attention itself, whose kernels DTensor has no rule for on every device: it runs
+            # on this rank's heads (dimension 1) as plain tensors.
+            heads = (Shard(1),) * 3
+            plan[f"attention.{name}"] = PrepareModuleInputOutput(
+                input_layouts=heads,
+                desired_input_layouts=heads,
+                use_local_input=True,
+                output_layouts=(Shard(1),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=False,
+            )
+        elif how == "replicate":
+            plan[f"attention.{name}"] = _HeldWhole()
+        else:
+            raise ValueError(f"{type(block).__name__}.attention_tp_plan['{name}']: unknown style '{how}'")
+    return plan
+
+
+class _HeldWhole(ParallelStyle):
+    """A module every TP rank holds whole (its parameters Replicate DTensors), computing on
+    the whole input, a Replicate DTensor, into a Replicate DTensor."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh)
 
 
 class _WaitedCollective(torch.autograd.Function):

@@ -16,7 +16,7 @@ model to DCP and reshards to any other layout. The model class says how it split
 """
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +84,25 @@ def _blocks_per_stage(n_layers: int, num_stages: int, first_less: int, last_less
     return budgets
 
 
+def _blocks_by_cost(costs: Sequence[float], num_stages: int, first_less: int, last_less: int) -> list[int]:
+    """Blocks of each stage when block i costs ``costs[i]`` (a model whose blocks differ:
+    DeepSeek-V3's dense and MoE ones) and the embedding and output count as ``first_less`` and
+    ``last_less`` blocks of the mean cost: each boundary where the cost before it comes
+    nearest its share of the total (the earlier boundary on a tie: as _blocks_per_stage, the
+    later stages take the extra blocks)."""
+    mean = sum(costs) / len(costs)
+    before = [first_less * mean]  # the cost before block i, the embedding's included
+    for cost in costs:
+        before.append(before[-1] + cost)
+    total = before[-1] + last_less * mean
+    bounds = [0]
+    for stage in range(1, num_stages):
+        share = total * stage / num_stages
+        bounds.append(min(range(bounds[-1], len(costs) + 1), key=lambda i: (abs(before[i] - share), i)))
+    bounds.append(len(costs))
+    return [stop - start for start, stop in zip(bounds, bounds[1:], strict=False)]
+
+
 def _stage_count(parallelism: Parallelism, schedule: str, n_layers: int) -> int:
     pp, per_stage = parallelism.pipeline_parallel_degree, parallelism.pipeline_parallel_layers_per_stage
     style = PIPELINE_SCHEDULES[schedule]
@@ -111,16 +130,18 @@ def _check_stage_count(schedule: str, pp: int, num_stages: int, how: str) -> Non
         )
 
 
-def _stages_by_counts(parallelism: Parallelism, schedule: str, first: tuple, last: tuple, n_layers: int) -> list:
+def _stages_by_counts(
+    parallelism: Parallelism, schedule: str, first: tuple, last: tuple, n_layers: int, costs: Sequence[float] | None
+) -> list:
     num_stages = _stage_count(parallelism, schedule, n_layers)
     how = f"{_KEY}pipeline_parallel_layers_per_stage" if parallelism.pipeline_parallel_layers_per_stage else "it"
     _check_stage_count(schedule, parallelism.pipeline_parallel_degree, num_stages, how)
-    blocks = _blocks_per_stage(
-        n_layers,
-        num_stages,
-        parallelism.pipeline_parallel_first_stage_less_layers,
-        parallelism.pipeline_parallel_last_stage_less_layers,
-    )
+    less = (parallelism.pipeline_parallel_first_stage_less_layers, parallelism.pipeline_parallel_last_stage_less_layers)
+    by_cost = costs is not None and len(set(costs)) > 1 and parallelism.pipeline_parallel_layers_per_stage is None
+    if by_cost:
+        blocks = _blocks_by_cost(costs, num_stages, *less)
+    else:
+        blocks = _blocks_per_stage(n_layers, num_stages, *less)
     if min(blocks) < 0 or (num_stages > 2 and min(blocks[1:-1]) < 1):
         raise ValueError(
             f"the model's {n_layers} blocks do not fill {num_stages} pipeline stages (blocks per stage: {blocks}); "
@@ -150,10 +171,18 @@ def _check_stages_by_hand(stages: list[list[str]], first: tuple, last: tuple, n_
         raise ValueError(f"{key} has an empty stage")
 
 
-def plan_pipeline(parallelism: Parallelism, model_cls: type, model_args, local_batch_size: int) -> PipelinePlan:
+def plan_pipeline(
+    parallelism: Parallelism,
+    model_cls: type,
+    model_args,
+    local_batch_size: int,
+    block_costs: Sequence[float] | None = None,
+) -> PipelinePlan:
     """The stages of a pipeline-parallel run; a ValueError naming the key for a layout that
     cannot run. ``model_cls`` gives the modules around its blocks (``pipeline_first``,
-    ``pipeline_last``); ``model_args`` the block count."""
+    ``pipeline_last``); ``model_args`` the block count. ``block_costs``: each block's work
+    (FLOPs per token), where blocks differ: the stages are then split by work, not by count
+    (unless pipeline_parallel_layers_per_stage fixes the count)."""
     pp = parallelism.pipeline_parallel_degree
     schedule = canonical_schedule(parallelism.pipeline_parallel_schedule)
     if getattr(model_args, "tie_word_embeddings", False):
@@ -168,7 +197,7 @@ def plan_pipeline(parallelism: Parallelism, model_cls: type, model_args, local_b
         _check_stage_count(schedule, pp, len(by_hand), f"{_KEY}module_fqns_per_model_part")
         stages = [tuple(stage) for stage in by_hand]
     else:
-        stages = _stages_by_counts(parallelism, schedule, first, last, n_layers)
+        stages = _stages_by_counts(parallelism, schedule, first, last, n_layers, block_costs)
     microbatch = parallelism.pipeline_parallel_microbatch_size
     if local_batch_size % microbatch != 0:
         raise ValueError(

@@ -160,19 +160,31 @@ class TransformerBlock(nn.Module):
     """Pre-norm residual block: x + attention(norm(x)), then + feed_forward(norm(.))."""
 
     attention_cls = Attention  # a family whose attention differs names its own here
+    # How tensor parallelism splits the attention, as data (titanlite/parallel reads it; no
+    # model imports parallel code): its module -> "colwise" (split by output features, i.e.
+    # by heads), "rowwise" (split by input features, the partial outputs summed) or
+    # "replicate" (held whole by every TP rank, computing on the whole input) or "per_head" (a
+    # norm over each head's features, on this rank's heads) or "local_heads" (a module without
+    # parameters run on this rank's heads as plain tensors). A module the
+    # attention lacks is skipped. attention_tp_dtensors: whether the attention's tensors stay
+    # DTensors between its modules (needed where a replicated module's output meets split
+    # heads, whose gradients then sum over the ranks), else plain local tensors.
+    attention_tp_plan = {"wq": "colwise", "wk": "colwise", "wv": "colwise", "wo": "rowwise"}
+    attention_tp_dtensors = False
 
     def __init__(self, layer_id: int, args: LlamaArgs):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = self.attention_cls(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = self.make_feed_forward(args)
+        self.feed_forward = self.make_feed_forward(layer_id, args)
         # Deeper blocks start with smaller output projections so that the residual
         # stream's variance does not grow with depth.
         self.out_std = 0.02 / math.sqrt(2 * (layer_id + 1))
 
-    def make_feed_forward(self, args: LlamaArgs) -> nn.Module:
-        """The block's feed-forward; a family whose feed-forward differs returns its own."""
+    def make_feed_forward(self, layer_id: int, args: LlamaArgs) -> nn.Module:
+        """The block's feed-forward; a family whose feed-forward differs (in some blocks or
+        all) returns its own."""
         return FeedForward(args)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -205,7 +217,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Derived from the args, never trained: non-persistent, so checkpoints do not
         # carry them and init_weights recomputes them on the real device.
-        cos, sin = rope_tables(args, device=torch.device("meta"))
+        cos, sin = self.rope_tables(torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -223,7 +235,12 @@ class Transformer(nn.Module):
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables: derived from the args and never saved, so a model whose weights
         were loaded needs them made too. Kept in float32 whatever the weights' dtype."""
-        self.rope_cos, self.rope_sin = rope_tables(self.args, device=device)
+        self.rope_cos, self.rope_sin = self.rope_tables(device)
+
+    def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables the blocks' attention turns by; a family whose RoPE differs
+        (its width, its scaling) makes its own."""
+        return rope_tables(self.args, device=device)
 
     @torch.no_grad()
     def init_weights(self, seed: int, buffer_device: torch.device | None = None) -> None:

@@ -63,6 +63,9 @@ class LlamaStateDictAdapter:
     vocab_rows = ("tok_embeddings.weight", "output.weight")
     # The names both ways; a family that adds weights extends this table.
     hf_names = _TO_HF
+    # Hugging Face names (their endings) written in float32 whatever the export's dtype, as
+    # the Hugging Face model keeps them; none for Llama.
+    float32_hf_names: tuple[str, ...] = ()
 
     def __init__(self, args: LlamaArgs):
         self.args = args

@@ -23,7 +23,7 @@ The layer's parts, in the order a token meets them: args.py, router.py, experts.
 layer.py (the layer itself) and balancing.py (the auxiliary losses).
 """
 
-from titanlite.models.moe.args import BALANCE_LOSSES, SCORE_FUNCS, MoEArgs
+from titanlite.models.moe.args import BALANCE_LOSSES, MODEL_BALANCING_FIELDS, SCORE_FUNCS, MoEArgs, moe_args_of
 from titanlite.models.moe.balancing import (
     RouterStats,
     add_load_balancing_loss,
@@ -55,6 +55,7 @@ from titanlite.models.moe.router import (
 __all__ = [
     "BALANCE_LOSSES",
     "HF_EXPERT_NAMES",
+    "MODEL_BALANCING_FIELDS",
     "SCORE_FUNCS",
     "GroupedExperts",
     "MoE",
@@ -69,6 +70,7 @@ __all__ = [
     "keep_top_groups",
     "layer_balance_loss",
     "load_balancing_loss",
+    "moe_args_of",
     "moe_layers",
     "route",
     "route_logits",

@@ -47,6 +47,10 @@ class MoEArgs:
     """Weight of the router z-loss (ST-MoE's), summed over the layers."""
     bias_update_rate: float = 0.0
     """Step of the auxiliary-loss-free expert bias at each update (0: the bias stays 0)."""
+    route_by_bias: bool = False
+    """Choose experts by score plus expert bias even when bias_update_rate is 0: for a model
+    whose checkpoints carry a trained bias (DeepSeek-V3's e_score_correction_bias). False:
+    the bias takes part only while training updates it."""
 
     def __post_init__(self):
         for name in ("dim", "n_experts", "top_k", "hidden_dim", "n_groups", "topk_groups"):
@@ -93,3 +97,30 @@ class MoEArgs:
         """The largest max / mean tokens per expert a layer can reach: every token's k
         choices on the same k experts, each of which gets n_experts / top_k times the mean."""
         return self.n_experts / self.top_k
+
+
+# The model args' fields (every MoE family spells them alike, as the [model] keys that
+# override them) that give each MoEArgs field.
+_MODEL_ARGS_FIELDS = {
+    "score_func": "moe_score_func",
+    "norm_topk_prob": "norm_topk_prob",
+    "route_scale": "moe_route_scale",
+    "n_groups": "moe_n_groups",
+    "topk_groups": "moe_topk_groups",
+    "router_aux_loss_coef": "moe_aux_loss_coef",
+    "load_balance_coef": "moe_load_balance_coef",
+    "seq_balance_coef": "moe_seq_balance_coef",
+    "z_loss_coef": "moe_z_loss_coef",
+    "bias_update_rate": "moe_bias_update_rate",
+}
+
+
+# The model args' fields that only steer training (the balancing): left out of what
+# decides whether two args describe the same model, so a run may resume with others.
+MODEL_BALANCING_FIELDS = tuple(_MODEL_ARGS_FIELDS[name] for name in (*BALANCE_LOSS_COEFS, "bias_update_rate"))
+
+
+def moe_args_of(model_args, **shape) -> MoEArgs:
+    """The MoEArgs of a family's model args: the router and balancing fields they spell as
+    _MODEL_ARGS_FIELDS says, and ``shape`` (dim, n_experts, top_k, hidden_dim, ...) given as is."""
+    return MoEArgs(**shape, **{ours: getattr(model_args, theirs) for ours, theirs in _MODEL_ARGS_FIELDS.items()})

@@ -55,7 +55,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        bias = self.expert_bias if self.args.bias_update_rate > 0 else None
+        bias = self.expert_bias if self.args.bias_update_rate > 0 or self.args.route_by_bias else None
         # The router is called as a module, not read as a weight, so that parallel code can
         # change how it multiplies (tensor parallelism: by its weight's local tensor).
         logits = self.gate(tokens)

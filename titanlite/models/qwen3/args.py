@@ -3,7 +3,7 @@
 from dataclasses import asdict, dataclass, replace
 
 from titanlite.models.args import ModelArgs
-from titanlite.models.moe import MoEArgs
+from titanlite.models.moe import MODEL_BALANCING_FIELDS, MoEArgs, moe_args_of
 
 
 @dataclass(frozen=True)
@@ -92,21 +92,8 @@ class Qwen3Args(ModelArgs):
 
     def moe_args(self) -> MoEArgs:
         """The feed-forward's MoE layer: its router, and the run's load balancing."""
-        return MoEArgs(
-            dim=self.dim,
-            n_experts=self.n_experts,
-            top_k=self.top_k,
-            hidden_dim=self.moe_hidden_dim,
-            score_func=self.moe_score_func,
-            norm_topk_prob=self.norm_topk_prob,
-            route_scale=self.moe_route_scale,
-            n_groups=self.moe_n_groups,
-            topk_groups=self.moe_topk_groups,
-            router_aux_loss_coef=self.moe_aux_loss_coef,
-            load_balance_coef=self.moe_load_balance_coef,
-            seq_balance_coef=self.moe_seq_balance_coef,
-            z_loss_coef=self.moe_z_loss_coef,
-            bias_update_rate=self.moe_bias_update_rate,
+        return moe_args_of(
+            self, dim=self.dim, n_experts=self.n_experts, top_k=self.top_k, hidden_dim=self.moe_hidden_dim
         )
 
     @property
@@ -132,14 +119,7 @@ class Qwen3Args(ModelArgs):
         return Qwen3Transformer
 
 
-_NOT_ARCHITECTURE = (
-    "max_seq_len",
-    "moe_aux_loss_coef",
-    "moe_load_balance_coef",
-    "moe_seq_balance_coef",
-    "moe_z_loss_coef",
-    "moe_bias_update_rate",
-)
+_NOT_ARCHITECTURE = ("max_seq_len", *MODEL_BALANCING_FIELDS)
 
 # What the published sizes share (their config.json files): the 151,936-id vocabulary,
 # 128-wide heads, 8 key/value heads, RoPE base 1,000,000 and RMSNorm epsilon 1e-6. The three

@@ -49,10 +49,11 @@ class Qwen3Attention(Attention):
 
 class Qwen3Block(TransformerBlock):
     attention_cls = Qwen3Attention
+    attention_tp_plan = {**TransformerBlock.attention_tp_plan, "q_norm": "per_head", "k_norm": "per_head"}
 
-    def make_feed_forward(self, args: Qwen3Args) -> nn.Module:
+    def make_feed_forward(self, layer_id: int, args: Qwen3Args) -> nn.Module:
         # Qwen3-MoE: the routed experts take the dense feed-forward's place (and name).
-        return MoE(args.moe_args()) if args.is_moe else super().make_feed_forward(args)
+        return MoE(args.moe_args()) if args.is_moe else super().make_feed_forward(layer_id, args)
 
 
 class Qwen3Transformer(Transformer):

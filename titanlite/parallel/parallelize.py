@@ -14,7 +14,9 @@ The order matters and is fixed:
      leaves experts EP has split on their own mesh;
   3. activation checkpointing wraps each transformer block, so that
   4. torch.compile sees the checkpointed block and compiles recomputation (and TP's
-     collectives) with it, and
+     collectives) with it; where torch 2.13 cannot compile a checkpoint (MoE blocks, and TP
+     blocks whose checkpoint recomputes attention: apply_compile says why) it compiles the
+     block inside its wrapper instead, the wrapper still applied first; and
   5. fully_shard runs last, around the (compiled, checkpointed) blocks and then the
      root, over the mesh's data-parallel dimensions, so FSDP's all-gather/reduce-scatter
      hooks sit outside compiled code and shard the TP shards further. Experts split by EP
@@ -271,12 +273,18 @@ def _save_matmuls_and_attention(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def saves_per_op(mode: str, selective_option: str) -> bool:
+    """Whether AC keeps chosen ops' outputs (the attention's among them) in every block,
+    rather than recomputing whole blocks."""
+    return mode == "selective" and selective_option == "op"
+
+
 def apply_activation_checkpointing(layers: nn.ModuleDict, mode: str, selective_option: str) -> None:
     """Wrap blocks in place: every block (full), every N-th block (selective N), or every
     block keeping only matmul/attention outputs (selective op)."""
     if mode == "none":
         return
-    per_op = mode == "selective" and selective_option == "op"
+    per_op = saves_per_op(mode, selective_option)
     every_nth = int(selective_option) if mode == "selective" and not per_op else 1
     for index, (name, block) in enumerate(layers.named_children()):
         if index % every_nth != 0:
@@ -302,17 +310,26 @@ def keep_compiled_graphs_per_rank() -> None:
     functorch_config.enable_autograd_cache = False
 
 
-def apply_compile(layers: nn.ModuleDict) -> None:
+def apply_compile(layers: nn.ModuleDict, tp: bool, recomputes_blocks: bool) -> None:
     """Compile each block separately: blocks are identical, so one compiled graph is reused
     and FSDP's per-block hooks stay between graphs. A block with an MoE layer is compiled in
     pieces around what stays eager (the layer's counting, the float32 loop over experts,
-    expert-parallel experts' call). torch.utils.checkpoint runs eagerly as a whole when its
-    region breaks the graph, so under activation checkpointing such a block is compiled
-    inside its checkpoint wrapper, not around it."""
+    expert-parallel experts' call). ``tp``: the blocks hold DTensors; ``recomputes_blocks``:
+    a checkpointed block is recomputed whole (full or every-N-th AC, not per-op).
+
+    A checkpointed block is compiled wrapper and all, its recomputation in the compiled
+    backward, but torch 2.13 fails at that in two cases, where the block is compiled inside
+    its wrapper and torch.utils.checkpoint runs eagerly around it:
+    - an MoE block: checkpoint runs eagerly as a whole when its region breaks the graph;
+    - a TP block recomputed whole. Attention kernels are marked as drawing random numbers
+      (dropout), so the compiler saves the RNG state for the recomputation; on the CPU as
+      one more saved output, which torch places after the DeviceMesh the DTensor gradients
+      need, where only tensors are expected ("expected all tensors_saved_with_vc_check to be
+      Tensors"). CUDA passes the state otherwise; one layout on every device is what CI tests."""
     for block in layers.values():
         has_moe = any(isinstance(module, MoE) for module in block.modules())
-        if has_moe and isinstance(block, CheckpointWrapper):
-            block._checkpoint_wrapped_module.compile()
+        if isinstance(block, CheckpointWrapper) and (has_moe or (tp and recomputes_blocks)):
+            block._checkpoint_wrapped_module.compile(fullgraph=not has_moe)
         else:
             block.compile(fullgraph=not has_moe)
 
@@ -401,7 +418,8 @@ def parallelize_decoder(
     if job_config.compile.enable and tp_mesh is not None:
         keep_compiled_graphs_per_rank()
     if job_config.compile.enable and "model" in job_config.compile.components:
-        apply_compile(model.layers)
+        recomputes_blocks = not saves_per_op(ac.mode, ac.selective_ac_option)
+        apply_compile(model.layers, tp=tp_mesh is not None, recomputes_blocks=recomputes_blocks)
     # 5. FSDP over the data-parallel dimensions (the experts over what EP leaves of them).
     dp_mesh = parallel_dims.dp_mesh(mesh)
     if dp_mesh is not None:

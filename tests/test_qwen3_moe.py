@@ -368,9 +368,11 @@ def runs(hf_moe, tmp_path_factory):
         f"layout {name}": Job(2, train_and_report, ([*args, *saving.get(name, [])],))
         for name, (args, _) in TP_LAYOUTS.items()
     }
-    # Compiled MoE blocks under full activation checkpointing, float32: the per-expert loop
-    # and the counting stay eager inside the compiled blocks.
-    jobs["fsdp2 compiled full ac"] = Job(2, train_and_report, ([*fsdp2, *FULL_AC, "--compile.enable"],))
+    # Compiled MoE blocks under TP 2 with per-op activation checkpointing, float32: each block
+    # compiled inside its checkpoint wrapper, the per-expert loop, the counting and the experts'
+    # to_local eager inside it (moe_tensor_parallel.py), its forward replayed op for op.
+    tp2_per_op = ["--training.local_batch_size=8", *TP2, *BIAS, *SELECTIVE_OP]
+    jobs["tp2 compiled selective ac op"] = Job(2, train_and_report, ([*tp2_per_op, "--compile.enable"],))
     # Its last checkpoint is the sigmoid router's that the export must refuse.
     router_dump = dump("router_reference")
     jobs["router reference"] = Job(1, train_balanced, ([*ROUTER, "--checkpoint.enable"], router_dump))
@@ -467,8 +469,8 @@ def test_the_bias_update_sums_counts_without_a_host_sync(runs, layout):
         assert {"c10d.allreduce_", "aten.sign"} <= rank_run["ops"]  # the mode saw the update run
 
 
-def test_compiled_moe_blocks_under_full_checkpointing_match_single_process(runs):
-    for rank_run in runs["fsdp2 compiled full ac"]:
+def test_compiled_moe_blocks_under_tp_and_per_op_checkpointing_match_single_process(runs):
+    for rank_run in runs["tp2 compiled selective ac op"]:
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-4)  # test_parity's bound for compiled runs
 
 

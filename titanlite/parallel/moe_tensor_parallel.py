@@ -104,8 +104,17 @@ class _ExpertsOnLocalWeights(GroupedExperts):
     this rank's rows only."""
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local_weight(weight) for weight in (self.w1, self.w2, self.w3))
-        return swiglu_experts(x, counts, w1, w2, w3, self.use_grouped_mm)
+        return swiglu_experts(x, counts, *_local_expert_weights(self), self.use_grouped_mm)
+
+
+# Eager also inside a compiled block. The float32 loop over experts breaks the graph after the
+# weights are taken local, and a compiled piece that hands a DTensor's local tensor across a
+# break marks the very tensor the DTensor holds as requiring grad (torch 2.13): the next call
+# recompiles, so per-op AC's recomputation met another graph than its forward and failed
+# ("aten._unsafe_view.default ... not found in storage"). Taken eagerly, they are fresh views.
+@torch.compiler.disable
+def _local_expert_weights(experts: GroupedExperts) -> tuple[torch.Tensor, ...]:
+    return tuple(_local_weight(weight) for weight in (experts.w1, experts.w2, experts.w3))
 
 
 class _SumOverRanks(torch.autograd.Function):

@@ -201,6 +201,9 @@ DEEPSEEK_LAYOUTS = {
     "ep2_full_ac": (2, [*batch(2), *EP2, *FULL_AC]),
     "tp2": (2, [*batch(1), *TP2]),
     "ep2_tp2": (4, EP2_TP2),
+    # Latent attention's keys (every head's) and values all-gathered over cp, its kernel run
+    # on each TP rank's heads.
+    "cp2_tp2": (4, [*batch(1), "--parallelism.context_parallel_degree=2", *TP2]),
 }
 
 

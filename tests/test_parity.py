@@ -87,6 +87,8 @@ NO_LP = ["--parallelism.disable_loss_parallel"]
 FULL_AC = ["--activation_checkpoint.mode=full"]
 SELECTIVE_2ND = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]
 SELECTIVE_OP = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
+CP2 = ["--parallelism.context_parallel_degree=2"]
+NO_LOAD_BALANCER = ["--parallelism.context_parallel_load_balancer=none"]
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size=4"]),
@@ -112,6 +114,15 @@ LAYOUTS = {
     "tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC]),
     "tp2_ddp2_selective_ac_every_2nd_accum": (4, ["--training.local_batch_size=2", *TP2, *REPLICATE2, *SELECTIVE_2ND]),
     "tp2_ddp2_no_sp_no_lp": (4, ["--training.local_batch_size=4", *TP2, *REPLICATE2, *NO_SP, *NO_LP]),
+    # Context parallelism: each sequence split over the cp ranks (headtail, or contiguous
+    # chunks), alone, with FSDP, with TP (sequence parallel splitting each cp chunk further)
+    # and over 4 ranks (8 chunks of 4 tokens), where activation checkpointing recomputes the
+    # all-gathers.
+    "cp2": (2, ["--training.local_batch_size=8", *CP2]),
+    "cp2_no_load_balancer_accum": (2, ["--training.local_batch_size=4", *CP2, *NO_LOAD_BALANCER]),
+    "cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2]),
+    "cp2_tp2": (4, ["--training.local_batch_size=8", *CP2, *TP2]),
+    "cp4_full_ac": (4, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=4", *FULL_AC]),
 }
 
 
@@ -126,7 +137,12 @@ def test_layout_matches_single_process(runs, layout):
 # the other 2 (the 2-rank TP cases are in test_qwen3_moe's launch).
 TINY_MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
 MOE_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *TINY_MOE],))
-MOE_LAYOUTS = {"tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE])}
+MOE_LAYOUTS = {
+    "tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE]),
+    # Qwen3's per-head q/k norms and its MoE layers with each sequence split over cp (every
+    # rank routes its chunks; the balancing loss and counts add up over the ranks).
+    "cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2, *TINY_MOE]),
+}
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)

@@ -125,6 +125,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             ep=parallelism.expert_parallel_degree,
+            cp=parallelism.context_parallel_degree,
         )
         pipeline = None
         if parallel_dims.pp > 1:
@@ -138,6 +139,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
     if parallel_dims.ep > 1:
         check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
+    check_context_parallel(job_config, model_args, parallel_dims)
     if pipeline is not None:
         check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
@@ -170,7 +172,9 @@ def check_pipeline_validation(job_config: JobConfig) -> None:
 _FSDP = ("FSDP (more than one data-parallel rank)", lambda dims: dims.fsdp_applied)
 _TP = ("tensor parallelism (parallelism.tensor_parallel_degree > 1)", lambda dims: dims.tp > 1)
 _PP = ("pipeline parallelism (parallelism.pipeline_parallel_degree > 1)", lambda dims: dims.pp > 1)
+_CP = ("context parallelism (parallelism.context_parallel_degree > 1)", lambda dims: dims.cp > 1)
 LAYOUT_KEYS = {
+    "parallelism.context_parallel_load_balancer": _CP,
     "parallelism.pipeline_parallel_schedule": _PP,
     "parallelism.pipeline_parallel_microbatch_size": _PP,
     "parallelism.pipeline_parallel_layers_per_stage": _PP,
@@ -208,9 +212,7 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     if tp > 1 and (sequence_parallel or moe):
         # Sequence parallel splits every sequence into tp equal slices, and so does an MoE
         # layer under TP, each rank routing its own slice (parallel/moe_tensor_parallel.py).
-        lengths = {"training.seq_len": job_config.training.seq_len}
-        if job_config.validation.enable and job_config.validation.seq_len != -1:
-            lengths["validation.seq_len"] = job_config.validation.seq_len
+        lengths = _checked_seq_lens(job_config)
         why = "sequence parallel; change it or set parallelism.enable_sequence_parallel = false"
         if moe:
             why = "an MoE model: each TP rank routes an equal slice of every sequence"
@@ -233,6 +235,41 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     ]
     if missing:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
+
+
+def _checked_seq_lens(job_config: JobConfig) -> dict[str, int]:
+    """The sequence lengths a run's batches have, by key: training's, and validation's when set."""
+    lengths = {"training.seq_len": job_config.training.seq_len}
+    if job_config.validation.enable and job_config.validation.seq_len != -1:
+        lengths["validation.seq_len"] = job_config.validation.seq_len
+    return lengths
+
+
+def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
+    """Every sequence must cut into the cp ranks' equal chunks (2 x cp of them for headtail), each
+    then split evenly over the TP ranks where sequence parallelism or an MoE layer splits it; and
+    the model's attention must have the kernel module context parallelism replaces."""
+    if dims.cp == 1:
+        return
+    parallelism = job_config.parallelism
+    model_cls = get_model_spec(job_config.model.name).model_cls
+    if getattr(model_cls.block_cls.attention_cls, "kernel_name", None) is None:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree ({dims.cp}): {job_config.model.name}'s attention has no kernel "
+            "module context parallelism can take over; use 1"
+        )
+    headtail = parallelism.context_parallel_load_balancer == "headtail"
+    chunks = 2 * dims.cp if headtail else dims.cp
+    splits_over_tp = dims.tp > 1 and (parallelism.enable_sequence_parallel or getattr(model_args, "is_moe", False))
+    multiple = chunks * (dims.tp if splits_over_tp else 1)
+    why = f"{'2 x ' if headtail else ''}parallelism.context_parallel_degree ({dims.cp})"
+    if splits_over_tp:
+        why += f" x parallelism.tensor_parallel_degree ({dims.tp}), each cp chunk split over the TP ranks"
+    if headtail:
+        why += " for the headtail load balancer"
+    for key, seq_len in _checked_seq_lens(job_config).items():
+        if seq_len % multiple != 0:
+            raise ConfigError(f"{key} ({seq_len}) must be a multiple of {why}")
 
 
 def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:

@@ -1,0 +1,109 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks of a group.
+
+The cp ranks of a group read the same sequences; each keeps some chunks of every sequence
+(its columns, ``sequence_positions``) and runs the whole model on them. Everything but
+attention works token by token, so only attention must see the rest of the sequence: in
+every layer each rank all-gathers the keys and values of the whole sequence over the cp
+group (its key/value heads only, before grouped-query attention copies them to the query
+heads) and attends its own queries over them, masked by global position. The all-gather is
+autograd's (torch.distributed._functional_collectives), whose backward reduce-scatters the
+keys' and values' gradients back to the ranks that computed them.
+
+Causal attention makes late queries costlier than early ones; the headtail load balancer
+cuts a sequence into 2 x cp chunks and gives rank r chunks r and 2 cp - 1 - r, so every rank
+holds the same amount of attention work. Without it (none) rank r holds chunk r of cp.
+
+The model learns of this through its seams only (no model imports this file): its
+``token_positions`` (the global positions RoPE turns tokens by) and each attention's kernel
+module (models/attention.py), which ContextParallelKernel replaces.
+"""
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import all_gather_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+
+from titanlite.models.attention import attend
+from titanlite.models.moe import moe_layers
+from titanlite.parallel.moe_tensor_parallel import split_tokens_over
+
+
+def sequence_positions(seq_len: int, cp: int, cp_rank: int, headtail: bool) -> torch.Tensor:
+    """The positions (int64, ascending) of a ``seq_len``-token sequence that cp rank ``cp_rank``
+    keeps: chunks r and 2 cp - 1 - r of 2 cp under headtail, else chunk r of cp."""
+    chunks = 2 * cp if headtail else cp
+    if seq_len % chunks != 0:
+        raise ValueError(f"a sequence of {seq_len} tokens does not cut into {chunks} equal chunks")
+    size = seq_len // chunks
+    kept = (cp_rank, chunks - 1 - cp_rank) if headtail else (cp_rank,)
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in kept])
+
+
+class SequenceSplit:
+    """How this rank's part of every sequence is chosen: its cp degree, rank and load balancer.
+    ``columns`` picks a batch's columns; ``local_positions`` and ``gathered_positions`` give the
+    global positions of this rank's tokens and of the all-gathered keys, from the local length."""
+
+    def __init__(self, cp: int, cp_rank: int, headtail: bool):
+        self.cp, self.cp_rank, self.headtail = cp, cp_rank, headtail
+
+    def columns(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``batch`` [rows, seq_len]: its chunks of every row, in position order."""
+        positions = sequence_positions(batch.shape[1], self.cp, self.cp_rank, self.headtail)
+        return batch[:, positions.to(batch.device)].contiguous()
+
+    def local_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
+        return sequence_positions(local_len * self.cp, self.cp, self.cp_rank, self.headtail).to(device)
+
+    def gathered_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """Global positions of the all-gathered keys: every cp rank's in rank order."""
+        seq_len = local_len * self.cp
+        ranks = [sequence_positions(seq_len, self.cp, rank, self.headtail) for rank in range(self.cp)]
+        return torch.cat(ranks).to(device)
+
+
+class ContextParallelKernel(nn.Module):
+    """The attention kernel under context parallelism: all-gathers the keys and values over the
+    cp group along the sequence, then attends this rank's queries with a causal mask from
+    global positions (a key is seen by the queries at or after its position)."""
+
+    def __init__(self, scale: float | None, cp_mesh: DeviceMesh, split: SequenceSplit):
+        super().__init__()
+        self.scale = scale
+        self.cp_mesh = cp_mesh
+        self.split = split
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [batch, heads, seq, features]: gather along dimension 2, the kv heads only.
+        group = self.cp_mesh.get_group()
+        k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
+        v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
+        local_len = q.shape[2]
+        q_positions = self.split.local_positions(local_len, q.device)
+        kv_positions = self.split.gathered_positions(local_len, q.device)
+        mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+        return attend(q, k, v, mask=mask, scale=self.scale)
+
+
+def sequence_split(parallel_dims, mesh: DeviceMesh | None, load_balancer: str) -> SequenceSplit | None:
+    """This rank's SequenceSplit in ``mesh`` (parallelism.context_parallel_load_balancer:
+    ``load_balancer``), or None without context parallelism."""
+    cp_mesh = parallel_dims.cp_mesh(mesh)
+    if cp_mesh is None:
+        return None
+    return SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank(), load_balancer == "headtail")
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, split: SequenceSplit) -> None:
+    """Make ``model`` (a whole decoder or one pipeline stage of it) run on this rank's chunks
+    of each sequence, as ``split`` chooses them (the data loader applies the same split to every
+    batch): RoPE at global positions, and every attention's kernel replaced by
+    ContextParallelKernel over ``cp_mesh``. Each MoE layer routes this rank's tokens only: its
+    balancing losses' terms (per-sequence ones too) are summed over cp, as over tp."""
+    model.token_positions = split.local_positions
+    for block in model.layers.values():
+        attention = block.attention
+        kernel = getattr(attention, attention.kernel_name)
+        setattr(attention, attention.kernel_name, ContextParallelKernel(kernel.scale, cp_mesh, split))
+    for moe in moe_layers(model):
+        split_tokens_over(moe, cp_mesh)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, full_weights, tiny_args
 from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_document_mask import SHORT_DOCUMENTS, block_causal_logits_at_cp2
 from titanlite.config import parse_args
 from titanlite.models.llama.model import Attention
 from titanlite.parallel import clip_grad_norm_
@@ -149,6 +150,30 @@ MOE_LAYOUTS = {
 def test_moe_layout_matches_single_process(runs, layout):
     for rank_run in runs[f"moe layout {layout}"]:
         assert_same_training(rank_run, runs["moe reference"][0], rtol=1e-5)
+
+
+# Document masking: CP 2 (each rank's chunks masked by global positions and the documents of
+# the whole sequence) trains like one process, and its logits equal each document run alone.
+BLOCK_CAUSAL = ["--model.attn_mask_type=block_causal", *SHORT_DOCUMENTS]
+BLOCK_CAUSAL_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *BLOCK_CAUSAL],))
+# The same short documents without the mask: the mask must change the training.
+CAUSAL_ON_SHORT_DOCUMENTS = Job(1, train_and_report, ([*REFERENCE.args[0], *SHORT_DOCUMENTS],))
+BLOCK_CAUSAL_LAYOUTS = {"cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2, *BLOCK_CAUSAL])}
+
+
+@pytest.mark.parametrize("layout", BLOCK_CAUSAL_LAYOUTS)
+def test_block_causal_layout_matches_single_process(runs, layout):
+    reference = runs["block causal reference"][0]
+    causal = runs["causal on short documents"][0]
+    assert max(abs(a - b) for a, b in zip(reference["loss"], causal["loss"], strict=True)) > 1e-3
+    for rank_run in runs[f"block causal {layout}"]:
+        assert_same_training(rank_run, reference, rtol=1e-5)
+
+
+def test_block_causal_logits_at_cp2_equal_each_document_run_separately(runs):
+    first, second = runs["block causal logits cp2"]
+    assert sorted(first["positions"] + second["positions"]) == list(range(32))
+    assert max(first["difference"], second["difference"]) < 1e-5
 
 
 COMPILED_LAYOUTS = {
@@ -388,6 +413,10 @@ RUNS = {
         for name, (n, extra, _) in FLOAT8_LAYOUTS.items()
     },
     **{f"moe layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in MOE_LAYOUTS.items()},
+    "block causal reference": BLOCK_CAUSAL_REFERENCE,
+    "causal on short documents": CAUSAL_ON_SHORT_DOCUMENTS,
+    **{f"block causal {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in BLOCK_CAUSAL_LAYOUTS.items()},
+    "block causal logits cp2": Job(2, block_causal_logits_at_cp2),
     "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
     "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),
     **{f"sharding {n}": Job(n, sharding_report, (batch_per_rank(n),)) for n in (2, 4)},

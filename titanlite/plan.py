@@ -140,6 +140,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
     check_context_parallel(job_config, model_args, parallel_dims)
+    check_document_mask(job_config, tokenizer, parallel_dims)
     if pipeline is not None:
         check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
@@ -272,6 +273,23 @@ def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims
             raise ConfigError(f"{key} ({seq_len}) must be a multiple of {why}")
 
 
+def check_document_mask(job_config: JobConfig, tokenizer, dims: ParallelDims) -> None:
+    """block_causal needs the tokenizer's end-of-document token, and every forward its tokens:
+    a pipeline stage after the first gets hidden states only."""
+    if job_config.model.attn_mask_type != "block_causal":
+        return
+    if tokenizer.eos_id is None:
+        raise ConfigError(
+            'model.attn_mask_type = "block_causal" needs an end-of-document token, and the tokenizer of '
+            f"model.hf_assets_path ({job_config.model.hf_assets_path}) names no eos_token"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            'model.attn_mask_type = "block_causal" does not work with parallelism.pipeline_parallel_degree '
+            f"({dims.pp}) yet: the later stages do not see the tokens that mark the documents"
+        )
+
+
 def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
     """Expert parallelism against the model's MoE layers, read from the model itself (built
     on the meta device, so no model's args are named here): it needs experts, as many on
@@ -395,6 +413,8 @@ def build_model(
     fake tensors). ``stage_modules``: build only the part of one pipeline stage, the modules it
     names."""
     model = meta_model(job_config, plan.model_args)
+    if job_config.model.attn_mask_type == "block_causal":
+        model.document_end_id = plan.tokenizer.eos_id  # checked by check_document_mask
     if stage_modules is not None:
         prune_to_stage(model, stage_modules)
     # Converters change the modules parallelisation wraps and splits (float8's TP styles), so they come first.

@@ -36,6 +36,12 @@ class Model:
     hf_assets_path: str | None = None
     """Folder (or file) holding a Hugging Face tokenizer.json; unset means the built-in byte tokenizer."""
 
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Attention's mask in training and validation: causal (every earlier token of the window) or block_causal (only
+    the earlier tokens of the same document, documents ending at the tokenizer's end-of-document token, which the data
+    pipeline puts after each). On CPU through SDPA with a boolean mask, on CUDA through FlexAttention. Not with pipeline
+    parallelism. Export is unchanged: transformers does not mask documents."""
+
     converters: list[str] = field(default_factory=list)
     """Changes made to the model before it is parallelised: float8 (torchtitan 0.2 also spells it
     quantize.linear.float8) trains its linear layers in float8 through torchao, as [quantize.linear.float8] says;

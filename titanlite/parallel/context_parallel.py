@@ -18,12 +18,15 @@ The model learns of this through its seams only (no model imports this file): it
 module (models/attention.py), which ContextParallelKernel replaces.
 """
 
+from functools import partial
+
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlite.models.attention import attend
+from titanlite.models.attention import Documents, attend, attend_documents
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.moe_tensor_parallel import split_tokens_over
 
@@ -61,17 +64,29 @@ class SequenceSplit:
         ranks = [sequence_positions(seq_len, self.cp, rank, self.headtail) for rank in range(self.cp)]
         return torch.cat(ranks).to(device)
 
+    def whole_sequence(self, tokens: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
+        """The whole sequences of which ``tokens`` [batch, local_len] are this rank's chunks,
+        gathered over ``cp_mesh`` (plain ids, no gradient), in position order."""
+        local = tokens.t().contiguous()  # all_gather_into_tensor stacks along dimension 0
+        gathered = local.new_empty(local.shape[0] * self.cp, local.shape[1])
+        dist.all_gather_into_tensor(gathered, local, group=cp_mesh.get_group())
+        whole = torch.empty_like(gathered)
+        whole[self.gathered_positions(tokens.shape[1], tokens.device)] = gathered
+        return whole.t()
+
 
 class ContextParallelKernel(nn.Module):
     """The attention kernel under context parallelism: all-gathers the keys and values over the
     cp group along the sequence, then attends this rank's queries with a causal mask from
-    global positions (a key is seen by the queries at or after its position)."""
+    global positions (a key is seen by the queries at or after its position), within each
+    document too when ``documents`` holds the batch's (their ids cover whole sequences)."""
 
-    def __init__(self, scale: float | None, cp_mesh: DeviceMesh, split: SequenceSplit):
+    def __init__(self, scale: float | None, cp_mesh: DeviceMesh, split: SequenceSplit, documents: Documents | None):
         super().__init__()
         self.scale = scale
         self.cp_mesh = cp_mesh
         self.split = split
+        self.documents = documents
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # [batch, heads, seq, features]: gather along dimension 2, the kv heads only.
@@ -82,7 +97,11 @@ class ContextParallelKernel(nn.Module):
         q_positions = self.split.local_positions(local_len, q.device)
         kv_positions = self.split.gathered_positions(local_len, q.device)
         mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-        return attend(q, k, v, mask=mask, scale=self.scale)
+        ids = self.documents.ids if self.documents is not None else None
+        if ids is None:
+            return attend(q, k, v, mask=mask, scale=self.scale)
+        q_documents, kv_documents = ids[:, q_positions], ids[:, kv_positions]
+        return attend_documents(q, k, v, mask, self.scale, q_positions, kv_positions, q_documents, kv_documents)
 
 
 def sequence_split(parallel_dims, mesh: DeviceMesh | None, load_balancer: str) -> SequenceSplit | None:
@@ -101,9 +120,11 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, split: Sequenc
     ContextParallelKernel over ``cp_mesh``. Each MoE layer routes this rank's tokens only: its
     balancing losses' terms (per-sequence ones too) are summed over cp, as over tp."""
     model.token_positions = split.local_positions
+    model.whole_sequence = partial(split.whole_sequence, cp_mesh=cp_mesh)
     for block in model.layers.values():
         attention = block.attention
         kernel = getattr(attention, attention.kernel_name)
-        setattr(attention, attention.kernel_name, ContextParallelKernel(kernel.scale, cp_mesh, split))
+        replacement = ContextParallelKernel(kernel.scale, cp_mesh, split, kernel.documents)
+        setattr(attention, attention.kernel_name, replacement)
     for moe in moe_layers(model):
         split_tokens_over(moe, cp_mesh)

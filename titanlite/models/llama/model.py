@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from titanlite.models.attention import AttentionKernel
+from titanlite.models.attention import AttentionKernel, Documents, document_ids
 from titanlite.models.init import fill_normal_, fill_trunc_normal_
 from titanlite.models.llama.args import LlamaArgs
 
@@ -213,12 +213,25 @@ class Transformer(nn.Module):
         # [seq_len], or None for 0 .. seq_len - 1. Context parallelism sets it: each rank then
         # holds chunks of longer sequences, and RoPE must turn each token by where it stands.
         self.token_positions = None
+        # Document masking (block_causal): the end-of-document token id, set by whoever builds
+        # the model for training, or None for plain causal attention. The forward finds each
+        # token's document and shares them with every attention kernel through `documents`.
+        # whole_sequence (context parallelism sets it): this rank's tokens -> the whole
+        # sequences', whose documents the chunks' tokens alone do not tell.
+        self.document_end_id: int | None = None
+        self.whole_sequence = None
+        self.documents = Documents()
+        for block in self.layers.values():
+            getattr(block.attention, block.attention.kernel_name).documents = self.documents
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]. A pipeline stage without the
         embedding takes the previous stage's hidden state instead of tokens, and one without
         the output returns its hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.document_end_id is not None:  # block_causal; a stage without tokens is refused
+            whole = tokens if self.whole_sequence is None else self.whole_sequence(tokens)
+            self.documents.ids = document_ids(whole, self.document_end_id)
         cos, sin = self.rope_cos, self.rope_sin
         if self.token_positions is not None:
             positions = self.token_positions(tokens.shape[1], cos.device)

@@ -91,6 +91,9 @@ LAYOUTS = {
     # EP borrows the TP ranks: each TP rank routes its half of the sequence and holds 2 of the
     # 4 experts, with no data parallelism (and so no FSDP) at all.
     "ep2_over_tp2": (2, [*batch(1), *EP2, "--parallelism.tensor_parallel_degree=2"]),
+    # EP borrows the cp ranks: each routes its chunks of every sequence and holds 2 experts;
+    # the balancing losses' terms sum over cp, the bias's counts over dp_shard x cp.
+    "ep2_over_cp2": (2, [*batch(1), *EP2, "--parallelism.context_parallel_degree=2"]),
 }
 
 

@@ -188,8 +188,10 @@ def test_context_parallel_is_a_dimension_that_fsdp_shards_over():
     assert (dims.dp_degree, dims.fsdp_applied, dims.strategy) == (1, True, "CP")
     with pytest.raises(ValueError, match=r"context_parallel_degree \(3\) must divide the world size \(4\)"):
         ParallelDims.resolve(1, -1, 4, cp=3)
-    with pytest.raises(ValueError, match=r"expert_parallel_degree \(2\) with .*context_parallel_degree \(2\)"):
-        ParallelDims.resolve(1, -1, 4, cp=2, ep=2)
+    dims = ParallelDims.resolve(1, -1, 4, cp=2, ep=2)  # EP borrows the cp ranks, then shard ranks
+    assert (dims.expert_fsdp, dims.strategy) == (2, "FSDP + CP + EP")
+    with pytest.raises(ValueError, match=r"expert_parallel_degree \(2\) with .*context_parallel_degree \(2\) .*tensor"):
+        ParallelDims.resolve(1, -1, 8, cp=2, ep=2, tp=2)
 
 
 @pytest.mark.parametrize(

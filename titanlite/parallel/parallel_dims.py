@@ -87,9 +87,12 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        problem = ep_problem(ep, dp_shard, tp)
-        if problem is None and ep > 1 and cp > 1:
-            problem = f"parallelism.expert_parallel_degree ({ep}) with {names[4]} ({cp}): not supported yet; use one"
+        problem = ep_problem(ep, dp_shard * cp, tp)
+        if problem is None and ep > 1 and cp > 1 and (tp > 1 or dp_replicate > 1):
+            problem = (
+                f"parallelism.expert_parallel_degree ({ep}) with {names[4]} ({cp}) borrows the shard and cp ranks "
+                f"only: not with {names[2] if tp > 1 else names[0]} above 1 yet"
+            )
         if problem is not None:
             raise ValueError(problem)
         return cls(dp_replicate, dp_shard, world_size, tp, pp, ep, cp)
@@ -102,8 +105,9 @@ class ParallelDims:
     @property
     def expert_fsdp(self) -> int:
         """The ranks FSDP shards each rank's experts over under expert parallelism (efsdp):
-        the shard ranks holding the same experts, dp_shard / ep_shard."""
-        return self.dp_shard // self.ep_shard
+        the shard ranks holding the same experts, dp_shard / ep_shard (dp_shard x cp / ep under
+        context parallelism, whose ranks route tokens of their own like shard ranks)."""
+        return self.dp_shard * self.cp // self.ep_shard
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -164,7 +168,12 @@ class ParallelDims:
         expert_fsdp_mesh read the view. Both are made once, here, because unflattening and
         flattening create process groups on every call."""
         mesh = self._build_layout_mesh(device_type)
-        if mesh is not None and self.ep > 1:
+        if mesh is not None and self.ep > 1 and self.cp > 1:
+            # The ep groups are consecutive ranks of dp_shard x cp (the cp ranks first): the
+            # flattened shard mesh split into (efsdp, ep). Only without TP and replicas.
+            view = self.dp_mesh(mesh)._unflatten(0, (self.expert_fsdp, self.ep), EXPERT_MESH_DIMS)
+            setattr(mesh, _EXPERT_VIEW, (view, view["ep"]))
+        elif mesh is not None and self.ep > 1:
             names = EXPERT_MESH_DIMS_UNDER_TP if self.tp > 1 else EXPERT_MESH_DIMS
             view = mesh._unflatten("dp_shard", (self.expert_fsdp, self.ep_shard), names)
             ep_mesh = view["ep_shard", "tp"]._flatten("ep") if self.tp > 1 else view["ep"]

@@ -66,12 +66,26 @@ def run_model_args(job_config: JobConfig, tokenizer=None):
     flavor = get_model_args(job_config.model.name, job_config.model.flavor)
     vocab_size = model_vocab_size(job_config, flavor.vocab_size, tokenizer)
     sized = replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
+    sized = with_rope_scaling(job_config, sized)
     chosen = moe_overrides(job_config, flavor)
     try:
         return replace(sized, **{MOE_KEYS[key]: value for key, value in chosen.items()})
     except ValueError as error:  # the model args' own check of the router's options
         keys = ", ".join(f"model.{key} = {value_text(job_config, f'model.{key}')}" for key in chosen)
         raise ConfigError(f"{keys}: {error}") from None
+
+
+def with_rope_scaling(job_config: JobConfig, args):
+    """``args`` with the RoPE scaling [model] sets for context extension, if it sets one."""
+    model = job_config.model
+    if model.rope_scaling_factor is None:
+        if model.rope_original_seq_len is not None:
+            raise ConfigError("model.rope_original_seq_len applies with model.rope_scaling_factor only; set both")
+        return args
+    try:
+        return args.with_rope_scaling(model.rope_scaling_factor, model.rope_original_seq_len)
+    except ValueError as error:
+        raise ConfigError(f"model.rope_scaling_factor ({model.rope_scaling_factor}): {error}") from None
 
 
 def moe_overrides(job_config: JobConfig, flavor_args) -> dict:

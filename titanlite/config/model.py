@@ -42,6 +42,15 @@ class Model:
     pipeline puts after each). On CPU through SDPA with a boolean mask, on CUDA through FlexAttention. Not with pipeline
     parallelism. Export is unchanged: transformers does not mask documents."""
 
+    rope_scaling_factor: float | None = ranged(POSITIVE_OR_UNSET, default=None)
+    """Context extension: stretch RoPE for a context this many times longer than rope_original_seq_len, with the
+    family's scaling (Llama 3.1's for llama2/llama3, YaRN for deepseek_v3; qwen3 has none). A checkpoint of the same
+    model at another scaling (a short-context phase's) resumes with this one. Unset: the flavor's scaling, if any."""
+
+    rope_original_seq_len: int | None = ranged(POSITIVE_OR_UNSET, default=None)
+    """With rope_scaling_factor: the context length the model was trained at before the extension. Unset: the
+    flavor's scaling's, else training.seq_len / rope_scaling_factor."""
+
     converters: list[str] = field(default_factory=list)
     """Changes made to the model before it is parallelised: float8 (torchtitan 0.2 also spells it
     quantize.linear.float8) trains its linear layers in float8 through torchao, as [quantize.linear.float8] says;

@@ -8,9 +8,12 @@ import torch.distributed as dist
 from tests.helpers import tiny_args
 from tests.multiprocess import run_on_ranks
 from titanlite.config import ConfigError, parse_args
+from titanlite.models.deepseek_v3.model import LatentAttention
+from titanlite.models.llama.model import Attention
 from titanlite.parallel import ParallelDims
-from titanlite.parallel.context_parallel import SequenceSplit, sequence_positions
+from titanlite.parallel.context_parallel import SequenceSplit, kv_gather_line, sequence_positions
 from titanlite.plan import plan_run, unused_layout_keys
+from titanlite.registry import get_model_args
 from titanlite.train import main
 
 
@@ -224,3 +227,13 @@ def test_cp_ranks_keep_head_and_tail_chunks_and_together_the_whole_sequence():
     assert split.columns(batch).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     assert split.local_positions(4).tolist() == [2, 3, 4, 5]
     assert split.gathered_positions(4).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+def test_the_start_up_line_counts_the_gathered_key_value_heads():
+    llama = get_model_args("llama3", "tiny")  # 2 key/value heads of 16: 64 numbers per token
+    line = kv_gather_line(llama, Attention, 4, 2**16, tp=2, cp=4, dtype_bytes=2)
+    assert "keys and values of 16.0 MiB per micro-batch (12.0 MiB from the other ranks" in line
+    deepseek = get_model_args("deepseek_v3", "tiny")  # every head's key and value
+    width = deepseek.n_heads * (deepseek.qk_head_dim + deepseek.v_head_dim)
+    expected = 4 * 2**16 * width * 2 / 2**20
+    assert f"{expected:,.1f} MiB per micro-batch" in kv_gather_line(deepseek, LatentAttention, 4, 2**16, 1, 2, 2)

@@ -35,12 +35,13 @@ from titanlite.parallel import (
     use_collective_timeout,
     world_size_from_env,
 )
-from titanlite.parallel.context_parallel import sequence_split
+from titanlite.parallel.context_parallel import kv_gather_line, sequence_split
 from titanlite.parallel.expert_parallel import expert_parallel_summary
 from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.quantize import check_float8_run
+from titanlite.registry import get_model_spec
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -187,6 +188,10 @@ def log_built_model(
     experts = expert_parallel_summary(parts, dims.expert_fsdp, dims.dp_replicate)
     if experts is not None:
         logger.info("rank %d: %s", rank, experts)
+    if dims.cp > 1 and rank == 0:
+        attention = get_model_spec(job_config.model.name).model_cls.block_cls.attention_cls
+        batch, dtype_bytes = training.local_batch_size, DTYPES[training.mixed_precision_param].itemsize
+        logger.info(kv_gather_line(plan.model_args, attention, batch, training.seq_len, dims.tp, dims.cp, dtype_bytes))
     if pipeline is not None:
         log_stages(plan.pipeline, pipeline.stage_indices, parts, rank)
     dtype_probe = ComputeDtypeProbe(parts, DTYPES[training.mixed_precision_param])

@@ -128,3 +128,16 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, split: Sequenc
         setattr(attention, attention.kernel_name, replacement)
     for moe in moe_layers(model):
         split_tokens_over(moe, cp_mesh)
+
+
+def kv_gather_line(model_args, attention_cls, local_batch_size: int, seq_len: int, tp: int, cp: int, dtype_bytes: int):
+    """The start-up line on the keys and values each attention layer all-gathers under
+    context parallelism: the whole sequence's (held while the layer runs) and what arrives
+    from the other cp ranks, per micro-batch, from the kernel's width (its TP rank's heads)."""
+    whole = local_batch_size * seq_len * attention_cls.kernel_kv_features(model_args) // tp * dtype_bytes
+    received = whole * (cp - 1) // cp
+    return (
+        f"context parallel over {cp} ranks: each attention layer all-gathers keys and values of "
+        f"{whole / 2**20:,.1f} MiB per micro-batch ({received / 2**20:,.1f} MiB from the other ranks, "
+        "the same again reduce-scattered in backward)"
+    )

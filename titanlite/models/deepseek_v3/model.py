@@ -132,6 +132,12 @@ class LatentAttention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
         self.attend = AttentionKernel(softmax_scale(args))
 
+    @staticmethod
+    def kernel_kv_features(args: DeepSeekV3Args) -> int:
+        """Numbers per token of the keys and values the kernel takes: every head's (the latent
+        expanded, each key with the shared rope part)."""
+        return args.n_heads * (args.qk_head_dim + args.v_head_dim)
+
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> the queries, flat per token (heads x qk_head_dim)."""
         if self.args.q_lora_rank:

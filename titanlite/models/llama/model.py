@@ -96,6 +96,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.attend = AttentionKernel()
 
+    @staticmethod
+    def kernel_kv_features(args: LlamaArgs) -> int:
+        """Numbers per token of the keys and values the kernel takes (its key/value heads)."""
+        return 2 * args.kv_heads * args.head_dim
+
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of x, each [batch, seq, heads, head_dim], before RoPE."""
         batch, seq_len, _ = x.shape

@@ -170,6 +170,23 @@ def test_block_causal_layout_matches_single_process(runs, layout):
         assert_same_training(rank_run, reference, rtol=1e-5)
 
 
+def held_out_loss(extra_args: list[str]) -> dict:
+    """The held-out loss of the freshly initialised model (the same weights in every layout)."""
+    validation = ["--validation.enable", "--validation.steps=2", "--validation.local_batch_size=4"]
+    trainer = Trainer(parse_args(BASE_ARGS + validation + extra_args))
+    result = trainer.validator.validate(trainer.model)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def test_the_held_out_loss_under_cp_is_one_processs(runs):
+    reference = runs["held out 1"][0]
+    for rank_result in runs["held out cp2_fsdp2"]:  # each rank's chunks' losses and tokens add up
+        assert rank_result["tokens"] == reference["tokens"] == 2 * 4 * 32
+        assert rank_result["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
 def test_block_causal_logits_at_cp2_equal_each_document_run_separately(runs):
     first, second = runs["block causal logits cp2"]
     assert sorted(first["positions"] + second["positions"]) == list(range(32))
@@ -417,6 +434,10 @@ RUNS = {
     "causal on short documents": CAUSAL_ON_SHORT_DOCUMENTS,
     **{f"block causal {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in BLOCK_CAUSAL_LAYOUTS.items()},
     "block causal logits cp2": Job(2, block_causal_logits_at_cp2),
+    "held out 1": Job(1, held_out_loss, (["--training.local_batch_size=8"],)),
+    "held out cp2_fsdp2": Job(
+        4, held_out_loss, (["--training.local_batch_size=4", "--validation.local_batch_size=2", *CP2],)
+    ),
     "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
     "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),
     **{f"sharding {n}": Job(n, sharding_report, (batch_per_rank(n),)) for n in (2, 4)},

@@ -193,6 +193,8 @@ def test_context_parallel_is_a_dimension_that_fsdp_shards_over():
         ParallelDims.resolve(1, -1, 4, cp=3)
     dims = ParallelDims.resolve(1, -1, 4, cp=2, ep=2)  # EP borrows the cp ranks, then shard ranks
     assert (dims.expert_fsdp, dims.strategy) == (2, "FSDP + CP + EP")
+    with pytest.raises(ValueError, match=r"\(4\) must divide .*shard_degree x context_parallel_degree \(2\)"):
+        ParallelDims.resolve(1, -1, 2, cp=2, ep=4)
     with pytest.raises(ValueError, match=r"expert_parallel_degree \(2\) with .*context_parallel_degree \(2\) .*tensor"):
         ParallelDims.resolve(1, -1, 8, cp=2, ep=2, tp=2)
 

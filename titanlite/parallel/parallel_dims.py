@@ -87,7 +87,7 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        problem = ep_problem(ep, dp_shard * cp, tp)
+        problem = ep_problem(ep, dp_shard * cp, tp, cp > 1)
         if problem is None and ep > 1 and cp > 1 and (tp > 1 or dp_replicate > 1):
             problem = (
                 f"parallelism.expert_parallel_degree ({ep}) with {names[4]} ({cp}) borrows the shard and cp ranks "
@@ -278,13 +278,14 @@ def ep_shard_ranks(ep: int, tp: int) -> int:
     return ep // tp if ep > 1 else 1
 
 
-def ep_problem(ep: int, dp_shard: int, tp: int) -> str | None:
+def ep_problem(ep: int, dp_shard: int, tp: int, with_cp: bool = False) -> str | None:
     """Why ``ep`` ranks cannot hold the experts in this layout (one line naming the keys), or
     None. An ep group takes all the tp ranks (each routes tokens of its own) and ep / tp of
-    the shard ranks, as torchtitan's expert parallelism borrows TP and FSDP ranks."""
+    the shard ranks, as torchtitan's expert parallelism borrows TP and FSDP ranks; ``with_cp``:
+    ``dp_shard`` is the shard degree times the context-parallel degree, whose ranks EP borrows too."""
     key, shard_key, tp_key = (
         "parallelism.expert_parallel_degree",
-        "parallelism.data_parallel_shard_degree",
+        "parallelism.data_parallel_shard_degree" + (" x context_parallel_degree" if with_cp else ""),
         "parallelism.tensor_parallel_degree",
     )
     if ep == 1:

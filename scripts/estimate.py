@@ -317,6 +317,12 @@ def run(argv: list[str]) -> int:
     from titanlite.config import ConfigError, parse_args
 
     job_config = parse_args(config_argv)
+    cp = job_config.parallelism.context_parallel_degree
+    if cp > 1:  # rather than price another layout silently
+        raise ConfigError(
+            f"parallelism.context_parallel_degree ({cp}): the estimator does not model context parallelism yet; "
+            "estimate the layout at 1"
+        )
     from titanlite.plan import tokenizer_for_estimate
 
     _, vocabulary_note = tokenizer_for_estimate(job_config)

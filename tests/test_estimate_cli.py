@@ -375,3 +375,10 @@ def test_progress_is_one_line_on_a_terminal_and_plain_lines_elsewhere():
                 "[0:00] estimating step time 3/3: layout 3",
                 "[0:00] simulating memory 1 of at most 5: 8 GPUs 1 x 8 x 1",
             ]
+
+
+def test_context_parallelism_is_refused_rather_than_priced_as_another_layout(capsys):
+    line = one_error_line(
+        capsys, "--job.config_file", DEBUG, "--world_size", "2", "--parallelism.context_parallel_degree=2"
+    )
+    assert "context_parallel_degree (2): the estimator does not model context parallelism yet" in line

@@ -91,6 +91,9 @@ LAYOUTS = {
     # EP borrows the TP ranks: each TP rank routes its half of the sequence and holds 2 of the
     # 4 experts, with no data parallelism (and so no FSDP) at all.
     "ep2_over_tp2": (2, [*batch(1), *EP2, "--parallelism.tensor_parallel_degree=2"]),
+    # EP borrows the cp ranks: each routes its chunks of every sequence and holds 2 experts;
+    # the balancing losses' terms sum over cp, the bias's counts over dp_shard x cp.
+    "ep2_over_cp2": (2, [*batch(1), *EP2, "--parallelism.context_parallel_degree=2"]),
 }
 
 
@@ -201,6 +204,9 @@ DEEPSEEK_LAYOUTS = {
     "ep2_full_ac": (2, [*batch(2), *EP2, *FULL_AC]),
     "tp2": (2, [*batch(1), *TP2]),
     "ep2_tp2": (4, EP2_TP2),
+    # Latent attention's keys (every head's) and values all-gathered over cp, its kernel run
+    # on each TP rank's heads.
+    "cp2_tp2": (4, [*batch(1), "--parallelism.context_parallel_degree=2", *TP2]),
 }
 
 

@@ -14,8 +14,9 @@ from titanlite import train
 from titanlite.config import parse_args
 from titanlite.config.model import MOE_KEYS
 from titanlite.estimate import floor
+from titanlite.models.attention import attend
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
-from titanlite.models.llama.model import apply_rope, causal_attention, rope_frequencies, rope_tables
+from titanlite.models.llama.model import apply_rope, rope_frequencies, rope_tables
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
 from titanlite.trainer_setup import config_ok_line
@@ -290,10 +291,12 @@ def test_causal_attention_matches_the_grouped_definition(dtype, kv_heads):
     generator = torch.Generator().manual_seed(kv_heads)
     q = torch.randn(2, 4, 12, 16, generator=generator).to(dtype)
     k, v = (torch.randn(2, kv_heads, 12, 16, generator=generator).to(dtype) for _ in range(2))
-    out = causal_attention(q, k, v)
-    assert out.dtype == dtype and out.shape == q.shape
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
     tolerance = 1e-5 if dtype == torch.float32 else 1.6e-2
-    torch.testing.assert_close(out.double(), grouped_attention_reference(q, k, v), rtol=tolerance, atol=tolerance)
+    # Plain causal attention, and the same through a boolean mask (context parallelism's path).
+    for out in (attend(q, k, v), attend(q, k, v, mask=causal)):
+        assert out.dtype == dtype and out.shape == q.shape
+        torch.testing.assert_close(out.double(), grouped_attention_reference(q, k, v), rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16_autocast"])

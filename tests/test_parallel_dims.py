@@ -2,13 +2,18 @@
 strategy named in the logs, and each rank's place in the mesh it builds."""
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.helpers import tiny_args
 from tests.multiprocess import run_on_ranks
-from titanlite.config import parse_args
+from titanlite.config import ConfigError, parse_args
+from titanlite.models.deepseek_v3.model import LatentAttention
+from titanlite.models.llama.model import Attention
 from titanlite.parallel import ParallelDims
+from titanlite.parallel.context_parallel import SequenceSplit, kv_gather_line, sequence_positions
 from titanlite.plan import plan_run, unused_layout_keys
+from titanlite.registry import get_model_args
 from titanlite.train import main
 
 
@@ -110,21 +115,24 @@ LAYOUT_ONLY = {
     "parallelism.fsdp_reshard_after_forward": "never",
     "parallelism.enable_sequence_parallel": "false",
     "parallelism.disable_loss_parallel": "true",
+    "parallelism.context_parallel_load_balancer": "none",
 }
 FSDP_KEYS = ["training.mixed_precision_reduce", "parallelism.fsdp_reshard_after_forward"]
 TP_KEYS = ["parallelism.enable_sequence_parallel", "parallelism.disable_loss_parallel"]
+CP_KEY = "parallelism.context_parallel_load_balancer"
 
 
 @pytest.mark.parametrize(
     "world_size, layout, ignored",
     [
-        (1, [], FSDP_KEYS + TP_KEYS),
-        (2, [], TP_KEYS),  # FSDP
-        (2, ["--parallelism.data_parallel_replicate_degree=2"], TP_KEYS),  # DDP is FSDP2 too
-        (2, ["--parallelism.tensor_parallel_degree=2"], FSDP_KEYS),  # TP alone
-        (4, ["--parallelism.tensor_parallel_degree=2"], []),  # FSDP + TP
+        (1, [], [CP_KEY, *FSDP_KEYS, *TP_KEYS]),
+        (2, [], [CP_KEY, *TP_KEYS]),  # FSDP
+        (2, ["--parallelism.data_parallel_replicate_degree=2"], [CP_KEY, *TP_KEYS]),  # DDP is FSDP2 too
+        (2, ["--parallelism.tensor_parallel_degree=2"], [CP_KEY, *FSDP_KEYS]),  # TP alone
+        (4, ["--parallelism.tensor_parallel_degree=2"], [CP_KEY]),  # FSDP + TP
+        (2, ["--parallelism.context_parallel_degree=2"], TP_KEYS),  # CP alone is sharded over by FSDP
     ],
-    ids=["single", "fsdp", "ddp", "tp", "fsdp_tp"],
+    ids=["single", "fsdp", "ddp", "tp", "fsdp_tp", "cp"],
 )
 def test_a_key_the_layout_ignores_is_one_warning_line(world_size, layout, ignored):
     settings = [f"--{key}={value}" for key, value in LAYOUT_ONLY.items()]
@@ -171,3 +179,63 @@ def test_expert_parallel_borrows_the_tp_ranks_then_the_shard_ranks():
     message = r"expert_parallel_degree / parallelism.tensor_parallel_degree \(4\) must divide .*shard_degree \(2\)"
     with pytest.raises(ValueError, match=message):
         ParallelDims.resolve(1, 2, 4, tp=2, ep=8)
+
+
+# --- context parallelism ----------------------------------------------------------------------
+
+
+def test_context_parallel_is_a_dimension_that_fsdp_shards_over():
+    dims = ParallelDims.resolve(1, -1, 16, tp=2, pp=2, cp=2)
+    assert (dims.dp_shard, dims.dp_degree, dims.strategy) == (2, 2, "PP + FSDP + CP + TP")
+    dims = ParallelDims.resolve(1, -1, 2, cp=2)  # CP alone: FSDP over the cp ranks, one dp rank
+    assert (dims.dp_degree, dims.fsdp_applied, dims.strategy) == (1, True, "CP")
+    with pytest.raises(ValueError, match=r"context_parallel_degree \(3\) must divide the world size \(4\)"):
+        ParallelDims.resolve(1, -1, 4, cp=3)
+    dims = ParallelDims.resolve(1, -1, 4, cp=2, ep=2)  # EP borrows the cp ranks, then shard ranks
+    assert (dims.expert_fsdp, dims.strategy) == (2, "FSDP + CP + EP")
+    with pytest.raises(ValueError, match=r"\(4\) must divide .*shard_degree x context_parallel_degree \(2\)"):
+        ParallelDims.resolve(1, -1, 2, cp=2, ep=4)
+    with pytest.raises(ValueError, match=r"expert_parallel_degree \(2\) with .*context_parallel_degree \(2\) .*tensor"):
+        ParallelDims.resolve(1, -1, 8, cp=2, ep=2, tp=2)
+
+
+@pytest.mark.parametrize(
+    "layout, message",
+    [
+        (
+            ["--training.seq_len=34"],
+            r"training.seq_len \(34\) must be a multiple of 2 x .*degree \(2\) for the headtail",
+        ),
+        (["--training.seq_len=33", "--parallelism.context_parallel_load_balancer=none"], r"seq_len \(33\) .* of par"),
+        (["--parallelism.tensor_parallel_degree=2", "--training.seq_len=36"], r"x parallelism.tensor_parallel_degree"),
+    ],
+    ids=["headtail", "none", "sequence_parallel"],
+)
+def test_a_sequence_that_does_not_cut_into_cp_chunks_is_a_config_error(layout, message):
+    config = parse_args(tiny_args() + ["--parallelism.context_parallel_degree=2", *layout])
+    with pytest.raises(ConfigError, match=message):
+        plan_run(config, 4)
+
+
+def test_cp_ranks_keep_head_and_tail_chunks_and_together_the_whole_sequence():
+    assert sequence_positions(8, 2, 0, headtail=True).tolist() == [0, 1, 6, 7]
+    assert sequence_positions(8, 2, 1, headtail=True).tolist() == [2, 3, 4, 5]
+    assert sequence_positions(8, 2, 1, headtail=False).tolist() == [4, 5, 6, 7]
+    for headtail in (True, False):
+        kept = torch.cat([sequence_positions(32, 4, rank, headtail) for rank in range(4)])
+        assert sorted(kept.tolist()) == list(range(32))
+    split = SequenceSplit(2, 1, headtail=True)
+    batch = torch.arange(16).view(2, 8)
+    assert split.columns(batch).tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert split.local_positions(4).tolist() == [2, 3, 4, 5]
+    assert split.gathered_positions(4).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+def test_the_start_up_line_counts_the_gathered_key_value_heads():
+    llama = get_model_args("llama3", "tiny")  # 2 key/value heads of 16: 64 numbers per token
+    line = kv_gather_line(llama, Attention, 4, 2**16, tp=2, cp=4, dtype_bytes=2)
+    assert "keys and values of 16.0 MiB per micro-batch (12.0 MiB from the other ranks" in line
+    deepseek = get_model_args("deepseek_v3", "tiny")  # every head's key and value
+    width = deepseek.n_heads * (deepseek.qk_head_dim + deepseek.v_head_dim)
+    expected = 4 * 2**16 * width * 2 / 2**20
+    assert f"{expected:,.1f} MiB per micro-batch" in kv_gather_line(deepseek, LatentAttention, 4, 2**16, 1, 2, 2)

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, full_weights, tiny_args
 from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.test_document_mask import SHORT_DOCUMENTS, block_causal_logits_at_cp2
 from titanlite.config import parse_args
 from titanlite.models.llama.model import Attention
 from titanlite.parallel import clip_grad_norm_
@@ -87,6 +88,8 @@ NO_LP = ["--parallelism.disable_loss_parallel"]
 FULL_AC = ["--activation_checkpoint.mode=full"]
 SELECTIVE_2ND = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=2"]
 SELECTIVE_OP = ["--activation_checkpoint.mode=selective", "--activation_checkpoint.selective_ac_option=op"]
+CP2 = ["--parallelism.context_parallel_degree=2"]
+NO_LOAD_BALANCER = ["--parallelism.context_parallel_load_balancer=none"]
 
 LAYOUTS = {
     "fsdp2": (2, ["--training.local_batch_size=4"]),
@@ -112,6 +115,15 @@ LAYOUTS = {
     "tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC]),
     "tp2_ddp2_selective_ac_every_2nd_accum": (4, ["--training.local_batch_size=2", *TP2, *REPLICATE2, *SELECTIVE_2ND]),
     "tp2_ddp2_no_sp_no_lp": (4, ["--training.local_batch_size=4", *TP2, *REPLICATE2, *NO_SP, *NO_LP]),
+    # Context parallelism: each sequence split over the cp ranks (headtail, or contiguous
+    # chunks), alone, with FSDP, with TP (sequence parallel splitting each cp chunk further)
+    # and over 4 ranks (8 chunks of 4 tokens), where activation checkpointing recomputes the
+    # all-gathers.
+    "cp2": (2, ["--training.local_batch_size=8", *CP2]),
+    "cp2_no_load_balancer_accum": (2, ["--training.local_batch_size=4", *CP2, *NO_LOAD_BALANCER]),
+    "cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2]),
+    "cp2_tp2": (4, ["--training.local_batch_size=8", *CP2, *TP2]),
+    "cp4_full_ac": (4, ["--training.local_batch_size=8", "--parallelism.context_parallel_degree=4", *FULL_AC]),
 }
 
 
@@ -126,13 +138,59 @@ def test_layout_matches_single_process(runs, layout):
 # the other 2 (the 2-rank TP cases are in test_qwen3_moe's launch).
 TINY_MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
 MOE_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *TINY_MOE],))
-MOE_LAYOUTS = {"tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE])}
+MOE_LAYOUTS = {
+    "tp2_fsdp2_no_sp_full_ac": (4, ["--training.local_batch_size=4", *TP2, *NO_SP, *FULL_AC, *TINY_MOE]),
+    # Qwen3's per-head q/k norms and its MoE layers with each sequence split over cp (every
+    # rank routes its chunks; the balancing loss and counts add up over the ranks).
+    "cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2, *TINY_MOE]),
+}
 
 
 @pytest.mark.parametrize("layout", MOE_LAYOUTS)
 def test_moe_layout_matches_single_process(runs, layout):
     for rank_run in runs[f"moe layout {layout}"]:
         assert_same_training(rank_run, runs["moe reference"][0], rtol=1e-5)
+
+
+# Document masking: CP 2 (each rank's chunks masked by global positions and the documents of
+# the whole sequence) trains like one process, and its logits equal each document run alone.
+BLOCK_CAUSAL = ["--model.attn_mask_type=block_causal", *SHORT_DOCUMENTS]
+BLOCK_CAUSAL_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *BLOCK_CAUSAL],))
+# The same short documents without the mask: the mask must change the training.
+CAUSAL_ON_SHORT_DOCUMENTS = Job(1, train_and_report, ([*REFERENCE.args[0], *SHORT_DOCUMENTS],))
+BLOCK_CAUSAL_LAYOUTS = {"cp2_fsdp2": (4, ["--training.local_batch_size=4", *CP2, *BLOCK_CAUSAL])}
+
+
+@pytest.mark.parametrize("layout", BLOCK_CAUSAL_LAYOUTS)
+def test_block_causal_layout_matches_single_process(runs, layout):
+    reference = runs["block causal reference"][0]
+    causal = runs["causal on short documents"][0]
+    assert max(abs(a - b) for a, b in zip(reference["loss"], causal["loss"], strict=True)) > 1e-3
+    for rank_run in runs[f"block causal {layout}"]:
+        assert_same_training(rank_run, reference, rtol=1e-5)
+
+
+def held_out_loss(extra_args: list[str]) -> dict:
+    """The held-out loss of the freshly initialised model (the same weights in every layout)."""
+    validation = ["--validation.enable", "--validation.steps=2", "--validation.local_batch_size=4"]
+    trainer = Trainer(parse_args(BASE_ARGS + validation + extra_args))
+    result = trainer.validator.validate(trainer.model)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def test_the_held_out_loss_under_cp_is_one_processs(runs):
+    reference = runs["held out 1"][0]
+    for rank_result in runs["held out cp2_fsdp2"]:  # each rank's chunks' losses and tokens add up
+        assert rank_result["tokens"] == reference["tokens"] == 2 * 4 * 32
+        assert rank_result["loss"] == pytest.approx(reference["loss"], rel=1e-6)
+
+
+def test_block_causal_logits_at_cp2_equal_each_document_run_separately(runs):
+    first, second = runs["block causal logits cp2"]
+    assert sorted(first["positions"] + second["positions"]) == list(range(32))
+    assert max(first["difference"], second["difference"]) < 1e-5
 
 
 COMPILED_LAYOUTS = {
@@ -374,6 +432,14 @@ RUNS = {
         for name, (n, extra, _) in FLOAT8_LAYOUTS.items()
     },
     **{f"moe layout {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in MOE_LAYOUTS.items()},
+    "block causal reference": BLOCK_CAUSAL_REFERENCE,
+    "causal on short documents": CAUSAL_ON_SHORT_DOCUMENTS,
+    **{f"block causal {name}": Job(n, train_and_report, (extra,)) for name, (n, extra) in BLOCK_CAUSAL_LAYOUTS.items()},
+    "block causal logits cp2": Job(2, block_causal_logits_at_cp2),
+    "held out 1": Job(1, held_out_loss, (["--training.local_batch_size=8"],)),
+    "held out cp2_fsdp2": Job(
+        4, held_out_loss, (["--training.local_batch_size=4", "--validation.local_batch_size=2", *CP2],)
+    ),
     "grad norms 1": Job(1, grad_norms_after_one_backward, (batch_per_rank(1),)),
     "grad norms 4": Job(4, grad_norms_after_one_backward, (batch_per_rank(4),)),
     **{f"sharding {n}": Job(n, sharding_report, (batch_per_rank(n),)) for n in (2, 4)},

@@ -170,6 +170,8 @@ COMPOSED = {
     "pp2_ddp2_zbv_m2_accum2": pp_args("ZBVZeroBubble", 2, 1, *REPLICATE2),
     "pp2_fsdp2_zbv_m4": pp_args("ZBVZeroBubble", 4, 1),
     "pp2_fsdp2_interleaved_zero_bubble_m2_accum2": pp_args("InterleavedZeroBubble", 2, 1),
+    # Each stage's attention all-gathers over its cp group; full AC recomputes the gathers.
+    "pp2_cp2_1f1b_m2_full_ac": pp_args("1F1B", 8, 4, "--parallelism.context_parallel_degree=2", *FULL_AC),
 }
 # PP 2 x HSDP (2 replicas of 2 shards), on 8 ranks: one micro-batch per step, 2 accumulation steps.
 HYBRID = {"pp2_hsdp2x2_gpipe_m1_accum2": pp_args("GPipe", 1, 1, *REPLICATE2)}

@@ -167,12 +167,25 @@ def test_unknown_names_stay_errors_with_a_suggestion(tmp_path):
 
 
 def test_command_line_torchtitan_options():
-    argv = ["--job.use_for_integration_test", "--parallelism.context_parallel_degree=1", "--job.print_args"]
+    argv = ["--job.use_for_integration_test", "--parallelism.expert_tensor_parallel_degree=1", "--job.print_args"]
     config, warnings = parse_args_with_warnings(argv)
     assert len(warnings) == 3 and "--job.use_for_integration_test = true" in warnings[0]
     assert config.job.print_config is True  # a bare flag under torchtitan's older name
-    with pytest.raises(ConfigError, match=r"parallelism\.context_parallel_degree = 2 on the command line"):
-        parse_args(["--parallelism.context_parallel_degree", "2"])
+    with pytest.raises(ConfigError, match=r"parallelism\.custom_config_module|job\.custom_config_module"):
+        parse_args(["--job.custom_config_module", "my.module"])
+
+
+def test_context_parallel_keys_are_titanlites_and_alltoall_is_refused():
+    config = parse_args(
+        ["--parallelism.context_parallel_degree=2", "--parallelism.context_parallel_load_balancer=none"]
+    )
+    assert config.parallelism.context_parallel_degree == 2
+    assert config.parallelism.context_parallel_load_balancer == "none"
+    assert config.parallelism.context_parallel_rotate_method == "allgather"
+    with pytest.raises(ConfigError, match=r"context_parallel_rotate_method.*no alltoall"):
+        parse_args(["--parallelism.context_parallel_rotate_method=alltoall"])
+    with pytest.raises(ConfigError, match=r"context_parallel_load_balancer"):
+        parse_args(["--parallelism.context_parallel_load_balancer=ptrr"])
 
 
 @pytest.mark.parametrize("written", ["1F1B", "1f1b", "interleaved1f1b", "ZBVZEROBUBBLE", "DualPipeV"])
@@ -409,7 +422,6 @@ def test_torchtitan_debug_model_trains_on_cpu(tmp_path, capsys, monkeypatch, qui
     expected = {
         "print_args",
         "use_for_integration_test",
-        "context_parallel_degree",
         "expert_tensor_parallel_degree",
         "enable",
     }
@@ -437,9 +449,10 @@ def test_torchtitan_8b_is_accepted_by_the_estimator(tmp_path, capsys):
     assert estimate.main(["--job.config_file", str(path), "--world_size", "8", "--skip_memory"]) == 0
     captured = capsys.readouterr()
     assert "llama3 8B, seq_len 8192" in captured.out
-    # One torchtitan setting (pipeline_parallel_degree and the [quantize.linear.float8] keys are titanlite's too,
-    # read without a warning), and its tokenizer folder, which is not here: the flavor's vocabulary stands in.
-    assert captured.err.count("titanlite: warning: ") == 2, captured.err
+    # Its settings are all titanlite's too (pipeline_parallel_degree, context_parallel_degree, the
+    # [quantize.linear.float8] keys), read without a warning; its tokenizer folder is not here: the
+    # flavor's vocabulary stands in, with one warning.
+    assert captured.err.count("titanlite: warning: ") == 1, captured.err
     assert "pipeline_parallel_degree" not in captured.err
     assert "Llama-3.1-8B: no such file or folder" in captured.err and "8B's own vocabulary" in captured.err
 

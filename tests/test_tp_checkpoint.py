@@ -11,8 +11,9 @@ Two jobs of one launch of 4 processes (tests.multiprocess.run_jobs_on_ranks), ea
 one Trainer after another:
 
 * four_rank: the uninterrupted TP2 x FSDP2 run, saving after steps 4 and 8; an FSDP-4 run
-  saved after step 4; the TP2 x FSDP2 step-4 checkpoint resumed on FSDP 4 and on TP 2 x DDP 2
-  (a 3-D mesh), and the FSDP-4 one resumed on TP2 x FSDP2.
+  and a CP 2 x FSDP 2 run saved after step 4; the TP2 x FSDP2 step-4 checkpoint resumed on
+  FSDP 4 and on TP 2 x DDP 2 (a 3-D mesh), the FSDP-4 one resumed on TP2 x FSDP2, and the
+  CP 2 x FSDP 2 one on FSDP 4 (reading the same token ids).
 * single: the uninterrupted single-process run; the TP2 x FSDP2 step-4 checkpoint resumed
   on one process, without TP.
 
@@ -71,10 +72,22 @@ LAYOUTS = {
         ],
         (2, 1, 2),
     ),
+    # Context parallelism: ranks 0 and 1 split the sequences ranks 2 and 3 also split; FSDP
+    # shards over all 4 (dp_shard x cp).
+    "cp2_fsdp2": (
+        ["--parallelism.context_parallel_degree=2", f"--training.local_batch_size={GLOBAL_BATCH // 2}"],
+        (1, 2, 1),
+    ),
 }
 TP_GROUP_LEADERS = (0, 2)
 # (checkpoint written by, resumed on): the step-4 checkpoints of the runs on 4 ranks.
-RESUMES = [("tp2_fsdp2", "fsdp4"), ("fsdp4", "tp2_fsdp2"), ("tp2_fsdp2", "tp2_ddp2"), ("tp2_fsdp2", "single")]
+RESUMES = [
+    ("tp2_fsdp2", "fsdp4"),
+    ("fsdp4", "tp2_fsdp2"),
+    ("tp2_fsdp2", "tp2_ddp2"),
+    ("tp2_fsdp2", "single"),
+    ("cp2_fsdp2", "fsdp4"),
+]
 
 
 def optimizer_moments(trainer) -> dict:
@@ -145,12 +158,13 @@ def four_rank_worker(dump: str, ports: list[int]) -> dict:
     out["tp2_fsdp2"] = train_to_end(trainer) | {"after": after, "initial_ema": initial_ema}
     out["saved_by_tp2_fsdp2"] = at_save
 
-    trainer = session.trainer(LAYOUTS["fsdp4"][0], f"--job.dump_folder={dump}/fsdp4")
-    for _ in range(SAVE_AT):
-        trainer.train_step()
-    out["saved_by_fsdp4"] = state_at(trainer)
-    trainer.checkpointer.save(trainer.step)
-    trainer.checkpointer.close()
+    for source in ("fsdp4", "cp2_fsdp2"):
+        trainer = session.trainer(LAYOUTS[source][0], f"--job.dump_folder={dump}/{source}")
+        for _ in range(SAVE_AT):
+            trainer.train_step()
+        out[f"saved_by_{source}"] = state_at(trainer)
+        trainer.checkpointer.save(trainer.step)
+        trainer.checkpointer.close()
 
     for source, target in RESUMES:
         if target != "single":
@@ -180,7 +194,7 @@ def launch(tmp_path_factory) -> dict:
     the 4 ranks' (it resumes their checkpoint)."""
     four, one = tmp_path_factory.mktemp("tp_four_rank"), tmp_path_factory.mktemp("tp_single")
     jobs = {
-        "four_rank": Job(4, four_rank_worker, (str(four), free_ports(6))),
+        "four_rank": Job(4, four_rank_worker, (str(four), free_ports(7))),
         "single": Job(1, single_worker, (str(one), str(four / "tp2_fsdp2"))),
     }
     results = run_jobs_on_ranks(4, jobs)
@@ -224,9 +238,11 @@ def test_uninterrupted_tp_run_matches_the_single_process_run(four_rank, single):
 
 
 def layout_text(name: str) -> str:
-    """The layout as log_resumed_layout names it."""
+    """The layout as log_resumed_layout names it (4 ranks under CP: cp = 4 / the others)."""
     replicate, shard, tp = LAYOUTS[name][1]
-    return f"{replicate * shard * tp} rank(s) (replicate {replicate} x shard {shard} x tp {tp})"
+    cp = 4 // (replicate * shard * tp) if name.startswith("cp") else 1
+    context = f"cp {cp} x " if cp > 1 else ""
+    return f"{replicate * shard * cp * tp} rank(s) (replicate {replicate} x shard {shard} x {context}tp {tp})"
 
 
 @pytest.mark.parametrize(("source", "target"), RESUMES, ids=[f"{s}_to_{t}" for s, t in RESUMES])

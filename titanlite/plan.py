@@ -66,12 +66,26 @@ def run_model_args(job_config: JobConfig, tokenizer=None):
     flavor = get_model_args(job_config.model.name, job_config.model.flavor)
     vocab_size = model_vocab_size(job_config, flavor.vocab_size, tokenizer)
     sized = replace(flavor.with_seq_len(job_config.training.seq_len), vocab_size=vocab_size)
+    sized = with_rope_scaling(job_config, sized)
     chosen = moe_overrides(job_config, flavor)
     try:
         return replace(sized, **{MOE_KEYS[key]: value for key, value in chosen.items()})
     except ValueError as error:  # the model args' own check of the router's options
         keys = ", ".join(f"model.{key} = {value_text(job_config, f'model.{key}')}" for key in chosen)
         raise ConfigError(f"{keys}: {error}") from None
+
+
+def with_rope_scaling(job_config: JobConfig, args):
+    """``args`` with the RoPE scaling [model] sets for context extension, if it sets one."""
+    model = job_config.model
+    if model.rope_scaling_factor is None:
+        if model.rope_original_seq_len is not None:
+            raise ConfigError("model.rope_original_seq_len applies with model.rope_scaling_factor only; set both")
+        return args
+    try:
+        return args.with_rope_scaling(model.rope_scaling_factor, model.rope_original_seq_len)
+    except ValueError as error:
+        raise ConfigError(f"model.rope_scaling_factor ({model.rope_scaling_factor}): {error}") from None
 
 
 def moe_overrides(job_config: JobConfig, flavor_args) -> dict:
@@ -125,6 +139,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
             tp=parallelism.tensor_parallel_degree,
             pp=parallelism.pipeline_parallel_degree,
             ep=parallelism.expert_parallel_degree,
+            cp=parallelism.context_parallel_degree,
         )
         pipeline = None
         if parallel_dims.pp > 1:
@@ -138,6 +153,8 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
     if parallel_dims.ep > 1:
         check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
+    check_context_parallel(job_config, model_args, parallel_dims)
+    check_document_mask(job_config, tokenizer, parallel_dims)
     if pipeline is not None:
         check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
@@ -170,7 +187,9 @@ def check_pipeline_validation(job_config: JobConfig) -> None:
 _FSDP = ("FSDP (more than one data-parallel rank)", lambda dims: dims.fsdp_applied)
 _TP = ("tensor parallelism (parallelism.tensor_parallel_degree > 1)", lambda dims: dims.tp > 1)
 _PP = ("pipeline parallelism (parallelism.pipeline_parallel_degree > 1)", lambda dims: dims.pp > 1)
+_CP = ("context parallelism (parallelism.context_parallel_degree > 1)", lambda dims: dims.cp > 1)
 LAYOUT_KEYS = {
+    "parallelism.context_parallel_load_balancer": _CP,
     "parallelism.pipeline_parallel_schedule": _PP,
     "parallelism.pipeline_parallel_microbatch_size": _PP,
     "parallelism.pipeline_parallel_layers_per_stage": _PP,
@@ -208,9 +227,7 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     if tp > 1 and (sequence_parallel or moe):
         # Sequence parallel splits every sequence into tp equal slices, and so does an MoE
         # layer under TP, each rank routing its own slice (parallel/moe_tensor_parallel.py).
-        lengths = {"training.seq_len": job_config.training.seq_len}
-        if job_config.validation.enable and job_config.validation.seq_len != -1:
-            lengths["validation.seq_len"] = job_config.validation.seq_len
+        lengths = _checked_seq_lens(job_config)
         why = "sequence parallel; change it or set parallelism.enable_sequence_parallel = false"
         if moe:
             why = "an MoE model: each TP rank routes an equal slice of every sequence"
@@ -233,6 +250,58 @@ def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
     ]
     if missing:
         raise ConfigError(f"parallelism.enable_async_tensor_parallel needs {', '.join(missing)}; set it to false")
+
+
+def _checked_seq_lens(job_config: JobConfig) -> dict[str, int]:
+    """The sequence lengths a run's batches have, by key: training's, and validation's when set."""
+    lengths = {"training.seq_len": job_config.training.seq_len}
+    if job_config.validation.enable and job_config.validation.seq_len != -1:
+        lengths["validation.seq_len"] = job_config.validation.seq_len
+    return lengths
+
+
+def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
+    """Every sequence must cut into the cp ranks' equal chunks (2 x cp of them for headtail), each
+    then split evenly over the TP ranks where sequence parallelism or an MoE layer splits it; and
+    the model's attention must have the kernel module context parallelism replaces."""
+    if dims.cp == 1:
+        return
+    parallelism = job_config.parallelism
+    model_cls = get_model_spec(job_config.model.name).model_cls
+    if getattr(model_cls.block_cls.attention_cls, "kernel_name", None) is None:
+        raise ConfigError(
+            f"parallelism.context_parallel_degree ({dims.cp}): {job_config.model.name}'s attention has no kernel "
+            "module context parallelism can take over; use 1"
+        )
+    headtail = parallelism.context_parallel_load_balancer == "headtail"
+    chunks = 2 * dims.cp if headtail else dims.cp
+    splits_over_tp = dims.tp > 1 and (parallelism.enable_sequence_parallel or getattr(model_args, "is_moe", False))
+    multiple = chunks * (dims.tp if splits_over_tp else 1)
+    why = f"{'2 x ' if headtail else ''}parallelism.context_parallel_degree ({dims.cp})"
+    if splits_over_tp:
+        why += f" x parallelism.tensor_parallel_degree ({dims.tp}), each cp chunk split over the TP ranks"
+    if headtail:
+        why += " for the headtail load balancer"
+    for key, seq_len in _checked_seq_lens(job_config).items():
+        if seq_len % multiple != 0:
+            raise ConfigError(f"{key} ({seq_len}) must be a multiple of {why}")
+
+
+def check_document_mask(job_config: JobConfig, tokenizer, dims: ParallelDims) -> None:
+    """block_causal needs the tokenizer's end-of-document token, and every forward its tokens:
+    a pipeline stage after the first gets hidden states only."""
+    if job_config.model.attn_mask_type != "block_causal":
+        return
+    if tokenizer.eos_id is None:
+        raise ConfigError(
+            'model.attn_mask_type = "block_causal" needs an end-of-document token, and the tokenizer of '
+            f"model.hf_assets_path ({job_config.model.hf_assets_path}) names no eos_token"
+        )
+    if dims.pp > 1:
+        raise ConfigError(
+            'model.attn_mask_type = "block_causal" does not work with parallelism.pipeline_parallel_degree '
+            f"({dims.pp}) yet: the later stages do not see the tokens that mark the documents"
+        )
 
 
 def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
@@ -358,6 +427,8 @@ def build_model(
     fake tensors). ``stage_modules``: build only the part of one pipeline stage, the modules it
     names."""
     model = meta_model(job_config, plan.model_args)
+    if job_config.model.attn_mask_type == "block_causal":
+        model.document_end_id = plan.tokenizer.eos_id  # checked by check_document_mask
     if stage_modules is not None:
         prune_to_stage(model, stage_modules)
     # Converters change the modules parallelisation wraps and splits (float8's TP styles), so they come first.

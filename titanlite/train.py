@@ -296,11 +296,11 @@ class Trainer(Stateful):
         training = self.job_config.training
         lr = self.lr_scheduler.get_last_lr()[0]
         loss_share, grad_norm = self.train_step()
-        # Per device: the tp ranks of a group, and the pp stages of a pipeline, share their
-        # data-parallel rank's tokens (and FLOPs).
+        # Per device: the tp ranks of a group, the pp stages of a pipeline and the cp ranks
+        # splitting its sequences share their data-parallel rank's tokens (and FLOPs).
         dims = self.plan.parallel_dims
         device_tokens = training.local_batch_size * training.seq_len * self.plan.grad_accum_steps
-        self.metrics.step_done(device_tokens / (dims.tp * dims.pp))
+        self.metrics.step_done(device_tokens / (dims.tp * dims.pp * dims.cp))
         if self.step % training.gc_freq == 0:
             gc.collect(1)
         if self.dtype_probe is not None:

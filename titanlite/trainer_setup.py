@@ -35,11 +35,13 @@ from titanlite.parallel import (
     use_collective_timeout,
     world_size_from_env,
 )
+from titanlite.parallel.context_parallel import kv_gather_line, sequence_split
 from titanlite.parallel.expert_parallel import expert_parallel_summary
 from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.quantize import check_float8_run
+from titanlite.registry import get_model_spec
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -126,6 +128,13 @@ def check_prepared_files(job_config: JobConfig, windows) -> None:
         raise ConfigError(error)
 
 
+def sequence_columns(job_config: JobConfig, dims, mesh):
+    """What this rank keeps of every batch row: under context parallelism its chunks of each
+    sequence (the cp ranks of a data-parallel rank read the same rows), else None (all)."""
+    split = sequence_split(dims, mesh, job_config.parallelism.context_parallel_load_balancer)
+    return None if split is None else split.columns
+
+
 def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int, device: torch.device) -> DataLoader:
     """The loader over ``windows``, once the ranks agree the prepared files are intact. It
     reads the part of each batch of this rank's data-parallel index, its place in the mesh."""
@@ -142,6 +151,7 @@ def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int,
         prefetch=data.prefetch,
         pin_memory=device.type == "cuda",
         allow_changed_data=data.allow_changed_data,
+        columns=sequence_columns(job_config, dims, mesh),
     )
 
 
@@ -164,6 +174,8 @@ def log_built_model(
     }
     if dims.ep > 1:
         settings["expert_parallel"] = dims.ep
+    if dims.cp > 1:
+        settings["context_parallel"] = f"{dims.cp} ({job_config.parallelism.context_parallel_load_balancer})"
     if dims.tp > 1:
         settings["sequence_parallel"] = job_config.parallelism.enable_sequence_parallel
         settings["loss_parallel"] = not job_config.parallelism.disable_loss_parallel
@@ -176,6 +188,10 @@ def log_built_model(
     experts = expert_parallel_summary(parts, dims.expert_fsdp, dims.dp_replicate)
     if experts is not None:
         logger.info("rank %d: %s", rank, experts)
+    if dims.cp > 1 and rank == 0:
+        attention = get_model_spec(job_config.model.name).model_cls.block_cls.attention_cls
+        batch, dtype_bytes = training.local_batch_size, DTYPES[training.mixed_precision_param].itemsize
+        logger.info(kv_gather_line(plan.model_args, attention, batch, training.seq_len, dims.tp, dims.cp, dtype_bytes))
     if pipeline is not None:
         log_stages(plan.pipeline, pipeline.stage_indices, parts, rank)
     dtype_probe = ComputeDtypeProbe(parts, DTYPES[training.mixed_precision_param])
@@ -291,6 +307,7 @@ def build_run_validator(
             dp_rank=dims.dp_rank(mesh),
             dp_degree=dims.dp_degree,
             ranks_per_dp_rank=dims.tp,
+            columns=sequence_columns(job_config, dims, mesh),
             forward_loss=pipeline_loss if plan.pipeline is not None else None,
         )
     except ValueError as error:
@@ -313,11 +330,12 @@ def params_text(plan: RunPlan, model: nn.Module) -> str:
     return f"{total:.2f} M params, {here:.2f} M of them in this rank's stages {list(model.pipeline.stage_indices)}"
 
 
-def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, show_pp: bool) -> str:
+def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, show_pp: bool, cp: int = 1) -> str:
     """A layout as the start-up and resume lines name it, in the mesh's order; the pp degree
-    where ``show_pp`` (a layout with pipeline parallelism is involved)."""
+    where ``show_pp`` (a layout with pipeline parallelism is involved), the cp degree where above 1."""
     pipeline = f"pp {pp} x " if show_pp else ""
-    return f"{world_size} rank(s) ({pipeline}replicate {replicate} x shard {shard} x tp {tp})"
+    context = f"cp {cp} x " if cp > 1 else ""
+    return f"{world_size} rank(s) ({pipeline}replicate {replicate} x shard {shard} x {context}tp {tp})"
 
 
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
@@ -331,7 +349,7 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
         job_config.model.flavor,
         params_text(plan, model),
         dims.strategy,
-        layout_text(dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.pp > 1),
+        layout_text(dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.pp > 1, dims.cp),
         device.type,
         plan.global_batch_size,
         training.local_batch_size,
@@ -378,14 +396,15 @@ def layout_record(plan: RunPlan) -> dict:
         "dp_shard": dims.dp_shard,
         "tp": dims.tp,
         "pp": dims.pp,
+        "cp": dims.cp,
         "global_batch_size": plan.global_batch_size,
     }
 
 
 # The train_state entries that checkpoints written before them lack (the checkpoint manager
 # then leaves them out of the load), each then meaning 1: "tp" and "pp", absent where no
-# layout had tensor or pipeline parallelism, and "global_batch_size".
-LAYOUT_ENTRIES_ADDED_LATER = ("tp", "pp", "global_batch_size")
+# layout had tensor, pipeline or context parallelism, and "global_batch_size".
+LAYOUT_ENTRIES_ADDED_LATER = ("tp", "pp", "cp", "global_batch_size")
 
 
 def log_resumed_layout(step: int, plan: RunPlan, train_state: dict, rank: int) -> None:
@@ -401,14 +420,15 @@ def log_resumed_layout(step: int, plan: RunPlan, train_state: dict, rank: int) -
         train_state.get("pp", 1),
     )
     ours = (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
-    if saved != ours:
+    saved_cp = train_state.get("cp", 1)
+    if saved != ours or saved_cp != dims.cp:
         show_pp = max(saved[-1], dims.pp) > 1
         logger.info(
             "resuming at step %d on %s from a checkpoint written by %s: model, optimizer and data position are "
             "resharded",
             step,
-            layout_text(*ours, show_pp),
-            layout_text(*saved, show_pp),
+            layout_text(*ours, show_pp, dims.cp),
+            layout_text(*saved, show_pp, saved_cp),
         )
     # Checkpoints written before it was recorded have no "global_batch_size": nothing to compare.
     saved_batch = train_state.get("global_batch_size", plan.global_batch_size)

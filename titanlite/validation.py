@@ -148,6 +148,8 @@ class Validator:
         process_group: group to all-reduce the totals over (None: the default group).
         ranks_per_dp_rank: ranks in the group that hold the loss of the same windows (the
             tensor-parallel degree), whose totals the all-reduce therefore counts that many times.
+        columns: what this rank keeps of each row (context parallelism: its chunks of every
+            sequence, whose losses and tokens the all-reduce adds up), or None for all of it.
         forward_loss: for a model that is not called as a whole (the stages of a pipeline):
             ``forward_loss(model, inputs, labels)`` -> the loss summed over the batch, the
             labels of rows outside the held-out set being IGNORE_INDEX, or None on a rank that
@@ -169,6 +171,7 @@ class Validator:
         process_group: dist.ProcessGroup | None = None,
         ranks_per_dp_rank: int = 1,
         forward_loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor | None] | None = None,
+        columns: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ):
         if isinstance(steps, bool) or not isinstance(steps, int) or not (steps == -1 or steps >= 1):
             raise ValueError(f"validation.steps: expected -1 or a positive int, got {steps!r}")
@@ -183,6 +186,7 @@ class Validator:
         self.process_group = process_group
         self.ranks_per_dp_rank = ranks_per_dp_rank
         self.forward_loss = forward_loss
+        self.columns = columns
         # Building a loader now checks batch size and rank with the loader's own errors.
         self._new_loader()
         self.windows, self.steps = self._plan(steps)
@@ -214,7 +218,7 @@ class Validator:
     def _new_loader(self) -> DataLoader:
         """A loader at the first held-out window, reading on the calling thread: each rank reads
         only its own windows of a prepared folder (a raw stream is tokenized up to them)."""
-        return DataLoader(self.held_out, self.local_batch_size, self.dp_rank, self.dp_degree)
+        return DataLoader(self.held_out, self.local_batch_size, self.dp_rank, self.dp_degree, columns=self.columns)
 
     def _rows_in_set(self, step: int) -> int:
         """How many of this rank's rows at ``step`` are held-out windows (the rest wrapped into a
@@ -273,7 +277,7 @@ class Validator:
             loss = self._summed_loss(model, inputs, labels, rows)
             if loss is not None:
                 totals[0] += loss.double()
-                totals[1] += rows * self.seq_len
+                totals[1] += rows * labels.shape[1]  # this rank's tokens of each row
         return totals
 
     def _summed_loss(self, model: torch.nn.Module, inputs, labels, rows: int) -> torch.Tensor | None:

@@ -23,6 +23,11 @@ from titanlite.registry import get_model_spec
 MODEL_ARGS = "model_args"
 
 
+# Hyper-parameters a checkpoint's weights carry over across: RoPE scaling changes no weight,
+# and a long-context phase resumes a short-context checkpoint with a scaling of its own.
+CARRIES_OVER = {"rope_scaling"}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelDescription:
     name: str  # the registry name
@@ -78,7 +83,8 @@ class ModelDescription:
         """The hyper-parameters, by name, in which `other` describes a model that computes
         something else (the args' own architecture() says which count)."""
         ours, theirs = self.args.architecture(), other.args.architecture()
-        return sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+        names = ours.keys() | theirs.keys()
+        return sorted(name for name in names - CARRIES_OVER if ours.get(name) != theirs.get(name))
 
     def mismatch(self, recorded: dict) -> str | None:
         """What tells the model a checkpoint recorded (its "model_args", as to_state writes

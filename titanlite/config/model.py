@@ -36,6 +36,21 @@ class Model:
     hf_assets_path: str | None = None
     """Folder (or file) holding a Hugging Face tokenizer.json; unset means the built-in byte tokenizer."""
 
+    attn_mask_type: Literal["causal", "block_causal"] = "causal"
+    """Attention's mask in training and validation: causal (every earlier token of the window) or block_causal (only
+    the earlier tokens of the same document, documents ending at the tokenizer's end-of-document token, which the data
+    pipeline puts after each). On CPU through SDPA with a boolean mask, on CUDA through FlexAttention. Not with pipeline
+    parallelism. Export is unchanged: transformers does not mask documents."""
+
+    rope_scaling_factor: float | None = ranged(POSITIVE_OR_UNSET, default=None)
+    """Context extension: stretch RoPE for a context this many times longer than rope_original_seq_len, with the
+    family's scaling (Llama 3.1's for llama2/llama3, YaRN for deepseek_v3; qwen3 has none). A checkpoint of the same
+    model at another scaling (a short-context phase's) resumes with this one. Unset: the flavor's scaling, if any."""
+
+    rope_original_seq_len: int | None = ranged(POSITIVE_OR_UNSET, default=None)
+    """With rope_scaling_factor: the context length the model was trained at before the extension. Unset: the
+    flavor's scaling's, else training.seq_len / rope_scaling_factor."""
+
     converters: list[str] = field(default_factory=list)
     """Changes made to the model before it is parallelised: float8 (torchtitan 0.2 also spells it
     quantize.linear.float8) trains its linear layers in float8 through torchao, as [quantize.linear.float8] says;

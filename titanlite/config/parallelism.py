@@ -7,6 +7,12 @@ from typing import Literal
 
 from titanlite.config.ranges import MINUS_ONE_OR_POSITIVE, POSITIVE_OR_UNSET, Range, at_least, ranged, subset_of
 
+# Context parallelism's ways of sharing keys and values: all-gather only (torchtitan's alltoall
+# ring is not built).
+ROTATE_METHODS = Range(
+    "'allgather' (titanlite has no alltoall ring for context parallelism)", lambda v: v == "allgather"
+)
+
 
 @dataclass
 class Parallelism:
@@ -65,6 +71,20 @@ class Parallelism:
     pipeline_parallel_last_stage_less_layers: int = ranged(at_least(0), default=1)
     """How many blocks' worth of work the final norm and output projection count for: the last stage gets that many
     blocks fewer."""
+
+    context_parallel_degree: int = ranged(at_least(1), default=1)
+    """Ranks each sequence is split over (context parallelism): each keeps seq_len / it tokens of every sequence and
+    all-gathers the others' keys and values in every attention layer. The cp ranks read the same batch; FSDP shards the
+    parameters over data_parallel_shard_degree x it."""
+
+    context_parallel_load_balancer: Literal["headtail", "none"] = "headtail"
+    """How a sequence is cut over the cp ranks: headtail (2 x cp chunks, rank r keeping chunk r and chunk 2 cp - 1 - r,
+    so every rank does the same causal-attention work; seq_len must be a multiple of 2 x cp) or none (cp contiguous
+    chunks; seq_len a multiple of cp)."""
+
+    context_parallel_rotate_method: str = ranged(ROTATE_METHODS, default="allgather")
+    """How keys and values reach the other cp ranks: allgather (every rank gathers all the sequence's keys and values
+    of its key/value heads, once per layer; the gradients are reduce-scattered back)."""
 
     module_fqns_per_model_part: list[list[str]] | None = None
     """The stages by hand: for each stage, the names of the modules it holds (e.g. [["tok_embeddings", "layers.0"],

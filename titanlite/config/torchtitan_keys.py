@@ -75,7 +75,6 @@ def _only_default(default: Any, advice: str, *neutral: Any) -> TorchtitanKey:
     return TorchtitanKey(default, "IGNORE_IF_DEFAULT", advice, tuple(neutral))
 
 
-NO_CP = "titanlite has no context parallelism; shorten training.seq_len or use activation checkpointing instead"
 NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
 
 RENAMED: dict[str, str] = {
@@ -118,9 +117,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
         "", "titanlite runs the built-in schedules only; name one in parallelism.pipeline_parallel_schedule"
     ),
     "parallelism.pipeline_parallel_expert_parallel_overlap": _ignore(True),
-    "parallelism.context_parallel_degree": _only_default(1, NO_CP),
-    "parallelism.context_parallel_load_balancer": _ignore("headtail"),
-    "parallelism.context_parallel_rotate_method": _ignore("allgather"),
     "parallelism.expert_tensor_parallel_degree": _ignore(1),
     "parallelism.expert_parallel_comm_backend": _ignore("standard"),
     # [checkpoint]
@@ -216,6 +212,8 @@ SHARED_KEYS = (
     "parallelism.pipeline_parallel_microbatch_size", "parallelism.pipeline_parallel_layers_per_stage",
     "parallelism.pipeline_parallel_first_stage_less_layers", "parallelism.pipeline_parallel_last_stage_less_layers",
     "parallelism.module_fqns_per_model_part", "parallelism.expert_parallel_degree",
+    "parallelism.context_parallel_degree", "parallelism.context_parallel_load_balancer",
+    "parallelism.context_parallel_rotate_method",
     "checkpoint.enable", "checkpoint.folder", "checkpoint.interval",
     "checkpoint.initial_load_path", "checkpoint.initial_load_model_only",
     "checkpoint.initial_load_in_hf", "checkpoint.last_save_model_only",

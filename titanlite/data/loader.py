@@ -109,11 +109,14 @@ class PreparedWindows:
 class DataLoader:
     """Yields this rank's ``(inputs, labels)`` micro-batches; a Stateful for checkpoints.
 
-    With ``prefetch`` > 0 a background thread reads that many micro-batches ahead (into pinned
-    memory when ``pin_memory``), so ``next_batch()`` only waits when reading is slower than
-    training. What the checkpoint records is what the training loop consumed, never what
-    the thread has read ahead. ``allow_changed_data`` lets a checkpoint of other data load
-    (at the same window count); otherwise that is an error naming what changed.
+    ``columns``: what this rank keeps of each batch's rows (context parallelism keeps its chunks
+    of every sequence, see titanlite/parallel/context_parallel.py), applied to the inputs and
+    the labels alike; None keeps them whole. With ``prefetch`` > 0 a background thread reads
+    that many micro-batches ahead (into pinned memory when ``pin_memory``), so ``next_batch()``
+    only waits when reading is slower than training. What the checkpoint records is what the
+    training loop consumed, never what the thread has read ahead. ``allow_changed_data`` lets a
+    checkpoint of other data load (at the same window count); otherwise that is an error naming
+    what changed.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class DataLoader:
         prefetch: int = 0,
         pin_memory: bool = False,
         allow_changed_data: bool = False,
+        columns=None,
     ):
         _require_positive_int("seq_len", windows.seq_len)
         _require_positive_int("local_batch_size", local_batch_size)
@@ -142,6 +146,7 @@ class DataLoader:
         # GPU 0, where pinning would otherwise make a context for every rank of the node.
         self._cuda_device = torch.cuda.current_device() if pin_memory else None
         self.allow_changed_data = allow_changed_data
+        self.columns = columns
         self.windows_consumed = 0  # by the whole data-parallel group, so independent of the layout
         self._cursor = START  # raw streams: a document at or before windows_consumed
         self._reader: _ReadAhead | None = None
@@ -180,6 +185,8 @@ class DataLoader:
         first = position + self.dp_rank * self.local_batch_size
         windows, cursor = self.windows.read(first, self.local_batch_size, mark=position)
         inputs, labels = windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        if self.columns is not None:
+            inputs, labels = self.columns(inputs), self.columns(labels)
         if self.pin_memory:
             # Page-locked, so the copy to the GPU can run asynchronously (non_blocking=True).
             inputs, labels = inputs.pin_memory(), labels.pin_memory()  # cuda-only

@@ -196,12 +196,14 @@ def _floors(
     model = meta_model(job_config, model_args) if model is None else model
 
     def floor(model: nn.Module, batch_size: int) -> dict[str, int]:
+        # Under context parallelism FSDP shards over dp_shard x cp, and each rank holds the
+        # logits of its seq_len / cp tokens of every sequence.
         return step_floor_bytes(
             model,
             model_args.vocab_size,
-            parallel_dims.dp_shard,
+            parallel_dims.dp_shard * parallel_dims.cp,
             batch_size,
-            training.seq_len,
+            training.seq_len // parallel_dims.cp,
             compute_bytes,
             training.enable_cpu_offload,
             parallel_dims.tp,

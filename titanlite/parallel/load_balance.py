@@ -44,9 +44,10 @@ class ExpertLoadBalancer:
         tp_mesh = dims.tp_mesh(mesh)
         self.count_groups += [] if tp_mesh is None else [tp_mesh.get_group()]
         # For the metrics' one sum over all ranks: every rank of a stage holds the same load
-        # values, and the ranks of a tensor-parallel group the same balancing losses (each
-        # rank's the whole forward's: their terms are summed over tp, add_load_balancing_loss).
-        self.ranks_per_stage, self.tp = dims.world_size // dims.pp, dims.tp
+        # values, and the ranks of a tensor- and context-parallel group the same balancing losses
+        # (each rank's the whole forward's: their terms are summed over tp and cp,
+        # add_load_balancing_loss).
+        self.ranks_per_stage, self.token_ranks = dims.world_size // dims.pp, dims.tp * dims.cp
         self.losses_on = [coef > 0 for coef in moe_args.balance_loss_coefs]
         for layer in self.layers:
             layer.aux_loss_step_tokens = step_tokens
@@ -90,7 +91,7 @@ class ExpertLoadBalancer:
             where = torch.tensor(self.block_indices, device=device)
             values[where] = self.step_load / self.ranks_per_stage
             values[where + self.n_layers] = 1.0 / self.ranks_per_stage
-            values[-n_losses:] = self.step_losses / self.tp
+            values[-n_losses:] = self.step_losses / self.token_ranks
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(values)
         values = values.tolist()

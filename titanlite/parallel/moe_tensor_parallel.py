@@ -55,8 +55,7 @@ def moe_tensor_parallel_plan(moe: MoE, tp_mesh: DeviceMesh, stream) -> dict:
     for linear in _dense_linears(moe):
         distribute_module(linear, tp_mesh)
         linear.__class__ = _LinearOnLocalWeight
-    moe.token_ranks = tp_mesh.size()
-    moe.sum_over_token_ranks = SumOverRanks(tp_mesh.get_group())
+    split_tokens_over(moe, tp_mesh)
     return {
         "feed_forward": PrepareModuleInputOutput(
             input_layouts=(stream,),
@@ -135,11 +134,22 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 class SumOverRanks:
-    """A differentiable sum over the ranks of ``group`` (_SumOverRanks), as a callable to hand
-    to the MoE layer."""
+    """A differentiable sum over the ranks of every group in ``groups`` in turn (_SumOverRanks),
+    as a callable to hand to the MoE layer."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, groups: list):
+        self.groups = groups
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _SumOverRanks.apply(x, self.group)
+        for group in self.groups:
+            x = _SumOverRanks.apply(x, group)
+        return x
+
+
+def split_tokens_over(moe: MoE, mesh: DeviceMesh) -> None:
+    """Tell ``moe`` that the ranks of the 1-D ``mesh`` (tp, or cp: each holds its own part of
+    every sequence) share its forward's tokens equally, besides any ranks it already shares
+    them with: its balancing losses' terms are then summed over all of them."""
+    moe.token_ranks *= mesh.size()
+    before = moe.sum_over_token_ranks.groups if moe.sum_over_token_ranks is not None else []
+    moe.sum_over_token_ranks = SumOverRanks([*before, mesh.get_group()])

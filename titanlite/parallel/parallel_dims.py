@@ -1,6 +1,7 @@
 """The layout: how many pipeline stages, how many model replicas per stage, how many shards
 each, how many tensor-parallel ranks per layer, and the one device mesh they make."""
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -11,8 +12,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 # tensor-parallel group are consecutive: on the same node, where TP's per-layer collectives
 # need the fast link. Data parallelism, which talks once per block, spans the nodes; pipeline
 # parallelism, which sends one activation per micro-batch between neighbouring stages, is
-# outermost, so the slowest links carry the least traffic.
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# outermost, so the slowest links carry the least traffic. Context parallelism, which
+# all-gathers every layer's keys and values, sits between data and tensor parallelism.
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Under context parallelism FSDP shards over dp_shard x cp flattened into one dimension: the
+# cp ranks hold the same parameters and their gradients sum like data-parallel ranks'.
+SHARD_CP = "dp_shard_cp"
 
 # Expert parallelism's view of the mesh: the dp_shard dimension split into (efsdp, ep), or
 # under tensor parallelism into (efsdp, ep_shard). An ep group is the ep_shard consecutive
@@ -30,14 +35,16 @@ _EXPERT_VIEW = "titanlite_expert_view"
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Resolved degrees; ``pp * dp_replicate * dp_shard * tp == world_size`` always holds.
+    """Resolved degrees; ``pp * dp_replicate * dp_shard * cp * tp == world_size`` always holds.
 
     The data-parallel strategies are points of the (replicate, shard) grid: single
     process (1 x 1), FSDP (1 x N), DDP (N x 1) and HSDP (R x S). Tensor parallelism (tp)
     splits each layer within every data-parallel rank, so the ``tp`` ranks of one group
     see the same batch. Pipeline parallelism (pp) splits the layers into stages, each on
     its own set of ranks laid out as above; the ``pp`` ranks of one pipeline read the same
-    batch too (the first stage its tokens, the last its labels).
+    batch too (the first stage its tokens, the last its labels). Context parallelism (cp)
+    splits each sequence: the ``cp`` ranks of one group read the same batch and each keeps
+    its chunks of every sequence (titanlite/parallel/context_parallel.py).
     """
 
     dp_replicate: int
@@ -46,10 +53,11 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallelism: all the tp ranks and a split of the dp_shard ranks, not a dimension of its own
+    cp: int = 1
 
     @classmethod
     def resolve(
-        cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1
+        cls, dp_replicate: int, dp_shard: int, world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1
     ) -> "ParallelDims":
         """Fill in a -1 data-parallel degree with the ranks left over after the others; raise
         ValueError naming the key when the degrees do not multiply to the world size or the
@@ -59,13 +67,15 @@ class ParallelDims:
             "parallelism.data_parallel_shard_degree",
             "parallelism.tensor_parallel_degree",
             "parallelism.pipeline_parallel_degree",
+            "parallelism.context_parallel_degree",
         )
-        for name, degree in ((names[3], pp), (names[2], tp), (f"{names[3]} x {names[2]}", pp * tp)):
+        model_parallel = ((names[3], pp), (names[4], cp), (names[2], tp))
+        for name, degree in (*model_parallel, (" x ".join(n for n, _ in model_parallel), pp * cp * tp)):
             if world_size % degree != 0:
                 raise ValueError(f"{name} ({degree}) must divide the world size ({world_size})")
-        dp_ranks = world_size // (tp * pp)
-        # What the data-parallel degrees must fill: the world, or what TP and PP leave of it.
-        others = " x ".join(f"{name} ({degree})" for name, degree in ((names[3], pp), (names[2], tp)) if degree > 1)
+        dp_ranks = world_size // (tp * pp * cp)
+        # What the data-parallel degrees must fill: the world, or what TP, CP and PP leave of it.
+        others = " x ".join(f"{name} ({degree})" for name, degree in model_parallel if degree > 1)
         ranks_left = f"the world size ({world_size})" + (f" / {others}" if others else "")
         if -1 in (dp_replicate, dp_shard):
             known_name, known = (names[1], dp_shard) if dp_replicate == -1 else (names[0], dp_replicate)
@@ -77,10 +87,15 @@ class ParallelDims:
                 f"{names[0]} ({dp_replicate}) x {names[1]} ({dp_shard}) must equal {ranks_left}; "
                 "use -1 for one of them to take the ranks left over"
             )
-        problem = ep_problem(ep, dp_shard, tp)
+        problem = ep_problem(ep, dp_shard * cp, tp, cp > 1)
+        if problem is None and ep > 1 and cp > 1 and (tp > 1 or dp_replicate > 1):
+            problem = (
+                f"parallelism.expert_parallel_degree ({ep}) with {names[4]} ({cp}) borrows the shard and cp ranks "
+                f"only: not with {names[2] if tp > 1 else names[0]} above 1 yet"
+            )
         if problem is not None:
             raise ValueError(problem)
-        return cls(dp_replicate, dp_shard, world_size, tp, pp, ep)
+        return cls(dp_replicate, dp_shard, world_size, tp, pp, ep, cp)
 
     @property
     def ep_shard(self) -> int:
@@ -90,8 +105,9 @@ class ParallelDims:
     @property
     def expert_fsdp(self) -> int:
         """The ranks FSDP shards each rank's experts over under expert parallelism (efsdp):
-        the shard ranks holding the same experts, dp_shard / ep_shard."""
-        return self.dp_shard // self.ep_shard
+        the shard ranks holding the same experts, dp_shard / ep_shard (dp_shard x cp / ep under
+        context parallelism, whose ranks route tokens of their own like shard ranks)."""
+        return self.dp_shard * self.cp // self.ep_shard
 
     def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
@@ -113,9 +129,9 @@ class ParallelDims:
 
     @property
     def fsdp_applied(self) -> bool:
-        """Whether fully_shard wraps the model: with any data parallelism (DDP is FSDP2
-        replicating over a shard group of one)."""
-        return self.dp_degree > 1
+        """Whether fully_shard wraps the model: with any data or context parallelism (DDP is
+        FSDP2 replicating over a shard group of one; cp ranks are sharded over like dp_shard's)."""
+        return self.dp_degree * self.cp > 1
 
     @property
     def strategy(self) -> str:
@@ -127,7 +143,13 @@ class ParallelDims:
             data_parallel = "FSDP"
         else:
             data_parallel = "DDP" if self.dp_shard == 1 else "HSDP"
-        present = (("PP", self.pp > 1), (data_parallel, True), ("EP", self.ep > 1), ("TP", self.tp > 1))
+        present = (
+            ("PP", self.pp > 1),
+            (data_parallel, True),
+            ("CP", self.cp > 1),
+            ("EP", self.ep > 1),
+            ("TP", self.tp > 1),
+        )
         parts = [name for name, wanted in present if wanted]
         return " + ".join(part for part in parts if part)
 
@@ -146,7 +168,12 @@ class ParallelDims:
         expert_fsdp_mesh read the view. Both are made once, here, because unflattening and
         flattening create process groups on every call."""
         mesh = self._build_layout_mesh(device_type)
-        if mesh is not None and self.ep > 1:
+        if mesh is not None and self.ep > 1 and self.cp > 1:
+            # The ep groups are consecutive ranks of dp_shard x cp (the cp ranks first): the
+            # flattened shard mesh split into (efsdp, ep). Only without TP and replicas.
+            view = self.dp_mesh(mesh)._unflatten(0, (self.expert_fsdp, self.ep), EXPERT_MESH_DIMS)
+            setattr(mesh, _EXPERT_VIEW, (view, view["ep"]))
+        elif mesh is not None and self.ep > 1:
             names = EXPERT_MESH_DIMS_UNDER_TP if self.tp > 1 else EXPERT_MESH_DIMS
             view = mesh._unflatten("dp_shard", (self.expert_fsdp, self.ep_shard), names)
             ep_mesh = view["ep_shard", "tp"]._flatten("ep") if self.tp > 1 else view["ep"]
@@ -156,14 +183,21 @@ class ParallelDims:
     def _build_layout_mesh(self, device_type: str) -> DeviceMesh | None:
         if self.world_size == 1:
             return None
+        if self.cp > 1:
+            # The whole 5-D mesh, and dp_shard x cp flattened for FSDP (made once, here).
+            shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
+            override = _gloo_pipeline_group(device_type) if self.pp > 1 else None
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override)
+            mesh["dp_shard", "cp"]._flatten(SHARD_CP)
+            return mesh
         if self.pp > 1:
             shape = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
             override = _gloo_pipeline_group(device_type)
-            return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS, backend_override=override)
+            names = ("pp", "dp_replicate", "dp_shard", "tp")
+            return init_device_mesh(device_type, shape, mesh_dim_names=names, backend_override=override)
         if self.tp > 1:
-            return init_device_mesh(
-                device_type, (self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=MESH_DIMS[1:]
-            )
+            shape, names = (self.dp_replicate, self.dp_shard, self.tp), ("dp_replicate", "dp_shard", "tp")
+            return init_device_mesh(device_type, shape, mesh_dim_names=names)
         if self.dp_replicate == 1:
             return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
         return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard), mesh_dim_names=MESH_DIMS[1:3])
@@ -184,7 +218,21 @@ class ParallelDims:
         when there is no data parallelism."""
         if mesh is None or not self.fsdp_applied:
             return None
-        return mesh["dp_shard"] if self.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+        shard = SHARD_CP if self.cp > 1 else "dp_shard"
+        with warnings.catch_warnings():
+            # torch 2.13 slices a flattened dimension (dp_shard_cp) from the root mesh as it
+            # slices any other, but warns that a later release may stop doing so.
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+            return mesh[shard] if self.dp_replicate == 1 else mesh["dp_replicate", shard]
+
+    def cp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
+        """The context-parallel part of ``mesh`` (the ranks splitting the same sequences), or
+        None without context parallelism."""
+        return mesh["cp"] if mesh is not None and self.cp > 1 else None
+
+    def cp_rank(self, mesh: DeviceMesh | None) -> int:
+        """This rank's index in its context-parallel group (which chunks of each sequence it keeps)."""
+        return self.coordinate(mesh).get("cp", 0)
 
     def ep_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The 1-D expert-parallel group of ``mesh`` (this rank and the ranks holding the other
@@ -219,7 +267,7 @@ class ParallelDims:
 
     def dp_rank(self, mesh: DeviceMesh | None) -> int:
         """This rank's index among the data-parallel ranks (which part of each batch it reads),
-        from its place in the mesh: tp ranks of one group share it."""
+        from its place in the mesh: the tp ranks (and cp ranks) of one group share it."""
         coordinate = self.coordinate(mesh)
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)
 
@@ -230,13 +278,14 @@ def ep_shard_ranks(ep: int, tp: int) -> int:
     return ep // tp if ep > 1 else 1
 
 
-def ep_problem(ep: int, dp_shard: int, tp: int) -> str | None:
+def ep_problem(ep: int, dp_shard: int, tp: int, with_cp: bool = False) -> str | None:
     """Why ``ep`` ranks cannot hold the experts in this layout (one line naming the keys), or
     None. An ep group takes all the tp ranks (each routes tokens of its own) and ep / tp of
-    the shard ranks, as torchtitan's expert parallelism borrows TP and FSDP ranks."""
+    the shard ranks, as torchtitan's expert parallelism borrows TP and FSDP ranks; ``with_cp``:
+    ``dp_shard`` is the shard degree times the context-parallel degree, whose ranks EP borrows too."""
     key, shard_key, tp_key = (
         "parallelism.expert_parallel_degree",
-        "parallelism.data_parallel_shard_degree",
+        "parallelism.data_parallel_shard_degree" + (" x context_parallel_degree" if with_cp else ""),
         "parallelism.tensor_parallel_degree",
     )
     if ep == 1:

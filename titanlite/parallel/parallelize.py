@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titanlite.config import JobConfig
 from titanlite.dtypes import DTYPES
 from titanlite.models.moe import MoE, moe_layers
+from titanlite.parallel.context_parallel import apply_context_parallel, sequence_split
 from titanlite.parallel.expert_parallel import ExpertParallelExperts, apply_expert_parallel
 from titanlite.parallel.float8_styles import float8_styles
 from titanlite.parallel.moe_tensor_parallel import moe_tensor_parallel_plan
@@ -393,8 +394,13 @@ def set_gradient_all_reduce(runs_backward, parallel_dims: ParallelDims, enabled:
 def parallelize_decoder(
     model: nn.Module, parallel_dims: ParallelDims, mesh: DeviceMesh | None, job_config: JobConfig
 ) -> nn.Module:
-    """Apply EP, TP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
+    """Apply CP, EP, TP, AC, compile and FSDP, in that order, to a Llama-style decoder."""
     parallelism = job_config.parallelism
+    # 0. Context parallelism: global RoPE positions, and each attention's kernel all-gathering
+    # keys and values over cp (before TP, whose plan then runs the new kernel on local heads).
+    split = sequence_split(parallel_dims, mesh, parallelism.context_parallel_load_balancer)
+    if split is not None:
+        apply_context_parallel(model, parallel_dims.cp_mesh(mesh), split)
     # 1. Expert parallelism over the ep ranks (all of tp's and a split of dp_shard's), every MoE layer.
     ep_mesh = parallel_dims.ep_mesh(mesh)
     if ep_mesh is not None:

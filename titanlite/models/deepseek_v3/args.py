@@ -94,6 +94,14 @@ class DeepSeekV3Args(ModelArgs):
     """Step of the auxiliary-loss-free expert bias after each optimizer step (DeepSeek-V3's
     e_score_correction_bias, which exports); 0: the bias stays as loaded. [model] key."""
 
+    def with_rope_scaling(self, factor: float, original_seq_len: int | None):
+        """YaRN (YarnScaling: the flavor's betas and magnitudes when it has them) by ``factor``
+        over ``original_seq_len`` (None: the flavor's, else max_seq_len / factor)."""
+        base = self.rope_scaling or YarnScaling(mscale=1.0, mscale_all_dim=1.0)
+        original = self.original_seq_len(factor, original_seq_len)
+        scaling = replace(base, factor=factor, original_max_position_embeddings=original)
+        return replace(self, rope_scaling=scaling)
+
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
             if getattr(self, name) < 1:

@@ -30,9 +30,9 @@ import math
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import AttentionKernel
 from titanlite.models.deepseek_v3.args import DeepSeekV3Args, YarnScaling
 from titanlite.models.init import fill_trunc_normal_
 from titanlite.models.llama.model import FeedForward, RMSNorm, Transformer, TransformerBlock, apply_rope
@@ -110,22 +110,11 @@ def rope_tables(args: DeepSeekV3Args, device: torch.device | None = None) -> tup
 # --- Multi-head latent attention -------------------------------------------------------
 
 
-class CausalAttention(nn.Module):
-    """softmax(q k^T x scale) v over the causal prefix, for q, k [batch, heads, seq, qk]
-    and v [batch, heads, seq, v] (values may be narrower). A module of its own (no
-    parameters) so that tensor parallelism can run it on each rank's heads as plain tensors."""
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-
-
 class LatentAttention(nn.Module):
     """Causal multi-head latent attention: keys and values expanded per head from one
     compressed latent, plus one rope key shared by the heads."""
+
+    kernel_name = "attend"  # as Llama's attention: the module that attends, by name
 
     def __init__(self, args: DeepSeekV3Args):
         super().__init__()
@@ -141,7 +130,13 @@ class LatentAttention(nn.Module):
         self.kv_norm = RMSNorm(args.kv_lora_rank, LATENT_NORM_EPS)
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim), bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
-        self.attend = CausalAttention(softmax_scale(args))
+        self.attend = AttentionKernel(softmax_scale(args))
+
+    @staticmethod
+    def kernel_kv_features(args: DeepSeekV3Args) -> int:
+        """Numbers per token of the keys and values the kernel takes: every head's (the latent
+        expanded, each key with the shared rope part)."""
+        return args.n_heads * (args.qk_head_dim + args.v_head_dim)
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """x [batch, seq, dim] -> the queries, flat per token (heads x qk_head_dim)."""

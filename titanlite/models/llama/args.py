@@ -46,6 +46,15 @@ class LlamaArgs(ModelArgs):
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
+    def with_rope_scaling(self, factor: float, original_seq_len: int | None):
+        """Llama 3.1's scaling (RopeScaling: its low and high frequency factors, the flavor's when
+        it has them) by ``factor`` over ``original_seq_len`` (None: the flavor's, else
+        max_seq_len / factor)."""
+        base = self.rope_scaling or RopeScaling()
+        original = self.original_seq_len(factor, original_seq_len)
+        scaling = replace(base, factor=factor, original_max_position_embeddings=original)
+        return replace(self, rope_scaling=scaling)
+
     def architecture(self) -> dict:
         """The hyper-parameters that decide what the model computes, for telling whether two
         args describe the same model. max_seq_len is left out (it only sizes the RoPE tables,

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titanlite.models.attention import AttentionKernel, Documents, document_ids
 from titanlite.models.init import fill_normal_, fill_trunc_normal_
 from titanlite.models.llama.args import LlamaArgs
 
@@ -79,25 +80,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # --- Attention ----------------------------------------------------------------------
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of q [batch, n_heads, seq, head_dim] over k and v, which have
-    n_heads or fewer heads; query head h reads key/value head h // (n_heads / kv_heads)."""
-    grouped = k.shape[1] != q.shape[1]
-    if grouped and q.dtype not in (torch.float16, torch.bfloat16):
-        # On GPUs only the flash kernel shares key/value heads between query heads
-        # without copying them, and it runs in 16 bits only. In other dtypes the fused
-        # kernel left (memory-efficient) needs one key/value head per query head; given
-        # fewer, SDPA falls back to the math kernel, which stores the [seq, seq] scores
-        # of every head. Copying k and v to every query head costs 2 * head_dim numbers
-        # per position and head instead of seq.
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        grouped = False
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=grouped)
-
-
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads: n_heads queries share kv_heads keys/values."""
+
+    # The module that computes attention from the heads (titanlite/models/attention.py), by
+    # name: context parallelism puts a kernel of its own there.
+    kernel_name = "attend"
 
     def __init__(self, args: LlamaArgs):
         super().__init__()
@@ -106,6 +94,12 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.attend = AttentionKernel()
+
+    @staticmethod
+    def kernel_kv_features(args: LlamaArgs) -> int:
+        """Numbers per token of the keys and values the kernel takes (its key/value heads)."""
+        return 2 * args.kv_heads * args.head_dim
 
     def project_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values of x, each [batch, seq, heads, head_dim], before RoPE."""
@@ -122,7 +116,7 @@ class Attention(nn.Module):
         q, k, v = self.project_heads(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Attention wants [batch, heads, seq, head_dim].
-        out = causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_std: float, generator: torch.Generator) -> None:
@@ -220,14 +214,35 @@ class Transformer(nn.Module):
         cos, sin = self.rope_tables(torch.device("meta"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # The global positions of the tokens this model sees, (local seq_len, device) -> int64
+        # [seq_len], or None for 0 .. seq_len - 1. Context parallelism sets it: each rank then
+        # holds chunks of longer sequences, and RoPE must turn each token by where it stands.
+        self.token_positions = None
+        # Document masking (block_causal): the end-of-document token id, set by whoever builds
+        # the model for training, or None for plain causal attention. The forward finds each
+        # token's document and shares them with every attention kernel through `documents`.
+        # whole_sequence (context parallelism sets it): this rank's tokens -> the whole
+        # sequences', whose documents the chunks' tokens alone do not tell.
+        self.document_end_id: int | None = None
+        self.whole_sequence = None
+        self.documents = Documents()
+        for block in self.layers.values():
+            getattr(block.attention, block.attention.kernel_name).documents = self.documents
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]. A pipeline stage without the
         embedding takes the previous stage's hidden state instead of tokens, and one without
         the output returns its hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.document_end_id is not None:  # block_causal; a stage without tokens is refused
+            whole = tokens if self.whole_sequence is None else self.whole_sequence(tokens)
+            self.documents.ids = document_ids(whole, self.document_end_id)
+        cos, sin = self.rope_cos, self.rope_sin
+        if self.token_positions is not None:
+            positions = self.token_positions(tokens.shape[1], cos.device)
+            cos, sin = cos[positions], sin[positions]
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

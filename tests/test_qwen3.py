@@ -25,7 +25,7 @@ from titanlite.config import ConfigError, parse_args
 from titanlite.data.tokenizer import ByteTokenizer
 from titanlite.models.generate import generate
 from titanlite.models.qwen3 import Qwen3Transformer, args_to_hf_config
-from titanlite.parallel.parallelize import apply_tensor_parallel
+from titanlite.parallel.tensor_parallel import apply_tensor_parallel
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, model_from_hf_config
 from titanlite.train import Trainer

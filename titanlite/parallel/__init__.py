@@ -16,13 +16,8 @@ from titanlite.parallel.distributed import (
 )
 from titanlite.parallel.grad_norm import clip_grad_norm_
 from titanlite.parallel.parallel_dims import ParallelDims
-from titanlite.parallel.parallelize import (
-    compute_context,
-    loss_context,
-    parallelize_decoder,
-    set_gradient_all_reduce,
-    tensor_parallel_problem,
-)
+from titanlite.parallel.parallelize import compute_context, parallelize_decoder, set_gradient_all_reduce
+from titanlite.parallel.tensor_parallel import loss_context, tensor_parallel_problem
 
 __all__ = [
     "ParallelDims",

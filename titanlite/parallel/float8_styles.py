@@ -8,7 +8,7 @@ with one scale per tensor, so they are used for the tensorwise recipe only: with
 ones, and for layers float8 left in high precision, the plain styles stay (a Float8Linear
 under them casts the DTensors it gets, its scales taken over the whole mesh).
 
-The model's TP plan stays as it is written (parallelize.apply_tensor_parallel);
+The model's TP plan stays as it is written (tensor_parallel.apply_tensor_parallel);
 ``float8_styles`` rewrites a plan just before it is applied, on GPU meshes: gloo, the CPU's
 backend, cannot send float8 tensors, so CPU runs (the tests, emulated) keep the plain styles."""
 

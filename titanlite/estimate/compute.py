@@ -90,19 +90,16 @@ class RankWork:
 
 
 @functools.lru_cache(maxsize=64)
-def _stage_params(args: LlamaArgs, plan: PipelinePlan):
-    return stage_params(model_on_meta(args), plan)
-
-
-@functools.lru_cache(maxsize=64)
-def _held_whole(args: LlamaArgs, plan: PipelinePlan | None) -> tuple[HeldWhole, ...]:
-    """What TP holds whole in each stage (in the whole model without a pipeline)."""
+def _stage_counts(args: LlamaArgs, plan: PipelinePlan | None) -> tuple[list | None, tuple[HeldWhole, ...]]:
+    """(each stage's parameters, what TP holds whole in each stage), counted on one model built
+    on meta; without a pipeline (None, what TP holds whole in the whole model)."""
     model = model_on_meta(args)
     if plan is None:
-        return (held_whole(model),)
-    return tuple(
+        return None, (held_whole(model),)
+    held = tuple(
         sum((held_whole(model.get_submodule(name)) for name in names), HeldWhole()) for names in plan.stage_modules
     )
+    return stage_params(model, plan), held
 
 
 def held_flops(held: HeldWhole, fraction: float) -> float:
@@ -129,7 +126,7 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         recompute = recompute_flops(args, model_flops, fraction)
         moe_layers = sum(1 for experts in counts.experts if experts)
         moe_flops = 6 * counts.moe_active
-        (held,) = _held_whole(args, None)
+        (held,) = _stage_counts(args, None)[1]
         return RankWork(
             model_flops,
             recompute,
@@ -143,7 +140,7 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
             held_flops(held, fraction),
         )
     attention_per_block = attention_flops_per_token(args, seq_len) / args.n_layers
-    stages = _stage_params(args, plan)
+    stages, stage_held = _stage_counts(args, plan)
     flops = rank_totals(
         plan, [6 * (st.total - st.embedding - st.idle_experts) + attention_per_block * st.blocks for st in stages]
     )
@@ -156,7 +153,6 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         int(max(rank_totals(plan, [getattr(st, name) for st in stages])))
         for name in ("total", "blocks", "experts", "moe_layers")
     )
-    stage_held = _held_whole(args, plan)
     rank_held = [sum((stage_held[stage] for stage in plan.rank_stages(rank)), HeldWhole()) for rank in range(plan.pp)]
     works = [
         RankWork(

@@ -6,6 +6,7 @@ bytes real all-to-alls move are benchmarks/moe.py's (its --quick run is a smoke 
 
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.config import parse_args
-from titanlite.estimate import estimate_memory, estimate_step_time
+from titanlite.estimate import estimate_for_job_config, estimate_memory, estimate_step_time
 from titanlite.estimate.communication import group_spans_nodes
 from titanlite.estimate.compute import device_flops_per_token, rank_work
 from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
@@ -416,3 +417,15 @@ def test_deepseek_tp_holds_the_low_rank_projections_and_shared_experts_whole(fla
     )
     if args.q_lora_rank:
         assert timing.tp_bytes - bare.tp_bytes == pytest.approx(2 * 4096 * args.n_layers * args.q_lora_rank * 2 / 2)
+
+
+@pytest.mark.parametrize("name, world_size", [("deepseek_v3_16b", 8), ("deepseek_v3_671b", 512)])
+def test_deepseek_configs_plan_and_estimate_what_their_comments_say(name, world_size):
+    # The shipped layout plans on its GPUs (the trainer's own checks, as --job.validate_only
+    # runs them), and the step estimate is the one the config's comment quotes from the sweep.
+    path = Path(__file__).resolve().parent.parent / "train_configs" / f"{name}.toml"
+    job_config = parse_args(["--job.config_file", str(path)])
+    plan_run(job_config, world_size)
+    quoted = re.search(r"([\d,]+) tokens/s/GPU", path.read_text().split("[parallelism]")[1]).group(1)
+    timing = estimate_for_job_config(job_config, world_size, "h100")
+    assert f"{timing.tokens_per_second_per_device:,.0f}" == quoted

@@ -21,6 +21,7 @@ from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
 from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
 from titanlite.estimate.held_whole import HeldWhole, held_whole
 from titanlite.estimate.simulation import expert_parallel_bytes
+from titanlite.estimate.tensor_parallel import tensor_parallel_bytes
 from titanlite.metrics import flops_per_token
 from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
 from titanlite.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
@@ -411,12 +412,14 @@ def test_deepseek_tp_holds_the_low_rank_projections_and_shared_experts_whole(fla
     )
     # In backward each projection's output gradient is all-reduced over tp: 2 x tokens x features.
     options = dict(seq_len=4096, local_batch_size=1, hardware="h100", dp_shard=4, tp=2, ac_mode="full")
-    timing, bare = estimate_step_time(args, **options), estimate_step_time(replace(args, q_lora_rank=0), **options)
+    timing = estimate_step_time(args, **options)
     assert timing.tp_moe_gradient_bytes == pytest.approx(
         2 * 2 * (moe_layers * beside_experts + sum(param_counts(args).experts)) / 2
     )
-    if args.q_lora_rank:
-        assert timing.tp_bytes - bare.tp_bytes == pytest.approx(2 * 4096 * args.n_layers * args.q_lora_rank * 2 / 2)
+    blocks = (True, True, args.n_layers, moe_layers)  # sequence and loss parallel, full AC, the MoE blocks
+    without = tensor_parallel_bytes(args, 4096, 2, 2, *blocks)
+    held_sums = 2 * 4096 * args.n_layers * latent * 2 / 2
+    assert timing.tp_bytes == pytest.approx(without + held_sums + timing.tp_moe_gradient_bytes)
 
 
 @pytest.mark.parametrize("name, world_size", [("deepseek_v3_16b", 8), ("deepseek_v3_671b", 512)])

@@ -356,7 +356,7 @@ def test_a_commit_side_runs_its_own_code_in_a_worktree_and_leaves_the_checkout_a
     before = _git_state(clone)
     head, side_a = before[1].strip(), tmp_path / "side_a.json"
     result = run_script(
-        *TINY,
+        *EP_TINY,
         *("--repo", str(clone), "--config", str(clone / "train_configs" / "debug_model.toml")),
         *("--a-commit", "HEAD", "--import", str(reference), "--export", str(side_a), "--out", str(tmp_path / "out")),
         *LAYOUT_TOLERANCE,

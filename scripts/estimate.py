@@ -159,6 +159,7 @@ def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
     tp = f" x tp {layout['tp']}" if layout["tp"] > 1 else ""
+    tp = (f" x cp {layout['cp']}" if "cp" in layout else "") + tp
     pp = (
         f"pp {layout['pp']} ({layout['schedule']}, {layout['microbatches']} micro-batches) x " if "pp" in layout else ""
     )
@@ -202,6 +203,7 @@ def _report(result: dict, describe_model: str) -> str:
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         _collective_line("TP", timing, "tp", "tp_link"),
         *([_collective_line(f"all-to-all EP {timing['ep']}", timing, "ep", "ep_link")] if timing["ep"] > 1 else []),
+        *([_collective_line(f"K/V CP {timing['cp']}", timing, "cp", "cp_link")] if timing["cp"] > 1 else []),
         *(
             [
                 _collective_line("pipeline", timing, "pp", "pp_link")
@@ -317,12 +319,6 @@ def run(argv: list[str]) -> int:
     from titanlite.config import ConfigError, parse_args
 
     job_config = parse_args(config_argv)
-    cp = job_config.parallelism.context_parallel_degree
-    if cp > 1:  # rather than price another layout silently
-        raise ConfigError(
-            f"parallelism.context_parallel_degree ({cp}): the estimator does not model context parallelism yet; "
-            "estimate the layout at 1"
-        )
     from titanlite.plan import tokenizer_for_estimate
 
     _, vocabulary_note = tokenizer_for_estimate(job_config)

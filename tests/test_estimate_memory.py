@@ -234,6 +234,32 @@ def test_tensor_parallel_estimate_matches_real_tensors(real_memory, world_size, 
     assert estimate.measured.gradients == estimate.exact.gradients
 
 
+CP_CASES = [
+    # CP 2 alone: each rank runs 32 of the 64 tokens, all-gathers the keys and values; bf16.
+    (2, ["--parallelism.context_parallel_degree=2", "--training.seq_len=64", "--activation_checkpoint.mode=none"]),
+    # CP 2 x FSDP 2 (FSDP over dp_shard x cp = 4), full AC (the all-gather again in recompute), float32.
+    (
+        4,
+        [
+            "--parallelism.context_parallel_degree=2",
+            "--activation_checkpoint.mode=full",
+            "--training.mixed_precision_param=float32",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("world_size, extra", CP_CASES)
+def test_context_parallel_estimate_matches_real_tensors(real_memory, world_size, extra):
+    """The simulated cp rank (its columns, the keys and values the fake all-gather hands it,
+    FSDP over dp_shard x cp) against what a real CP run's rank 0 holds."""
+    estimate, rank0 = _estimate_against_real(
+        world_size, TINY_ARGS + extra, real_memory[_case_name(world_size, extra)], activations_rel=0.01
+    )
+    assert estimate.peak_bytes == pytest.approx(rank0["peak"], rel=0.01)
+    assert estimate.exact.gradients == rank0["gradients"]
+
+
 def _case_name(world_size: int, extra: list[str]) -> str:
     return " ".join([f"{world_size} rank(s):", *extra])
 
@@ -243,7 +269,7 @@ def real_memory() -> dict[str, list[dict]]:
     """What every rank of each case above really holds (_measure_on_rank), by _case_name. One
     launch of 4 ranks measures the cases of 1, 2 and 4 ranks side by side and a second one the
     3-rank case: starting rank processes costs more than measuring the tiny model."""
-    cases = TINY_CASES + TP_CASES
+    cases = TINY_CASES + TP_CASES + CP_CASES
     jobs = {_case_name(n, extra): Job(n, _measure_on_rank, (TINY_ARGS + extra,)) for n, extra in cases}
     return run_jobs_in_fewest_launches(jobs)
 

@@ -302,8 +302,9 @@ def measure_real_memory(job_config: JobConfig) -> dict[str, int]:
     # Weight decay in the priming step nudges the weights; nothing here reads them.
     prime_optimizer(model, optimizer, keep_gradients=plan.grad_accum_steps > 1)
     generator = torch.Generator().manual_seed(job_config.debug.seed)
+    local_seq = training.seq_len // plan.parallel_dims.cp  # a cp rank's columns
     batch = tuple(
-        torch.randint(0, plan.model_args.vocab_size, (training.local_batch_size, training.seq_len), generator=generator)
+        torch.randint(0, plan.model_args.vocab_size, (training.local_batch_size, local_seq), generator=generator)
         for _ in range(2)
     )
     context = compute_context(plan.parallel_dims, training.mixed_precision_param, "cpu")

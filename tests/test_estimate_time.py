@@ -4,6 +4,7 @@ worked out by hand, TP's collectives against what DTensor really sends, the link
 the error messages."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -616,3 +617,15 @@ def test_step_time_under_context_parallelism_by_hand():
     assert estimate(**options, cp=8, kv_features=kv, tp=2).cp_link == "inter-node"
     with pytest.raises(ValueError, match="needs kv_features"):
         estimate(**options, cp=8)
+
+
+def test_the_long_context_config_states_its_own_estimate():
+    """train_configs/llama3_8b_128k.toml's comment gives the step-time estimate of its layout on
+    64 H100s (its memory comes from the sweep it names, too slow for a test)."""
+    path = Path(__file__).resolve().parent.parent / "train_configs" / "llama3_8b_128k.toml"
+    comment = " ".join(line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    result = estimate_for_job_config(parse_args(["--job.config_file", str(path)]), world_size=64, hardware="h100")
+    assert (result.pp, result.dp_shard, result.tp, result.cp) == (2, 4, 8, 1)
+    figures = f"{result.tokens_per_second_per_device:,.0f} tokens/s/GPU, MFU {result.mfu_percent:.1f}%"
+    assert figures in comment, figures
+    assert f"TP's collectives {result.tp_s:.1f} s of a {result.step_s:.1f} s step" in comment

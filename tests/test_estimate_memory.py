@@ -22,6 +22,7 @@ from titanlite.estimate import (
     measure_real_memory,
     step_floor_bytes,
 )
+from titanlite.estimate.floor import fullest_floor
 from titanlite.estimate.memory import ALLOCATOR_SLACK
 from titanlite.models.llama import Transformer
 from titanlite.plan import plan_run
@@ -310,3 +311,20 @@ def test_floor_names_the_tensor_parallel_degree(monkeypatch):
     with pytest.raises(ConfigError, match=r"model llama3 8B on 2 shard\(s\) x 2 tensor-parallel rank\(s\)") as error:
         check_memory_floor(config, plan_run(config, 4))
     assert "parallelism.tensor_parallel_degree" in str(error.value)
+
+
+def test_floor_under_context_parallelism_is_a_cp_rank_s(monkeypatch):
+    """The preflight's floor of a cp rank: the model sharded over dp_shard x cp, the logits of its
+    seq_len / cp tokens; one sequence a rank that does not fit is told to raise the cp degree."""
+    argv = ["--model.name=llama3", "--model.flavor=8B", "--training.local_batch_size=1"]
+    long, short = [*argv, "--training.seq_len=131072"], [*argv, "--training.seq_len=64"]
+    cp = ["--parallelism.context_parallel_degree=4"]
+    monkeypatch.setattr("titanlite.estimate.floor.device_memory_bytes", lambda *_: (2**30, "a 1 GiB test device"))
+    with pytest.raises(ConfigError, match=r"local_batch_size 1 \(x seq_len 131072\)") as error:
+        check_memory_floor(parse_args(long), plan_run(parse_args(long), 2))
+    assert "raise parallelism.context_parallel_degree" in str(error.value)
+    plan = plan_run(parse_args(long + cp), 8)
+    _, cp_floor = fullest_floor(parse_args(long + cp), plan)
+    assert cp_floor["logits"] == 131072 // 4 * plan.model_args.vocab_size * (2 + 4)  # bf16 logits, fp32 loss
+    with pytest.raises(ConfigError, match=r"model llama3 8B on 8 shard\(s\)"):  # dp_shard 2 x cp 4
+        check_memory_floor(parse_args(short + cp), plan_run(parse_args(short + cp), 8))

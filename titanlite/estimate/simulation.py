@@ -256,7 +256,8 @@ def _mesh_coordinates(mesh) -> tuple[int, int]:
     """(index in the FSDP shard group, index in the TP group) of this rank; 0 without them.
     Under context parallelism the shard group is dp_shard x cp flattened, cp inner."""
     coordinate = ParallelDims.coordinate(mesh)
-    cp = mesh.size(mesh.mesh_dim_names.index("cp")) if mesh is not None and "cp" in mesh.mesh_dim_names else 1
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    cp = mesh.size(names.index("cp")) if "cp" in names else 1
     return coordinate.get("dp_shard", 0) * cp + coordinate.get("cp", 0), coordinate.get(TP_DIM, 0)
 
 

@@ -462,7 +462,7 @@ def print_a3b_per_rank_cost() -> None:
     recomputed = recomputed_collective_blocks(args.n_layers, ac.mode, ac.selective_ac_option)
     moe_flops = (work.moe_flops + work.moe_recompute_flops) * tokens
     a2a = {tp: moe_all_to_all_bytes(args, work, tokens, 2, A3B_EP, recomputed, tp) for tp in (1, 2, 4, 8)}
-    held_whole = work.moe_layers * args.n_experts * args.dim + work.experts  # routers and experts, without EP
+    held_whole = work.held.moe + work.experts  # routers (and any shared experts) and experts, without EP
     print(
         f"\nper-rank MoE cost of {A3B_CONFIG.name}'s micro-batch ({tokens} tokens per data-parallel rank, "
         f"AC {ac.mode}, bf16), estimated: MoE layers' FLOPs (forward, backward, recomputation) and EP {A3B_EP}'s "

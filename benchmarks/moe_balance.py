@@ -1,7 +1,9 @@
 """Expert load over training under each way of load balancing: max / mean tokens per expert
-of qwen3 debugmodel_moe, trained by the trainer in one process (on a GPU where there is one).
+of qwen3 debugmodel_moe (or deepseek_v3 debugmodel with --model deepseek_v3), trained by the
+trainer in one process (on a GPU where there is one).
 
     python benchmarks/moe_balance.py                        # every setting, 200 steps of 8 x 128 tokens (hours)
+    python benchmarks/moe_balance.py --model deepseek_v3 --settings none,flavor
     python benchmarks/moe_balance.py --quick                # tiny_moe, 4 steps of 4 settings (seconds)
     python benchmarks/moe_balance.py --settings none,lb,bias_sigmoid --steps 1000
     python benchmarks/moe_balance.py --settings aux --aux-coefs 0.001,0.01
@@ -20,7 +22,11 @@ every balancing key of [model] off unless the setting turns it on:
   bias_softmax          the expert bias at --bias-rate on the softmax router (Qwen3-MoE's);
   bias_sigmoid          the expert bias at --bias-rate on a sigmoid router (DeepSeek-V3's);
   bias_sigmoid_seq      the same plus the sequence-wise loss at --bias-seq-coef (DeepSeek-V3's
-                        recipe).
+                        recipe);
+  flavor                the flavor's own router and balancing, nothing overridden (for
+                        deepseek_v3: sigmoid, the bias at 1e-2 and the sequence-wise loss at 1e-3).
+The settings other than flavor keep the model's default router: softmax for qwen3, sigmoid for
+deepseek_v3 (whose "none" is then its sigmoid router with no balancing).
 --settings picks settings by name or by family (aux, lb, seq, z: every coefficient of it).
 --quick trains none, aux and lb at their first coefficient and bias_sigmoid_seq (unless
 --settings says otherwise) and plans every other setting's run without training it.
@@ -52,9 +58,13 @@ from titanlite.plan import plan_run  # noqa: E402
 from titanlite.train import Trainer  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-# Every balancing key off and the flavor's softmax router: what each setting starts from.
+# Every balancing key off: what each setting but flavor starts from.
 NO_BALANCING = {f"model.{key}": 0 for key in (*MOE_BALANCING_KEYS, "moe_z_loss_coef")}
-NO_BALANCING["model.moe_score_func"] = "softmax"
+# Per --model: (the benchmark's flavor, --quick's flavor, the router the settings start from).
+MODELS = {
+    "qwen3": ("debugmodel_moe", "tiny_moe", "softmax"),
+    "deepseek_v3": ("debugmodel", "tiny", "sigmoid"),
+}
 LOSS_FAMILIES = {
     "aux": "model.moe_aux_loss_coef",
     "lb": "model.moe_load_balance_coef",
@@ -65,6 +75,7 @@ LOSS_FAMILIES = {
 
 def settings(args: argparse.Namespace) -> dict[str, dict]:
     """{name: the [model] overrides of the setting}, every setting the benchmark knows."""
+    start = NO_BALANCING | {"model.moe_score_func": MODELS[args.model][2]}
     table = {"none": {}}
     for family, key in LOSS_FAMILIES.items():
         for coef in getattr(args, f"{family}_coefs"):
@@ -73,7 +84,7 @@ def settings(args: argparse.Namespace) -> dict[str, dict]:
     table["bias_softmax"] = bias
     table["bias_sigmoid"] = bias | {"model.moe_score_func": "sigmoid"}
     table["bias_sigmoid_seq"] = table["bias_sigmoid"] | {"model.moe_seq_balance_coef": args.bias_seq_coef}
-    return {name: NO_BALANCING | overrides for name, overrides in table.items()}
+    return {name: start | overrides for name, overrides in table.items()} | {"flavor": {}}
 
 
 def chosen_settings(table: dict[str, dict], names: str) -> dict[str, dict]:
@@ -91,10 +102,10 @@ def chosen_settings(table: dict[str, dict], names: str) -> dict[str, dict]:
     return {setting: overrides for setting, overrides in table.items() if any(picks(name, setting) for name in wanted)}
 
 
-def run_options(overrides: dict, flavor: str, steps: int, seq_len: int, batch: int) -> list[str]:
+def run_options(overrides: dict, model: str, flavor: str, steps: int, seq_len: int, batch: int) -> list[str]:
     """The trainer's command line for one setting."""
     options = {
-        "model.name": "qwen3",
+        "model.name": model,
         "model.flavor": flavor,
         "training.steps": steps,
         "training.seq_len": seq_len,
@@ -152,6 +163,7 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--z-coefs", type=coefficients, default=[0.001, 0.01], help="the z settings' weights")
     parser.add_argument("--bias-rate", type=float, default=1e-3, help="the bias settings' rate")
     parser.add_argument("--bias-seq-coef", type=float, default=1e-4, help="bias_sigmoid_seq's sequence-wise weight")
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen3", help="the model family trained")
     parser.add_argument("--settings", default="all", help="names or families, comma-separated (default: all)")
     parser.add_argument("--quick", action="store_true", help="tiny_moe, 4 steps of 2 x 16 tokens")
     return parser.parse_args()
@@ -159,21 +171,21 @@ def parse_options() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_options()
-    flavor = "debugmodel_moe"
+    flavor, quick_flavor, _ = MODELS[args.model]
     table = settings(args)
     names = args.settings
     if args.quick:
-        flavor, args.steps, args.seq_len, args.batch, args.window = "tiny_moe", 4, 16, 2, 2
+        flavor, args.steps, args.seq_len, args.batch, args.window = quick_flavor, 4, 16, 2, 2
         if names == "all":
             names = f"none,aux@{args.aux_coefs[0]:g},lb@{args.lb_coefs[0]:g},bias_sigmoid_seq"
     window = min(args.window, args.steps)
     chosen = table if names == "all" else chosen_settings(table, names)
-    shape = (flavor, args.steps, args.seq_len, args.batch)
+    shape = (args.model, flavor, args.steps, args.seq_len, args.batch)
     options = {name: run_options(overrides, *shape) for name, overrides in table.items()}
     for name in table.keys() - chosen.keys():  # a setting left out still plans (its keys fit the model)
         plan_run(parse_args(options[name]), world_size=1)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer puts a single process
-    print(f"qwen3 {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one process on {device}")
+    print(f"{args.model} {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one process on {device}")
     first, last, below = f"first {window}", f"last {window}", f"< {args.bound:g} from"
     print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {below:>11} {'loss':>7} {'/ none':>7}")
     ends, losses = {}, {}

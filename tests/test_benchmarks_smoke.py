@@ -204,4 +204,4 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     assert lines[-2].startswith("max/mean expert load, mean of the last 2 steps: none "), lines
     # Every other setting the issue lists (each loss at two weights, the bias on either
     # router) planned its run: its keys fit the model.
-    assert lines[-1] == "settings planned without training: 8 of 12", lines
+    assert lines[-1] == "settings planned without training: 9 of 13", lines

@@ -6,6 +6,7 @@ bytes real all-to-alls move are benchmarks/moe.py's (its --quick run is a smoke 
 
 import json
 import math
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -13,14 +14,17 @@ from pathlib import Path
 import pytest
 
 from titanlite.config import parse_args
-from titanlite.estimate import estimate_memory, estimate_step_time
+from titanlite.estimate import estimate_for_job_config, estimate_memory, estimate_step_time
 from titanlite.estimate.communication import group_spans_nodes
-from titanlite.estimate.compute import rank_work
+from titanlite.estimate.compute import device_flops_per_token, rank_work
 from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
 from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
+from titanlite.estimate.held_whole import HeldWhole, held_whole
 from titanlite.estimate.simulation import expert_parallel_bytes
+from titanlite.estimate.tensor_parallel import tensor_parallel_bytes
 from titanlite.metrics import flops_per_token
 from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
+from titanlite.models.deepseek_v3 import DEEPSEEK_V3_FLAVORS
 from titanlite.models.qwen3 import QWEN3_FLAVORS
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline
 from titanlite.plan import plan_run
@@ -218,12 +222,13 @@ def test_ep_leaves_each_rank_fewer_experts_to_gather():
 def test_replicas_all_reduce_each_ranks_shard_of_the_experts(tp, ep):
     # HSDP 2 x 4 (x TP): a rank's experts are n_experts / ep of them over 4 / (ep / tp) ranks,
     # 1/4 of them all without EP (every TP rank holding the same) and 1/(4 x tp) with it; the
-    # dense weights 1/(4 x tp). The replicas all-reduce that shard in fp32.
+    # dense weights 1/(4 x tp), but for the routers, which every TP rank holds whole (1/4). The
+    # replicas all-reduce that shard in fp32.
     counts = param_counts(A3B)
-    experts = sum(counts.experts)
+    experts, routers = sum(counts.experts), 48 * 128 * 2048
     timing = _a3b_step(dp_replicate=2, dp_shard=4, tp=tp, ep=ep)
     expert_shard = experts / 4 if ep == 1 else experts / (4 * tp)
-    shard = (counts.total - experts) / (4 * tp) + expert_shard
+    shard = (counts.total - experts - routers) / (4 * tp) + routers / 4 + expert_shard
     assert timing.all_reduce_bytes == pytest.approx(2 * shard * 4 / 2, rel=1e-12)
 
 
@@ -374,3 +379,56 @@ def test_sweep_varies_the_expert_parallel_degree(capsys):
     verdict = lines[-1]
     assert verdict.startswith("8 GPUs: FSDP + EP 1x8x1 ep ") and "EP wins" in verdict and "TP does not" in verdict
     assert math.isfinite(ep2["step_s"])
+
+
+# --- DeepSeek-V3: what TP holds whole (latent attention's down-projections, shared experts) ---
+
+
+@pytest.mark.parametrize("flavor", ["16B", "671B"])
+def test_deepseek_tp_holds_the_low_rank_projections_and_shared_experts_whole(flavor):
+    args = DEEPSEEK_V3_FLAVORS[flavor]
+    model = model_on_meta(args)
+    attention, moe_block = model.layers["0"].attention, model.layers[str(args.n_layers - 1)]
+    # On the meta model: the modules the block's attention_tp_plan marks "replicate" (the
+    # query bottleneck only where q_lora_rank is set), and the router and shared experts.
+    whole = ["wkv_a", "kv_norm"] + (["wq_a", "q_norm"] if args.q_lora_rank else [])
+    per_block = sum(p.numel() for name in whole for p in getattr(attention, name).parameters())
+    latent = args.kv_lora_rank + args.qk_rope_head_dim + args.q_lora_rank
+    assert per_block == args.dim * latent + args.kv_lora_rank + args.q_lora_rank
+    moe = moe_block.feed_forward
+    beside_experts = sum(p.numel() for p in moe.parameters()) - sum(p.numel() for p in moe.experts.parameters())
+    shared = sum(p.numel() for p in moe.shared_experts.parameters())
+    assert shared == 3 * args.dim * args.n_shared_experts * args.moe_hidden_dim
+    moe_layers = args.n_layers - args.first_k_dense_replace
+    assert held_whole(model) == HeldWhole(
+        args.n_layers * per_block, args.n_layers * latent, moe_layers * beside_experts
+    )
+    # TP 2 splits every FLOP but those of the held-whole projections, which each rank runs on the
+    # whole micro-batch: fwd + bwd (6) and full AC's forward again (2) per weight.
+    one, two = (rank_work(args, 4096, 1.0, None, tp) for tp in (1, 2))
+    replicated = 8 * args.n_layers * per_block
+    assert device_flops_per_token(two, 2) == pytest.approx(
+        (one.flops + one.recompute_flops - replicated) / 2 + replicated
+    )
+    # In backward each projection's output gradient is all-reduced over tp: 2 x tokens x features.
+    options = dict(seq_len=4096, local_batch_size=1, hardware="h100", dp_shard=4, tp=2, ac_mode="full")
+    timing = estimate_step_time(args, **options)
+    assert timing.tp_moe_gradient_bytes == pytest.approx(
+        2 * 2 * (moe_layers * beside_experts + sum(param_counts(args).experts)) / 2
+    )
+    blocks = (True, True, args.n_layers, moe_layers)  # sequence and loss parallel, full AC, the MoE blocks
+    without = tensor_parallel_bytes(args, 4096, 2, 2, *blocks)
+    held_sums = 2 * 4096 * args.n_layers * latent * 2 / 2
+    assert timing.tp_bytes == pytest.approx(without + held_sums + timing.tp_moe_gradient_bytes)
+
+
+@pytest.mark.parametrize("name, world_size", [("deepseek_v3_16b", 8), ("deepseek_v3_671b", 512)])
+def test_deepseek_configs_plan_and_estimate_what_their_comments_say(name, world_size):
+    # The shipped layout plans on its GPUs (the trainer's own checks, as --job.validate_only
+    # runs them), and the step estimate is the one the config's comment quotes from the sweep.
+    path = Path(__file__).resolve().parent.parent / "train_configs" / f"{name}.toml"
+    job_config = parse_args(["--job.config_file", str(path)])
+    plan_run(job_config, world_size)
+    quoted = re.search(r"([\d,]+) tokens/s/GPU", path.read_text().split("[parallelism]")[1]).group(1)
+    timing = estimate_for_job_config(job_config, world_size, "h100")
+    assert f"{timing.tokens_per_second_per_device:,.0f}" == quoted

@@ -312,20 +312,29 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
     group takes all the TP ranks first (ParallelDims.ep_shard)."""
     key, ep, model = "parallelism.expert_parallel_degree", dims.ep, job_config.model
     which = f"{model.name} {model.flavor}"
-    layers = moe_layers(meta_model(job_config, model_args))
-    if not layers:
+    moe_args = _first_moe_args(job_config.model.name, model_args)
+    if moe_args is None:
         raise ConfigError(f"{key} ({ep}) needs a model with routed experts; {which} has none: set it to 1")
-    n_experts = layers[0].args.n_experts
+    n_experts = moe_args.n_experts
     if n_experts % ep:
         raise ConfigError(f"{key} ({ep}) must divide the model's {n_experts} experts ({which})")
     expert_fsdp = dims.expert_fsdp
-    widths = {layers[0].args.dim, layers[0].args.hidden_dim}
+    widths = {moe_args.dim, moe_args.hidden_dim}
     if any(width % expert_fsdp for width in widths):
         borrowed = f"({key} / parallelism.tensor_parallel_degree)" if dims.tp > 1 else key
         raise ConfigError(
             f"parallelism.data_parallel_shard_degree / {borrowed} ({expert_fsdp}) must divide the experts' widths "
             f"{sorted(widths)} ({which}): FSDP splits each expert's rows over those ranks"
         )
+
+
+@functools.lru_cache(maxsize=16)
+def _first_moe_args(model_name: str, model_args):
+    """The first MoE layer's args of the model, built on meta (None for a dense model); kept,
+    as a sweep asks for each of its hundreds of layouts."""
+    with torch.device("meta"):
+        layers = moe_layers(get_model_spec(model_name).model_cls(model_args))
+    return layers[0].args if layers else None
 
 
 def check_split_backward(job_config: JobConfig, schedule: str, parallel_dims: ParallelDims) -> None:

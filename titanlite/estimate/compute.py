@@ -7,6 +7,7 @@ import functools
 import math
 from dataclasses import dataclass
 
+from titanlite.estimate.held_whole import HeldWhole, held_whole
 from titanlite.estimate.pipeline import rank_totals, stage_params
 from titanlite.metrics.flops import attention_flops_per_token, flops_per_token, model_on_meta, param_counts
 from titanlite.models.llama.args import LlamaArgs
@@ -47,13 +48,15 @@ def recompute_flops(args: LlamaArgs, model_flops_per_token: int, fraction: float
 
 def device_flops_per_token(work: "RankWork", tp: int) -> float:
     """FLOPs one device does per token of its data-parallel rank's batch, recomputation
-    included: TP splits all of them over its t ranks, the dense matrices by their features and
+    included: TP splits them over its t ranks, the dense matrices by their features and
     the MoE layers by their tokens (each TP rank routes its own slice of the sequence through
-    router and experts held whole: parallel/moe_tensor_parallel.py):
+    router and experts held whole: parallel/moe_tensor_parallel.py), all but those of the
+    attention modules TP holds whole (W, estimate.held_whole), which every TP rank runs on the
+    whole micro-batch:
 
-        (F + R) / t
+        (F + R - W) / t + W
     """
-    return (work.flops + work.recompute_flops) / tp
+    return (work.flops + work.recompute_flops - work.held_flops) / tp + work.held_flops
 
 
 def compute_seconds(flops_per_token_done: float, tokens: int, peak_flops: float, efficiency: float) -> float:
@@ -82,11 +85,27 @@ class RankWork:
     moe_layers: int = 0  # MoE layers of its stages
     moe_flops: float = 0.0  # of flops, its MoE layers' (routers and top_k experts): TP splits them by token
     moe_recompute_flops: float = 0.0  # of recompute_flops, its MoE layers'
+    held: HeldWhole = HeldWhole()  # the weights of its stages that TP holds whole (estimate.held_whole)
+    held_flops: float = 0.0  # of flops + recompute_flops, the held-whole attention modules' (TP does not split them)
 
 
 @functools.lru_cache(maxsize=64)
-def _stage_params(args: LlamaArgs, plan: PipelinePlan):
-    return stage_params(model_on_meta(args), plan)
+def _stage_counts(args: LlamaArgs, plan: PipelinePlan | None) -> tuple[list | None, tuple[HeldWhole, ...]]:
+    """(each stage's parameters, what TP holds whole in each stage), counted on one model built
+    on meta; without a pipeline (None, what TP holds whole in the whole model)."""
+    model = model_on_meta(args)
+    if plan is None:
+        return None, (held_whole(model),)
+    held = tuple(
+        sum((held_whole(model.get_submodule(name)) for name in names), HeldWhole()) for names in plan.stage_modules
+    )
+    return stage_params(model, plan), held
+
+
+def held_flops(held: HeldWhole, fraction: float) -> float:
+    """FLOPs per token of the attention weights TP holds whole: 6 per weight, and a forward's 2
+    again for the ``fraction`` of blocks checkpointing recomputes."""
+    return (6 + 2 * fraction) * held.attention
 
 
 def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan | None, tp: int = 1) -> RankWork:
@@ -107,6 +126,7 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         recompute = recompute_flops(args, model_flops, fraction)
         moe_layers = sum(1 for experts in counts.experts if experts)
         moe_flops = 6 * counts.moe_active
+        (held,) = _stage_counts(args, None)[1]
         return RankWork(
             model_flops,
             recompute,
@@ -116,9 +136,11 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
             moe_layers,
             moe_flops,
             fraction * moe_flops / 3,
+            held,
+            held_flops(held, fraction),
         )
     attention_per_block = attention_flops_per_token(args, seq_len) / args.n_layers
-    stages = _stage_params(args, plan)
+    stages, stage_held = _stage_counts(args, plan)
     flops = rank_totals(
         plan, [6 * (st.total - st.embedding - st.idle_experts) + attention_per_block * st.blocks for st in stages]
     )
@@ -131,8 +153,20 @@ def rank_work(args: LlamaArgs, seq_len: int, fraction: float, plan: PipelinePlan
         int(max(rank_totals(plan, [getattr(st, name) for st in stages])))
         for name in ("total", "blocks", "experts", "moe_layers")
     )
+    rank_held = [sum((stage_held[stage] for stage in plan.rank_stages(rank)), HeldWhole()) for rank in range(plan.pp)]
     works = [
-        RankWork(flops[rank], recompute[rank], params, blocks, experts, moe_layers, moe, fraction * moe / 3)
+        RankWork(
+            flops[rank],
+            recompute[rank],
+            params,
+            blocks,
+            experts,
+            moe_layers,
+            moe,
+            fraction * moe / 3,
+            rank_held[rank],
+            held_flops(rank_held[rank], fraction),
+        )
         for rank, moe in enumerate(moe_flops)
     ]
     return max(works, key=lambda work: device_flops_per_token(work, tp))

@@ -111,12 +111,13 @@ def data_parallel_traffic(
     reduce_bytes: int,
     reshard_after_forward: str,
 ) -> DataParallelTraffic:
-    """FSDP and the replicas move each device's 1/t of its stages' dense weights over the shard
-    group, and its n_experts / ep experts (which TP does not split by features) over the
-    s / (ep / t) ranks holding the same ones (the shard group without EP). Without a pipeline
-    every accumulation step gathers (and, unless resharding is "never", gathers again in
-    backward); under PP each stage's parameters are gathered once per accumulation step, unless
-    "always" frees them after each micro-batch's forward."""
+    """FSDP and the replicas move each device's 1/t of its stages' dense weights (all of those TP
+    holds whole: estimate.held_whole) over the shard group, and its n_experts / ep experts
+    (which TP does not split by features) over the s / (ep / t) ranks holding the same ones (the
+    shard group without EP). Without a pipeline every accumulation step gathers (and, unless
+    resharding is "never", gathers again in backward); under PP each stage's parameters are
+    gathered once per accumulation step, unless "always" frees them after each micro-batch's
+    forward."""
     r, t, ep = dims.dp_replicate, dims.tp, dims.ep
     s = dims.dp_shard * dims.cp  # FSDP shards over dp_shard x cp: cp ranks hold the same weights
     if pipeline is None:
@@ -128,13 +129,17 @@ def data_parallel_traffic(
         regathered, regathered_experts = (work.params, work.experts) if always else (0, 0)
         gathers = grad_accum_steps * (pipeline.microbatches if always else 1)
     dense, expert_shards = work.params - work.experts, dims.expert_fsdp
+    # Of the dense weights, TP splits all but those it holds whole (estimate.held_whole); the
+    # regathered ones are taken to be held whole in the same share.
+    dense_per_tp_rank = (dense - work.held.params) / t + work.held.params
+    regathered_per_tp_rank = (regathered - regathered_experts) * dense_per_tp_rank / dense
     traffic = functools.partial(fsdp_traffic, param_bytes=param_bytes, reduce_bytes=reduce_bytes, gathers=gathers)
     scatters = grad_accum_steps  # every accumulation step reduce-scatters, however often it gathers
-    dense_gather_b, dense_scatter_b = traffic(dense / t, (regathered - regathered_experts) / t, s, scatters)
+    dense_gather_b, dense_scatter_b = traffic(dense_per_tp_rank, regathered_per_tp_rank, s, scatters)
     expert_gather_b, expert_scatter_b = traffic(work.experts / ep, regathered_experts / ep, expert_shards, scatters)
     # A rank's shard of the experts is n_experts / ep of them over the expert_shards ranks: as
     # much as experts x (ep / t) / ep spread over all s shard ranks.
-    reduce_b = replicate_all_reduce_bytes(dense / t + work.experts * dims.ep_shard / ep, reduce_bytes, s, r)
+    reduce_b = replicate_all_reduce_bytes(dense_per_tp_rank + work.experts * dims.ep_shard / ep, reduce_bytes, s, r)
     shard_link, shard_bw = mesh_link(hardware, dims, "shard")
     expert_shard_link, expert_shard_bw = mesh_link(hardware, dims, "expert_shard")
     replicate_link, replicate_bw = mesh_link(hardware, dims, "replicate")

@@ -184,10 +184,9 @@ def estimate_step_time(
     over = functools.partial(traffic, hw, dims)  # (mesh dimension, bytes sent) -> Traffic
     recomputed_blocks = recomputed_collective_blocks(work.blocks, ac_mode, selective_ac_option)
     rank_model = replace(model_args, n_layers=work.blocks)  # the busiest pp rank's blocks
-    tp_b = tensor_parallel_bytes(
-        rank_model, micro_tokens, p_bytes, t, sequence_parallel, loss_parallel, recomputed_blocks, work.moe_layers
-    )
-    moe_gradient_b = _moe_gradient_bytes(model_args, work, dims, grad_accum_steps, p_bytes)
+    tp_options = (sequence_parallel, loss_parallel, recomputed_blocks, work.moe_layers, work.held.attention_outputs)
+    tp_b = tensor_parallel_bytes(rank_model, micro_tokens, p_bytes, t, *tp_options)
+    moe_gradient_b = _moe_gradient_bytes(work, dims, grad_accum_steps, p_bytes)
     tensor = over("tp", grad_accum_steps * tp_b + moe_gradient_b)
     all_to_all = moe_all_to_all_bytes(model_args, work, micro_tokens, p_bytes, ep, recomputed_blocks, t)
     experts = over("ep", grad_accum_steps * all_to_all)
@@ -288,15 +287,15 @@ def estimate_step_time(
     )
 
 
-def _moe_gradient_bytes(model_args, work, dims, grad_accum_steps: int, param_bytes: int) -> float:
+def _moe_gradient_bytes(work, dims, grad_accum_steps: int, param_bytes: int) -> float:
     """The bytes one device sends over a step summing over tp the gradients of the MoE weights
-    its TP group holds whole (tensor_parallel.moe_gradient_all_reduce_bytes): the routers of its
-    stages' MoE layers, and their experts without expert parallelism. Under FSDP every
+    its TP group holds whole (tensor_parallel.moe_gradient_all_reduce_bytes): the routers and
+    shared experts of its stages' MoE layers, and their routed experts without expert parallelism. Under FSDP every
     accumulation step sums them, in the parameter dtype; without it the step sums them once,
     in float32 (the parameters' dtype, autocast computing in bf16)."""
     if dims.tp == 1 or not work.moe_layers:
         return 0.0
-    held_whole = work.moe_layers * model_args.n_experts * model_args.dim + (work.experts if dims.ep == 1 else 0)
+    held_whole = work.held.moe + (work.experts if dims.ep == 1 else 0)
     sums, gradient_bytes = (grad_accum_steps, param_bytes) if dims.fsdp_applied else (1, 4)
     return sums * moe_gradient_all_reduce_bytes(held_whole, gradient_bytes, dims.tp)
 

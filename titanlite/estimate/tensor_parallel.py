@@ -35,6 +35,7 @@ def tensor_parallel_bytes(
     loss_parallel: bool,
     recomputed_blocks: int,
     moe_blocks: int = 0,
+    held_whole_outputs: int = 0,
 ) -> float:
     """Per-device bytes of tensor parallelism's collectives in one micro-batch (forward and
     backward) over the TP group, for ``tokens`` tokens (the data-parallel rank's micro-batch,
@@ -62,6 +63,10 @@ def tensor_parallel_bytes(
         ends       4 a: the embedding's reduce-scatter (all-reduce) of its partial lookups and,
                    for the output projection, the all-gather of the final norm's output (in
                    backward the reduction of its gradient), each with its mirror in backward
+        held whole 2 x tokens x ``held_whole_outputs`` x activation_bytes: in backward the
+                   all-reduce of the output gradients of the attention modules TP holds whole
+                   (estimate.held_whole: DeepSeek-V3's low-rank down-projections, whose outputs
+                   feed heads split over the ranks; the features summed over the blocks)
         logits     loss parallel: three all-reduces of one float32 per token (the maximum, the
                    sum of exponentials and the target's logit); without it the all-gather of
                    the [tokens, vocab] logits in the compute dtype (its backward is a local slice)
@@ -83,13 +88,14 @@ def tensor_parallel_bytes(
         logits = 3 * 2 * tokens * 4  # three all-reduces (2 x the bytes) of one float32 per token
     else:
         logits = tokens * args.vocab_size * activation_bytes
-    return ring_bytes(whole_activations * activation + logits, tp)
+    held_whole = 2 * tokens * held_whole_outputs * activation_bytes
+    return ring_bytes(whole_activations * activation + held_whole + logits, tp)
 
 
 def moe_gradient_all_reduce_bytes(held_whole: float, gradient_bytes: int, tp: int) -> float:
     """Per-device bytes of summing over the TP group the gradients of the MoE weights every TP
-    rank holds whole (``held_whole`` of them: the routers, and the experts unless expert
-    parallelism splits them), once per gradient reduction (under FSDP every accumulation step,
+    rank holds whole (``held_whole`` of them: the routers and shared experts, and the routed
+    experts unless expert parallelism splits them), once per gradient reduction (under FSDP every accumulation step,
     before its reduce-scatter; without it once per step, before clipping):
 
         2 x held_whole x gradient_bytes x (t - 1) / t      (an all-reduce)

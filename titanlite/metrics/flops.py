@@ -102,6 +102,7 @@ def active_params(args) -> int:
     return count_params(args, include_embedding=False) - param_counts(args).idle_experts
 
 
+@functools.lru_cache(maxsize=64)
 def block_flops_per_token(args, seq_len: int) -> tuple[int, ...]:
     """Training FLOPs per token of each block, counted on the model built on the meta device:
     6 x the block's weights a token meets (in an MoE block its top_k routed experts, not the

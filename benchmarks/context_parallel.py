@@ -14,8 +14,13 @@ Step time is the median of the steps after the first.
 
 Expected: CP c at S holds about what one rank holds at S / c (every activation but attention's
 scales with the local tokens), plus the gathered keys and values and the [S / c, S] masks;
-its step time is one rank's at S / c plus the all-gathers, and below one rank's at S. The
-estimator does not model CP yet, so no estimate is printed beside the figures.
+its step time is one rank's at S / c plus the all-gathers, and below one rank's at S.
+
+Beside each layout the estimator's figures for the same run (goal: within 10%): rank 0's
+simulated activations (against the saved bytes) and peak (against the real tensors' peak,
+titanlite.estimate.measure_real_memory on the real gloo group), and its step time, at a
+FLOP/s rate calibrated on the one-rank run at S / c (the CPU has no table row); the ratios
+are measured / estimated.
 """
 
 import argparse
@@ -58,15 +63,10 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
-def _rank(rank: int, world_size: int, port: int, seq_len: int, steps: int, dump: str, out_dir: str) -> None:
-    torchrun_environment(rank, world_size, port, LOG_RANK="")
-    torch.set_num_threads(1)  # the ranks share the machine's cores alike in every layout
-
-    from titanlite.config import parse_args
-    from titanlite.train import Trainer
-
-    quiet_every_rank_lines()
-    argv = [
+def _argv(seq_len: int, cp: int, steps: int, dump: str) -> list[str]:
+    """The benchmark's run (and what the estimate is asked about): the debug model, one sequence,
+    float32, no activation checkpointing, CP over all the ranks."""
+    return [
         "--job.config_file=train_configs/debug_model.toml",
         f"--job.dump_folder={dump}",
         f"--training.seq_len={seq_len}",
@@ -74,9 +74,21 @@ def _rank(rank: int, world_size: int, port: int, seq_len: int, steps: int, dump:
         f"--training.steps={steps}",
         "--training.mixed_precision_param=float32",
         "--activation_checkpoint.mode=none",
-        f"--parallelism.context_parallel_degree={world_size}",
+        f"--parallelism.context_parallel_degree={cp}",
         "--metrics.log_freq=1000",
     ]
+
+
+def _rank(rank: int, world_size: int, port: int, seq_len: int, steps: int, dump: str, out_dir: str) -> None:
+    torchrun_environment(rank, world_size, port, LOG_RANK="")
+    torch.set_num_threads(1)  # the ranks share the machine's cores alike in every layout
+
+    from titanlite.config import parse_args
+    from titanlite.estimate import measure_real_memory
+    from titanlite.train import Trainer
+
+    quiet_every_rank_lines()
+    argv = _argv(seq_len, world_size, steps, dump)
     trainer = Trainer(parse_args(argv))
     seconds, saved = [], SavedBytes()
     for step in range(steps):
@@ -88,6 +100,9 @@ def _rank(rank: int, world_size: int, port: int, seq_len: int, steps: int, dump:
             trainer.train_step()
         seconds.append(time.perf_counter() - start)
     figures = {"saved_bytes": saved.total, "step_s": statistics.median(seconds[1:] or seconds)}
+    # The step's peak, the real tensors of a fresh model of the same config on the real gloo
+    # group, under the tracker the estimate uses (titanlite.estimate.measure_real_memory).
+    figures["peak_bytes"] = measure_real_memory(parse_args(argv))["peak"]
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
     end_rank()
 
@@ -99,7 +114,34 @@ def measure(seq_len: int, ranks: int, steps: int, work: Path) -> dict:
     args = (ranks, free_port(), seq_len, steps, str(out_dir), str(out_dir))
     mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn", join=True)
     figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(ranks)]
-    return {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s")}
+    return {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "peak_bytes")}
+
+
+def estimate(seq_len: int, cp: int, flops_per_second: float) -> dict:
+    """The estimator's figures for the same run: rank 0's memory simulated (its activations and
+    peak), and its step time at ``flops_per_second`` (this machine's rate, calibrated on one
+    rank at S / c) with the keys' and values' all-gathers at the estimator's intra-node bandwidth."""
+    from titanlite.config import parse_args
+    from titanlite.estimate import estimate_for_job_config, estimate_memory, get_hardware
+
+    config = parse_args(_argv(seq_len, cp, 1, "unused"))
+    memory = estimate_memory(config, world_size=cp, device_type="cpu")
+    hardware = get_hardware("h100", peak_flops=flops_per_second)
+    timing = estimate_for_job_config(config, world_size=cp, hardware=hardware, efficiency=1.0)
+    return {"activations": memory.activations, "peak_bytes": memory.peak_bytes, "step_s": timing.step_s}
+
+
+def calibrated_rate(seq_len: int, step_s: float) -> float:
+    """The FLOP/s that make the estimate of one rank at ``seq_len`` take ``step_s``: its step is
+    all compute (no communication), proportional to the FLOPs."""
+    from titanlite.config import parse_args
+    from titanlite.estimate import estimate_for_job_config, get_hardware
+
+    config = parse_args(_argv(seq_len, 1, 1, "unused"))
+    timing = estimate_for_job_config(
+        config, world_size=1, hardware=get_hardware("h100", peak_flops=1e12), efficiency=1.0
+    )
+    return 1e12 * timing.step_s / step_s
 
 
 def main() -> None:
@@ -119,11 +161,24 @@ def main() -> None:
             f"CP {options.cp} at S = {options.seq_len}": measure(options.seq_len, options.cp, options.steps, work),
             f"1 rank at S = {options.seq_len}": measure(options.seq_len, 1, options.steps, work),
         }
-    print("| layout | saved for backward per rank, MiB | step time, s |")
-    print("|---|---|---|")
-    for name, row in rows.items():
-        print(f"| {name} | {row['saved_bytes'] / 2**20:,.1f} | {row['step_s']:.3f} |")
     short, cp, whole = rows.values()
+    rate = calibrated_rate(options.seq_len // options.cp, short["step_s"])
+    sizes = ((options.seq_len // options.cp, 1), (options.seq_len, options.cp), (options.seq_len, 1))
+    estimates = [estimate(seq_len, ranks, rate) for seq_len, ranks in sizes]
+    print(f"(step time estimated at {rate / 1e9:.1f} GFLOP/s, calibrated on one rank at S/c)")
+    print(
+        "| layout | saved for backward, MiB | estimated activations, MiB | ratio | peak, MiB | estimated peak, MiB "
+        "| ratio | step time, s | estimated, s | ratio |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (name, row), est in zip(rows.items(), estimates, strict=True):
+        mib = 2**20
+        print(
+            f"| {name} | {row['saved_bytes'] / mib:,.1f} | {est['activations'] / mib:,.1f} "
+            f"| {row['saved_bytes'] / est['activations']:.3f} | {row['peak_bytes'] / mib:,.1f} "
+            f"| {est['peak_bytes'] / mib:,.1f} | {row['peak_bytes'] / est['peak_bytes']:.3f} | {row['step_s']:.3f} "
+            f"| {est['step_s']:.3f} | {row['step_s'] / est['step_s']:.3f} |"
+        )
     print(f"memory: CP {options.cp} at S / one rank at S/c = {cp['saved_bytes'] / short['saved_bytes']:.3f}")
     print(f"memory: CP {options.cp} at S / one rank at S = {cp['saved_bytes'] / whole['saved_bytes']:.3f}")
     print(f"step time: CP {options.cp} at S / one rank at S/c = {cp['step_s'] / short['step_s']:.3f}")

@@ -18,18 +18,19 @@ parallelism's all-to-alls on the EP group, each on the link its ranks share). Ev
 option is a config override (--section.key value), as for training:
 --parallelism.tensor_parallel_degree 2 asks for TP.
 
-The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints
-FSDP and HSDP (one shard group per node), each with every TP degree the model and the node
-allow and every pipeline degree of --sweep_pp (1, 2, 4, 8, 16) with each schedule of
---sweep_schedules (1F1B, Interleaved1F1B) and, for an MoE model, every expert-parallel degree
-of --sweep_ep that the layout's shard degree and the experts allow, at 8, 64, 512 and 4096 GPUs
-(or --sweep_sizes), holding the global batch (training.global_batch_size, or local_batch_size x
-GPUs) with no accumulation, then which layout wins at each size, whether TP, PP and EP win, and
-why. Every layout gets its step time and memory floor (arithmetic, milliseconds); memory is
-simulated (seconds to a minute each) only for the layouts that can still win, fastest first,
-until one fits (titanlite.estimate.sweep says why that names the same winner as simulating them
-all; --sweep_simulate all simulates every layout under its floor). Progress goes to stderr.
-A layout that does not fit is reported as such (exit status 0); bad input is one line on
+The world size is --world_size, or --nodes x GPUs per node, or one node. --sweep prints FSDP and
+HSDP (one shard group per node), each with every TP degree the model and the node allow and every
+pipeline degree of --sweep_pp (1, 2, 4, 8, 16) with each schedule of --sweep_schedules (1F1B,
+Interleaved1F1B) and, for an MoE model, every expert-parallel degree of --sweep_ep that the
+layout's shard degree and the experts allow, and every context-parallel degree of --sweep_cp that
+divides the shard ranks (by default 1, 2, 4, 8 and 16 from seq_len 32,768 on, else none), at 8, 64,
+512 and 4096 GPUs (or --sweep_sizes), holding the global batch (training.global_batch_size, or
+local_batch_size x GPUs) with no accumulation, then which layout wins at each size, whether TP, PP,
+EP and CP win, and why. Every layout gets its step time and memory floor (arithmetic,
+milliseconds); memory is simulated (seconds to a minute each) only for the layouts that can still
+win, fastest first, until one fits (titanlite.estimate.sweep says why that names the same winner as
+simulating them all; --sweep_simulate all simulates every layout under its floor). Progress goes to
+stderr. A layout that does not fit is reported as such (exit status 0); bad input is one line on
 stderr and exit status 2.
 """
 
@@ -47,6 +48,8 @@ SWEEP_SIZES = (8, 64, 512, 4096)
 SWEEP_PP = "1,2,4,8,16"
 SWEEP_SCHEDULES = "1F1B,Interleaved1F1B"
 SWEEP_EP = "1,2,4,8,16,32,64"
+SWEEP_CP = "1,2,4,8,16"
+LONG_CONTEXT = 32768  # from this seq_len on, the sweep tries context parallelism unless told
 SWEEP_SIMULATE = ("needed", "all")
 GIB = 2**30
 WIDTH = 100  # columns of the report
@@ -92,6 +95,12 @@ def _options(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--sweep_ep",
         default=SWEEP_EP,
         help=f"the sweep's expert-parallel degrees for an MoE model, comma-separated (default {SWEEP_EP})",
+    )
+    parser.add_argument(
+        "--sweep_cp",
+        default=None,
+        help=f"the sweep's context-parallel degrees, comma-separated (default {SWEEP_CP} from seq_len "
+        f"{LONG_CONTEXT:,} on, else 1)",
     )
     parser.add_argument(
         "--sweep_simulate",
@@ -159,6 +168,7 @@ def _collective_line(label: str, timing: dict, key: str, link: str) -> str:
 def _report(result: dict, describe_model: str) -> str:
     layout, timing, memory = result["layout"], result["step_time"], result.get("memory")
     tp = f" x tp {layout['tp']}" if layout["tp"] > 1 else ""
+    tp = (f" x cp {layout['cp']}" if "cp" in layout else "") + tp
     pp = (
         f"pp {layout['pp']} ({layout['schedule']}, {layout['microbatches']} micro-batches) x " if "pp" in layout else ""
     )
@@ -202,6 +212,7 @@ def _report(result: dict, describe_model: str) -> str:
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         _collective_line("TP", timing, "tp", "tp_link"),
         *([_collective_line(f"all-to-all EP {timing['ep']}", timing, "ep", "ep_link")] if timing["ep"] > 1 else []),
+        *([_collective_line(f"K/V CP {timing['cp']}", timing, "cp", "cp_link")] if timing["cp"] > 1 else []),
         *(
             [
                 _collective_line("pipeline", timing, "pp", "pp_link")
@@ -262,6 +273,12 @@ def _sweep_pipelines(options) -> list[tuple[int, str | None]]:
     return [(1, None)] + [(pp, schedule) for pp in sorted(set(degrees) - {1}) for schedule in schedules]
 
 
+def _sweep_cp(options, seq_len: int) -> list[int]:
+    """--sweep_cp's degrees; by default 1 alone below LONG_CONTEXT tokens, SWEEP_CP from there."""
+    text = options.sweep_cp or (SWEEP_CP if seq_len >= LONG_CONTEXT else "1")
+    return _positive_ints("--sweep_cp", text, "context-parallel degrees like 1,2,4,8")
+
+
 def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
     """The sweep's results and "skipped" lines (titanlite.estimate.sweep), its progress on
     stderr."""
@@ -278,6 +295,7 @@ def sweep(job_config, hardware, options) -> tuple[list[dict], list[str]]:
         efficiency=DEFAULT_EFFICIENCY if options.efficiency is None else options.efficiency,
         reserve_bytes=int(options.reserve_gib * GIB),
         simulate="none" if options.skip_memory else options.sweep_simulate,
+        cp_degrees=tuple(_sweep_cp(options, job_config.training.seq_len)),
     )
     progress = ProgressLine(sys.stderr)
     try:
@@ -317,12 +335,6 @@ def run(argv: list[str]) -> int:
     from titanlite.config import ConfigError, parse_args
 
     job_config = parse_args(config_argv)
-    cp = job_config.parallelism.context_parallel_degree
-    if cp > 1:  # rather than price another layout silently
-        raise ConfigError(
-            f"parallelism.context_parallel_degree ({cp}): the estimator does not model context parallelism yet; "
-            "estimate the layout at 1"
-        )
     from titanlite.plan import tokenizer_for_estimate
 
     _, vocabulary_note = tokenizer_for_estimate(job_config)

@@ -247,12 +247,17 @@ def test_every_floor_is_below_its_simulated_peak(capsys):
     # The premise of simulating only what can win: a layout over its floor is over its peak.
     argv = ["--model.name=llama3", "--model.flavor=tiny", "--training.seq_len=64", "--training.local_batch_size=2"]
     argv += ["--sweep", "--sweep_sizes", "4", "--gpus_per_node", "2", "--sweep_pp", "1,2", "--sweep_schedules", "1F1B"]
-    results = run_json(capsys, *argv, "--sweep_simulate", "all")
+    results = run_json(capsys, *argv, "--sweep_simulate", "all", "--sweep_cp", "1,2")
     layouts = {
         (r["layout"].get("pp", 1), r["layout"]["dp_replicate"], r["layout"]["dp_shard"], r["layout"]["tp"])
+        + (r["layout"].get("cp", 1),)
         for r in results
     }
-    assert layouts == {(1, 1, 4, 1), (1, 2, 2, 1), (1, 1, 2, 2), (1, 2, 1, 2), (2, 1, 2, 1), (2, 1, 1, 2)}
+    # CP 2 takes two of the shard ranks, the global batch of 8 sequences held.
+    assert layouts == {
+        *((1, 1, 4, 1, 1), (1, 2, 2, 1, 1), (1, 1, 2, 2, 1), (1, 2, 1, 2, 1), (2, 1, 2, 1, 1), (2, 1, 1, 2, 1)),
+        *((1, 1, 2, 1, 2), (1, 2, 1, 1, 2), (1, 1, 1, 2, 2), (2, 1, 1, 1, 2)),
+    }
     for result in results:
         assert "floor_only" not in result["memory"] and "not_simulated" not in result
         assert 0 < result["memory_floor"]["bytes"] <= result["memory"]["peak_bytes"], result["layout"]
@@ -377,8 +382,6 @@ def test_progress_is_one_line_on_a_terminal_and_plain_lines_elsewhere():
             ]
 
 
-def test_context_parallelism_is_refused_rather_than_priced_as_another_layout(capsys):
-    line = one_error_line(
-        capsys, "--job.config_file", DEBUG, "--world_size", "2", "--parallelism.context_parallel_degree=2"
-    )
-    assert "context_parallel_degree (2): the estimator does not model context parallelism yet" in line
+def test_bad_sweep_cp_is_one_line(capsys):
+    line = one_error_line(capsys, "--job.config_file", DEBUG, "--sweep", "--sweep_cp", "1,x")
+    assert "--sweep_cp '1,x': expected context-parallel degrees like 1,2,4,8" in line

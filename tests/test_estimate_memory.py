@@ -22,6 +22,7 @@ from titanlite.estimate import (
     measure_real_memory,
     step_floor_bytes,
 )
+from titanlite.estimate.floor import fullest_floor
 from titanlite.estimate.memory import ALLOCATOR_SLACK
 from titanlite.models.llama import Transformer
 from titanlite.plan import plan_run
@@ -234,6 +235,32 @@ def test_tensor_parallel_estimate_matches_real_tensors(real_memory, world_size, 
     assert estimate.measured.gradients == estimate.exact.gradients
 
 
+CP_CASES = [
+    # CP 2 alone: each rank runs 32 of the 64 tokens, all-gathers the keys and values; bf16.
+    (2, ["--parallelism.context_parallel_degree=2", "--training.seq_len=64", "--activation_checkpoint.mode=none"]),
+    # CP 2 x FSDP 2 (FSDP over dp_shard x cp = 4), full AC (the all-gather again in recompute), float32.
+    (
+        4,
+        [
+            "--parallelism.context_parallel_degree=2",
+            "--activation_checkpoint.mode=full",
+            "--training.mixed_precision_param=float32",
+        ],
+    ),
+]
+
+
+@pytest.mark.parametrize("world_size, extra", CP_CASES)
+def test_context_parallel_estimate_matches_real_tensors(real_memory, world_size, extra):
+    """The simulated cp rank (its columns, the keys and values the fake all-gather hands it,
+    FSDP over dp_shard x cp) against what a real CP run's rank 0 holds."""
+    estimate, rank0 = _estimate_against_real(
+        world_size, TINY_ARGS + extra, real_memory[_case_name(world_size, extra)], activations_rel=0.01
+    )
+    assert estimate.peak_bytes == pytest.approx(rank0["peak"], rel=0.01)
+    assert estimate.exact.gradients == rank0["gradients"]
+
+
 def _case_name(world_size: int, extra: list[str]) -> str:
     return " ".join([f"{world_size} rank(s):", *extra])
 
@@ -243,7 +270,7 @@ def real_memory() -> dict[str, list[dict]]:
     """What every rank of each case above really holds (_measure_on_rank), by _case_name. One
     launch of 4 ranks measures the cases of 1, 2 and 4 ranks side by side and a second one the
     3-rank case: starting rank processes costs more than measuring the tiny model."""
-    cases = TINY_CASES + TP_CASES
+    cases = TINY_CASES + TP_CASES + CP_CASES
     jobs = {_case_name(n, extra): Job(n, _measure_on_rank, (TINY_ARGS + extra,)) for n, extra in cases}
     return run_jobs_in_fewest_launches(jobs)
 
@@ -284,3 +311,20 @@ def test_floor_names_the_tensor_parallel_degree(monkeypatch):
     with pytest.raises(ConfigError, match=r"model llama3 8B on 2 shard\(s\) x 2 tensor-parallel rank\(s\)") as error:
         check_memory_floor(config, plan_run(config, 4))
     assert "parallelism.tensor_parallel_degree" in str(error.value)
+
+
+def test_floor_under_context_parallelism_is_a_cp_rank_s(monkeypatch):
+    """The preflight's floor of a cp rank: the model sharded over dp_shard x cp, the logits of its
+    seq_len / cp tokens; one sequence a rank that does not fit is told to raise the cp degree."""
+    argv = ["--model.name=llama3", "--model.flavor=8B", "--training.local_batch_size=1"]
+    long, short = [*argv, "--training.seq_len=131072"], [*argv, "--training.seq_len=64"]
+    cp = ["--parallelism.context_parallel_degree=4"]
+    monkeypatch.setattr("titanlite.estimate.floor.device_memory_bytes", lambda *_: (2**30, "a 1 GiB test device"))
+    with pytest.raises(ConfigError, match=r"local_batch_size 1 \(x seq_len 131072\)") as error:
+        check_memory_floor(parse_args(long), plan_run(parse_args(long), 2))
+    assert "raise parallelism.context_parallel_degree" in str(error.value)
+    plan = plan_run(parse_args(long + cp), 8)
+    _, cp_floor = fullest_floor(parse_args(long + cp), plan)
+    assert cp_floor["logits"] == 131072 // 4 * plan.model_args.vocab_size * (2 + 4)  # bf16 logits, fp32 loss
+    with pytest.raises(ConfigError, match=r"model llama3 8B on 8 shard\(s\)"):  # dp_shard 2 x cp 4
+        check_memory_floor(parse_args(short + cp), plan_run(parse_args(short + cp), 8))

@@ -4,6 +4,7 @@ worked out by hand, TP's collectives against what DTensor really sends, the link
 the error messages."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +26,13 @@ from titanlite.estimate import (
     threshold_tokens_per_device,
 )
 from titanlite.estimate.communication import ring_bytes
+from titanlite.estimate.context_parallel import kv_gather_bytes, kv_sent_bytes
 from titanlite.estimate.float8 import FLOAT8_CAST_OVERHEAD
 from titanlite.estimate.tensor_parallel import recomputed_collective_blocks, tensor_parallel_bytes
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics import count_params, flops_per_token, peak_flops_per_device
 from titanlite.models.llama.args import LLAMA2_FLAVORS, LLAMA3_FLAVORS
+from titanlite.models.llama.model import Attention
 from titanlite.models.qwen3 import QWEN3_FLAVORS
 from titanlite.parallel import loss_context
 from titanlite.plan import build_model, plan_run
@@ -414,7 +417,8 @@ def _measured_tp_bytes(world_size: int, argv: list[str], model: tuple[str, str])
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
         model = build_model(config, plan, plan.parallel_dims.build_mesh("cpu"), device="cpu")
-        batch = (config.training.local_batch_size, config.training.seq_len)
+        # A cp rank's columns of each sequence (all of them without CP).
+        batch = (config.training.local_batch_size, config.training.seq_len // plan.parallel_dims.cp)
         tokens = torch.randint(0, plan.model_args.vocab_size, batch)
         with _CollectiveBytes() as sent, loss_context(plan.parallel_dims, config):
             cross_entropy_sum(model(tokens), tokens).backward()
@@ -572,3 +576,56 @@ def test_the_step_time_estimate_runs_converted_matmuls_at_the_float8_peak():
     assert "float8 matmuls take" in float8.describe() and "float8" not in bf16.describe()
     with pytest.raises(ValueError, match="a100 has no float8 matmuls"):
         estimate_for_job_config(parse_args([*base, "--model.converters", "float8"]), world_size=8, hardware="a100")
+
+
+# --- context parallelism --------------------------------------------------------------------
+
+
+def test_key_value_bytes_are_what_the_context_parallel_kernel_sends():
+    """The estimator's keys and values (from the attention class's kernel_kv_features: the
+    tiny Llama's 2 key/value heads of 4 query heads) against the all-gathers and the gradients'
+    reduce-scatters the real CP kernel issues over a fake process group, with full AC's
+    recomputed forward gathering again."""
+    argv = ["--training.seq_len=16", "--training.local_batch_size=2", "--training.mixed_precision_param=float32"]
+    argv += ["--parallelism.context_parallel_degree=2", "--activation_checkpoint.mode=full"]
+    measured, _ = _measured_tp_bytes(2, argv, ("--model.name=llama3", "--model.flavor=tiny"))
+    gathered = kv_gather_bytes(Attention.kernel_kv_features(TINY), 2, 16, tp=1, cp=2, dtype_bytes=4)
+    assert gathered == 2 * 16 * 2 * TINY.n_kv_heads * TINY.head_dim * 4
+    assert measured == pytest.approx(kv_sent_bytes(gathered, 2, TINY.n_layers, recomputed_blocks=TINY.n_layers))
+
+
+def test_step_time_under_context_parallelism_by_hand():
+    """Llama 3 8B at 131,072 tokens on 64 H100: CP 8 keeps each sequence in a node, FSDP
+    shards over dp_shard x cp = 64 as without CP, each rank does seq_len / 8 tokens plus the
+    masked half of its [S / 8, S] scores; under TP 2 the cp group spans two nodes."""
+    args, seq = LLAMA3_FLAVORS["8B"], 131072
+    options = dict(model_args=args, seq_len=seq, world_size=64, ac_mode="full")
+    plain = estimate(**options)
+    kv = 2 * args.n_kv_heads * args.head_dim
+    cp = estimate(**options, cp=8, kv_features=kv)
+    assert (cp.strategy, cp.dp_shard, cp.cp, cp.cp_link) == ("FSDP + CP", 8, 8, "intra-node")
+    assert (cp.all_gather_bytes, cp.shard_link) == (plain.all_gather_bytes, plain.shard_link)
+    assert cp.tokens_per_device_per_step == seq / 8
+    gathered = seq * kv * 2  # one sequence's keys and values in bf16, per layer
+    assert cp.kv_gathered_bytes == gathered
+    assert cp.cp_bytes == pytest.approx((2 + 1) * args.n_layers * gathered * 7 / 8)
+    masked = (1 + 1 / 3) * 6 * args.n_layers * args.n_heads * args.head_dim * seq  # full AC recomputes it
+    assert cp.cp_masked_flops_per_token == pytest.approx(masked)
+    per_token = (plain.compute_s / seq + masked / (plain.hardware.peak_flops * plain.efficiency)) / 8
+    assert cp.compute_s == pytest.approx(per_token * seq, rel=1e-9)
+    assert "CP 8: keys and values all-gathered" in cp.describe()
+    assert estimate(**options, cp=8, kv_features=kv, tp=2).cp_link == "inter-node"
+    with pytest.raises(ValueError, match="needs kv_features"):
+        estimate(**options, cp=8)
+
+
+def test_the_long_context_config_states_its_own_estimate():
+    """train_configs/llama3_8b_128k.toml's comment gives the step-time estimate of its layout on
+    64 H100s (its memory comes from the sweep it names, too slow for a test)."""
+    path = Path(__file__).resolve().parent.parent / "train_configs" / "llama3_8b_128k.toml"
+    comment = " ".join(line.lstrip("#").strip() for line in path.read_text().splitlines() if line.startswith("#"))
+    result = estimate_for_job_config(parse_args(["--job.config_file", str(path)]), world_size=64, hardware="h100")
+    assert (result.pp, result.dp_shard, result.tp, result.cp) == (2, 4, 8, 1)
+    figures = f"{result.tokens_per_second_per_device:,.0f} tokens/s/GPU, MFU {result.mfu_percent:.1f}%"
+    assert figures in comment, figures
+    assert f"TP's collectives {result.tp_s:.1f} s of a {result.step_s:.1f} s step" in comment

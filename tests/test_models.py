@@ -138,13 +138,15 @@ def test_train_config_validates_at_its_own_gpu_count(path, monkeypatch, capsys, 
 
     name, flavor = job_config.model.name, job_config.model.flavor
     args = get_model_args(name, flavor).with_seq_len(job_config.training.seq_len)
+    if job_config.model.rope_scaling_factor is not None:  # a long-context phase's
+        args = args.with_rope_scaling(job_config.model.rope_scaling_factor, job_config.model.rope_original_seq_len)
     # The flavor's args, with the router and balancing a config's [model] section sets (MoE only).
     chosen = {field: getattr(job_config.model, key) for key, field in MOE_KEYS.items()}
     assert plan.model_args == dataclasses.replace(
         args, **{field: value for field, value in chosen.items() if value is not None}
     )
     dims = plan.parallel_dims
-    assert dims.pp * dims.dp_degree * dims.tp == launch.world_size
+    assert dims.pp * dims.dp_degree * dims.cp * dims.tp == launch.world_size
     per_micro_step = job_config.training.local_batch_size * dims.dp_degree
     assert plan.global_batch_size == plan.grad_accum_steps * per_micro_step
 

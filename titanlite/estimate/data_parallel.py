@@ -118,7 +118,8 @@ def data_parallel_traffic(
     resharding is "never", gathers again in backward); under PP each stage's parameters are
     gathered once per accumulation step, unless "always" frees them after each micro-batch's
     forward."""
-    r, s, t, ep = dims.dp_replicate, dims.dp_shard, dims.tp, dims.ep
+    r, t, ep = dims.dp_replicate, dims.tp, dims.ep
+    s = dims.dp_shard * dims.cp  # FSDP shards over dp_shard x cp: cp ranks hold the same weights
     if pipeline is None:
         regathered = regathered_params(model_args, reshard_after_forward)
         regathered_experts = regathered_params(model_args, reshard_after_forward, experts_only=True)

@@ -276,9 +276,12 @@ def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
         size = job_config.parallelism.pipeline_parallel_microbatch_size if pipelined else training.local_batch_size
         key = f"{batch} {size} (x seq_len {training.seq_len})"
         fix = f"lower {batch} (training.global_batch_size keeps the batch through accumulation)"
+        if size == 1:  # below one sequence a rank, only context parallelism splits it further
+            fix = "raise parallelism.context_parallel_degree (each rank then holds seq_len / cp tokens of a sequence)"
     else:
         tp = f" x {parallel_dims.tp} tensor-parallel rank(s)" if parallel_dims.tp > 1 else ""
-        key = f"{whose}model {job_config.model.name} {job_config.model.flavor} on {parallel_dims.dp_shard} shard(s){tp}"
+        shards = parallel_dims.dp_shard * parallel_dims.cp  # FSDP shards over dp_shard x cp
+        key = f"{whose}model {job_config.model.name} {job_config.model.flavor} on {shards} shard(s){tp}"
         fix = (
             "shard over more ranks (parallelism.data_parallel_shard_degree, parallelism.tensor_parallel_degree, "
             "parallelism.pipeline_parallel_degree) or offload (training.enable_cpu_offload)"

@@ -17,10 +17,10 @@ def positive_int(name: str, value) -> None:
 
 
 def resolve_layout(
-    dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1, pp: int = 1, ep: int = 1
+    dp_replicate: int, dp_shard: int, world_size: int | None, tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1
 ) -> ParallelDims:
     """Degrees to ParallelDims: the data-parallel ones positive or -1 (at most one -1, which
-    needs world_size), tp, pp and ep positive; ParallelDims.resolve reports a product that does
+    needs world_size), tp, pp, ep and cp positive; ParallelDims.resolve reports a product that does
     not match the world size, or an ep that does not divide the shard degree."""
     for name, degree in (("dp_replicate", dp_replicate), ("dp_shard", dp_shard)):
         if isinstance(degree, bool) or not isinstance(degree, int) or (degree < 1 and degree != -1):
@@ -28,14 +28,15 @@ def resolve_layout(
     positive_int("tp", tp)
     positive_int("pp", pp)
     positive_int("ep", ep)
+    positive_int("cp", cp)
     if dp_replicate == -1 and dp_shard == -1:
         raise ValueError("dp_replicate and dp_shard cannot both be -1; set one of them")
     if world_size is None:
         if -1 in (dp_replicate, dp_shard):
             raise ValueError("a degree of -1 (take the ranks left over) needs world_size")
-        world_size = dp_replicate * dp_shard * tp * pp
+        world_size = dp_replicate * dp_shard * tp * pp * cp
     positive_int("world_size", world_size)
-    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp, pp, ep)
+    return ParallelDims.resolve(dp_replicate, dp_shard, world_size, tp, pp, ep, cp)
 
 
 def _precision_choices(field_name: str) -> tuple[str, ...]:

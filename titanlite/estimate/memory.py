@@ -56,6 +56,10 @@ Choices to know about:
 * With CPU offload the sharded parameters, gradients and optimizer state are taken out
   of the total as host memory; the device copies FSDP makes of each unit's shards before
   the all-gather are not modelled, so offloaded estimates are rougher.
+* Context parallelism is simulated, not added by arithmetic: rank 0 runs seq_len / cp
+  tokens of every sequence, and the fake process group's all-gather hands its attention
+  the whole sequence's keys and values (cp times its own), so the gathered keys and values,
+  the [seq_len / cp, seq_len] masks and the logits of its own tokens are all counted.
 * The tracker ignores the global-shape fake tensors DTensor makes to infer output shapes
   (see titanlite.estimate.tracker): they are never allocated.
 """
@@ -243,6 +247,11 @@ def estimate_memory(job_config: JobConfig, world_size: int, device_type: str = "
             f"{parallel_dims.dp_shard} shard ranks{' (each TP rank holding the same)' if parallel_dims.tp > 1 else ''} "
             "(fake tensors cannot run the all-to-all, whose split sizes are read on the host); the experts' state, "
             "the experts gathered per block and the all-to-all buffers corrected by arithmetic"
+        )
+    if parallel_dims.cp > 1:
+        notes.append(
+            f"context parallelism {parallel_dims.cp}: simulated (seq_len / {parallel_dims.cp} tokens of each sequence, "
+            "the keys and values all-gathered over the cp group, FSDP sharding over dp_shard x cp)"
         )
     if accumulation > 1:
         notes.append(

@@ -39,6 +39,7 @@ def layout_result(
             "hardware": hardware.name,
             **(pipelined if timing.pp > 1 else {}),
             **({"ep": timing.ep} if timing.ep > 1 else {}),
+            **({"cp": timing.cp} if timing.cp > 1 else {}),
         },
         "step_time": {k: v for k, v in dataclasses.asdict(timing).items() if k != "hardware"},
         "memory_floor": {"bytes": floor_bytes, "fits": floor_bytes + reserve_bytes <= hardware.memory_bytes},

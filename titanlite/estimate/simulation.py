@@ -89,9 +89,10 @@ def expert_parallel_bytes(
     args, training, ep = plan.model_args, job_config.training, plan.parallel_dims.ep
     p_bytes = DTYPES[training.mixed_precision_param].itemsize
     gathered = int(max(param_counts(args).experts, default=0) * (1 - 1 / ep)) * p_bytes
-    tokens = training.local_batch_size * training.seq_len
+    seq = training.seq_len // plan.parallel_dims.cp  # a cp rank's tokens of each sequence
+    tokens = training.local_batch_size * seq
     if stage_modules is not None:
-        tokens = job_config.parallelism.pipeline_parallel_microbatch_size * training.seq_len
+        tokens = job_config.parallelism.pipeline_parallel_microbatch_size * seq
         if not any(name.startswith("layers.") for name in stage_modules):
             return {"gathered": 0, "buffers": 0}
         without_ep = dataclasses.replace(plan, parallel_dims=dataclasses.replace(plan.parallel_dims, ep=1))
@@ -150,6 +151,11 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
             dataclasses.replace(plan, parallel_dims=dataclasses.replace(parallel_dims, ep=1)),
         )
     global_tokens = plan.global_batch_size * training.seq_len
+    # Under context parallelism each rank takes seq_len / cp tokens of every sequence, and its
+    # attention all-gathers the keys and values of the whole sequence over the cp group: the
+    # fake process group's all-gather returns cp times its input, so the simulated step holds
+    # what a cp rank holds (the gathered keys and values, the [S / cp, S] masks).
+    local_seq = training.seq_len // parallel_dims.cp
     model = build_model(job_config, plan, mesh, stage_modules=stage_modules)  # materialised as fake tensors below
     # allow_non_fake_inputs: to_empty reads the meta parameters, which are not fake.
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -161,9 +167,9 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
         losses = partial(loss_context, parallel_dims, job_config)
         microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
         sequences = training.local_batch_size if stage_modules is None else microbatch
-        compiled = _stand_ins(model, job_config, compiled_parts, parallel_dims, sequences * training.seq_len)
+        compiled = _stand_ins(model, job_config, compiled_parts, parallel_dims, sequences * local_seq)
         if stage_modules is None:
-            batch = _fake_batch(plan, training.local_batch_size, training.seq_len, has_first=True, has_last=True)
+            batch = _fake_batch(plan, training.local_batch_size, local_seq, has_first=True, has_last=True)
             step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses, compiled)
         else:
             microbatches = [
@@ -180,7 +186,8 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
     # The arithmetic reads which parameters TP split from the model's own placements.
     shard_rank, tp_rank = _mesh_coordinates(mesh)
     optimizer_name = job_config.optimizer.name
-    state = partial(exact_model_state_bytes, model, parallel_dims.dp_shard, optimizer_name, shard_rank, tp_rank)
+    shards = parallel_dims.dp_shard * parallel_dims.cp  # FSDP shards over dp_shard x cp
+    state = partial(exact_model_state_bytes, model, shards, optimizer_name, shard_rank, tp_rank)
     exact = state(ep=ep, tp=parallel_dims.tp)
     num_params = sum(p.numel() for p in model.parameters())  # a DTensor's numel is its global one
     peak, measured, activations = fold_step(step)
@@ -227,13 +234,15 @@ def _fake_batch(plan, batch_size: int, seq_len: int, has_first: bool, has_last: 
 def _stage_batch(job_config: JobConfig, plan, stage_modules: tuple[str, ...]) -> tuple:
     """One pipeline micro-batch for the stage holding ``stage_modules``. Between stages the
     residual stream travels as each rank's local piece: [micro-batch, seq / tp, dim] with
-    sequence parallel, whole without, in the parameter dtype."""
+    sequence parallel, whole without, in the parameter dtype; seq is seq_len / cp under context
+    parallelism."""
     training, parallelism = job_config.training, job_config.parallelism
     has_first, has_last = stage_ends(job_config, stage_modules)
     tp, microbatch = plan.parallel_dims.tp, parallelism.pipeline_parallel_microbatch_size
-    seq = training.seq_len // tp if tp > 1 and parallelism.enable_sequence_parallel else training.seq_len
+    local_seq = training.seq_len // plan.parallel_dims.cp
+    seq = local_seq // tp if tp > 1 and parallelism.enable_sequence_parallel else local_seq
     hidden = ((microbatch, seq, plan.model_args.dim), DTYPES[training.mixed_precision_param])
-    return _fake_batch(plan, microbatch, training.seq_len, has_first, has_last, hidden)
+    return _fake_batch(plan, microbatch, local_seq, has_first, has_last, hidden)
 
 
 def stage_ends(job_config: JobConfig, stage_modules: tuple[str, ...]) -> tuple[bool, bool]:
@@ -244,9 +253,12 @@ def stage_ends(job_config: JobConfig, stage_modules: tuple[str, ...]) -> tuple[b
 
 
 def _mesh_coordinates(mesh) -> tuple[int, int]:
-    """(index in the FSDP shard group, index in the TP group) of this rank; 0 without them."""
+    """(index in the FSDP shard group, index in the TP group) of this rank; 0 without them.
+    Under context parallelism the shard group is dp_shard x cp flattened, cp inner."""
     coordinate = ParallelDims.coordinate(mesh)
-    return coordinate.get("dp_shard", 0), coordinate.get(TP_DIM, 0)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    cp = mesh.size(names.index("cp")) if "cp" in names else 1
+    return coordinate.get("dp_shard", 0) * cp + coordinate.get("cp", 0), coordinate.get(TP_DIM, 0)
 
 
 def _ema_bytes(model: nn.Module, job_config: JobConfig) -> int:
@@ -291,8 +303,9 @@ def measure_real_memory(job_config: JobConfig) -> dict[str, int]:
     # Weight decay in the priming step nudges the weights; nothing here reads them.
     prime_optimizer(model, optimizer, keep_gradients=plan.grad_accum_steps > 1)
     generator = torch.Generator().manual_seed(job_config.debug.seed)
+    local_seq = training.seq_len // plan.parallel_dims.cp  # a cp rank's columns
     batch = tuple(
-        torch.randint(0, plan.model_args.vocab_size, (training.local_batch_size, training.seq_len), generator=generator)
+        torch.randint(0, plan.model_args.vocab_size, (training.local_batch_size, local_seq), generator=generator)
         for _ in range(2)
     )
     context = compute_context(plan.parallel_dims, training.mixed_precision_param, "cpu")

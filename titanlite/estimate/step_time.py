@@ -52,11 +52,18 @@ Assumptions (each is also stated where it is used):
 
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from titanlite.dtypes import DTYPES
 from titanlite.estimate.communication import traffic
-from titanlite.estimate.compute import compute_time, device_flops_per_token, rank_work, recompute_fraction
+from titanlite.estimate.compute import (
+    compute_seconds,
+    compute_time,
+    device_flops_per_token,
+    rank_work,
+    recompute_fraction,
+)
+from titanlite.estimate.context_parallel import kv_gather_bytes, kv_sent_bytes, masked_attention_flops_per_token
 from titanlite.estimate.data_parallel import (
     break_even_tokens,
     data_parallel_traffic,
@@ -64,10 +71,11 @@ from titanlite.estimate.data_parallel import (
     threshold_tokens_per_device,
 )
 from titanlite.estimate.expert_parallel import moe_all_to_all_bytes
-from titanlite.estimate.float8 import Float8Work, float8_note, float8_seconds, float8_work
+from titanlite.estimate.float8 import Float8Work, float8_seconds, float8_work
 from titanlite.estimate.hardware import Hardware, get_hardware
 from titanlite.estimate.inputs import check_choices, check_experts, positive_int, resolve_layout
 from titanlite.estimate.pipeline import backward_per_forward, pipeline_send_bytes, pipelined_seconds
+from titanlite.estimate.step_time_result import StepTimeEstimate
 from titanlite.estimate.tensor_parallel import (
     moe_gradient_all_reduce_bytes,
     recomputed_collective_blocks,
@@ -82,122 +90,6 @@ from titanlite.parallel.pipeline import PipelinePlan
 # (attention and elementwise kernels included). Llama pretraining on H100/A100 with
 # FSDP reports roughly 40-55% MFU; 0.5 sits in that range. Override per run.
 DEFAULT_EFFICIENCY = 0.5
-
-
-@dataclass(frozen=True)
-class StepTimeEstimate:
-    """What one optimizer step costs on each device. Bytes are those one device sends,
-    summed over the step (all micro-batches); seconds are per step."""
-
-    strategy: str  # "single process", "FSDP", "DDP", "HSDP", "TP", "FSDP + TP", ... (ParallelDims.strategy)
-    dp_replicate: int
-    dp_shard: int
-    world_size: int
-    tp: int  # ranks each layer is split over; tokens and FLOPs below are per device
-    hardware: Hardware
-    efficiency: float
-    # compute
-    flops_per_token: int  # model FLOPs (forward + backward), what MFU counts
-    recompute_flops_per_token: float  # forward FLOPs redone by activation checkpointing (the busiest pp rank's)
-    tokens_per_device_per_micro_batch: float  # the data-parallel rank's tokens / tp
-    tokens_per_device_per_step: float
-    compute_s: float
-    # communication
-    all_gather_bytes: float  # FSDP parameter all-gathers (forward + backward re-gathers)
-    reduce_scatter_bytes: float  # FSDP gradient reduce-scatters
-    all_reduce_bytes: float  # HSDP/DDP gradient all-reduce across replicas
-    tp_bytes: float  # TP's activation collectives (and the logits'), and the sum of the MoE weights' gradients
-    tp_moe_gradient_bytes: float  # of tp_bytes, summing the gradients of the MoE weights every TP rank holds whole
-    shard_link: str  # "intra-node", "inter-node" or "none" (a group of one)
-    replicate_link: str
-    tp_link: str
-    all_gather_s: float
-    reduce_scatter_s: float
-    all_reduce_s: float
-    tp_s: float
-    comm_s: float  # all of it: data-parallel and TP
-    exposed_comm_s: float  # communication no compute can hide (TP's, unless async, and FSDP's ends)
-    overlapped: bool  # data-parallel communication assumed to run under compute
-    sequence_parallel: bool
-    loss_parallel: bool
-    async_tp: bool
-    # pipeline parallelism (pp 1: no pipeline, every figure below zero or None)
-    pp: int
-    schedule: str | None  # the pipeline schedule, None without PP
-    microbatches: int  # pipeline micro-batches per accumulation step (1 without PP)
-    bubble: float  # idle share of the pipelined step on the busiest pp rank (PipelinePlan.bubble_at)
-    pp_bytes: float  # activations and their gradients the busiest rank sends to other stages
-    pp_link: str
-    pp_s: float
-    pp_exposed_s: float  # the sends while the pipeline fills and drains, which nothing hides
-    # expert parallelism (ep 1: no all-to-all; the experts' FSDP traffic is in the shard group's)
-    ep: int  # ranks each MoE layer's experts are split over (all the tp ranks and a split of the shard group)
-    ep_bytes: float  # the all-to-alls' bytes (token rows to their experts and back, and the counts)
-    ep_link: str
-    ep_s: float
-    expert_shard_link: str  # the link FSDP gathers and reduces the experts over (the shard group's without EP)
-    moe_flops_per_token: float  # of the device's FLOPs per token of its data-parallel rank, its MoE layers' (1/t)
-    moe_tokens_per_device_per_micro_batch: float  # the tokens a device routes through each MoE layer (1/t)
-    step_s: float
-    # verdict
-    verdict: str  # "compute-bound" or "communication-bound"
-    threshold_tokens_per_device: float | None  # the compute-to-communication ratio C / W; None with no communication
-    break_even_tokens_per_device: float  # per micro-batch, where compute equals the data-parallel communication
-    tokens_per_second_per_device: float
-    mfu_percent: float
-    float8_saved_s: float = 0.0  # of the compute, what float8 takes off (included in compute_s); 0 without float8
-
-    def describe(self) -> str:
-        """A few human-readable lines, for a command-line report."""
-        hw = self.hardware
-        threshold = "n/a" if self.threshold_tokens_per_device is None else f"{self.threshold_tokens_per_device:,.0f}"
-        tp = f" x {self.tp} TP" if self.tp > 1 else ""
-        pp = f"PP {self.pp} ({self.schedule}, {self.microbatches} micro-batches) x " if self.pp > 1 else ""
-        pipeline = (
-            [
-                f"pipeline bubble {self.bubble:.1%}; {self.pp_bytes / 1e9:.2f} GB sent between stages over "
-                f"{self.pp_link} -> {self.pp_s * 1e3:.1f} ms ({self.pp_exposed_s * 1e3:.1f} ms exposed)"
-            ]
-            if self.pp > 1
-            else []
-        )
-        experts = (
-            [
-                f"EP {self.ep}: all-to-all {self.ep_bytes / 1e9:.2f} GB over {self.ep_link} -> "
-                f"{self.ep_s * 1e3:.1f} ms; experts gathered and reduced over {self.expert_shard_link}"
-            ]
-            if self.ep > 1
-            else []
-        )
-        moe_under_tp = (
-            [
-                f"MoE under TP {self.tp}: {self.moe_tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch "
-                f"through each MoE layer; of the TP bytes, {self.tp_moe_gradient_bytes / 1e9:.2f} GB sum the "
-                "gradients of the MoE weights every TP rank holds"
-            ]
-            if self.tp > 1 and self.moe_tokens_per_device_per_micro_batch
-            else []
-        )
-        return "\n".join(
-            [
-                f"{self.strategy}: {pp}{self.dp_replicate} replica(s) x {self.dp_shard} shard(s){tp} "
-                f"on {self.world_size} {hw.name}",
-                f"compute {self.compute_s * 1e3:.1f} ms ({self.tokens_per_device_per_step:,.0f} tokens/device/step, "
-                f"{self.efficiency:.0%} of {hw.peak_flops / 1e12:.0f} TFLOP/s{float8_note(self.float8_saved_s)})",
-                f"all-gather {self.all_gather_bytes / 1e9:.2f} GB + reduce-scatter "
-                f"{self.reduce_scatter_bytes / 1e9:.2f} GB over {self.shard_link} -> "
-                f"{(self.all_gather_s + self.reduce_scatter_s) * 1e3:.1f} ms; all-reduce "
-                f"{self.all_reduce_bytes / 1e9:.2f} GB over {self.replicate_link} -> {self.all_reduce_s * 1e3:.1f} ms; "
-                f"TP {self.tp_bytes / 1e9:.2f} GB over {self.tp_link} -> {self.tp_s * 1e3:.1f} ms",
-                *pipeline,
-                *experts,
-                *moe_under_tp,
-                f"{self.verdict}: {self.tokens_per_device_per_micro_batch:,.0f} tokens/device/micro-batch vs "
-                f"C/W = {threshold} (break-even in this model {self.break_even_tokens_per_device:,.0f})",
-                f"step {self.step_s * 1e3:.1f} ms -> {self.tokens_per_second_per_device:,.0f} tokens/s/device, "
-                f"MFU {self.mfu_percent:.1f}%",
-            ]
-        )
 
 
 def estimate_step_time(
@@ -224,6 +116,8 @@ def estimate_step_time(
     pipeline: PipelinePlan | None = None,
     ep: int = 1,
     float8: Float8Work | None = None,
+    cp: int = 1,
+    kv_features: int | None = None,
 ) -> StepTimeEstimate:
     """Estimate one optimizer step. Defaults follow the job config's (bf16 parameters,
     fp32 reductions, reshard "default", selective AC every 2nd block, no TP; with TP,
@@ -234,7 +128,9 @@ def estimate_step_time(
     pipeline.microbatches micro-batches. ``ep``: expert parallelism's degree, all the tp ranks and a split of
     the dp_shard ranks (an MoE model's experts, n_experts / ep per rank, FSDP-sharded over the
     dp_shard / (ep / tp) ranks left). ``float8``: the layers a float8 run converts (estimate.float8). hardware:
-    a Hardware or a table name ("h100"). gpus_per_node overrides the hardware's. world_size may be left out
+    a Hardware or a table name ("h100"). ``cp``: context parallelism's degree, each sequence split over
+    cp ranks, whose attention all-gathers ``kv_features`` numbers per token (the attention class's
+    kernel_kv_features; needed when cp > 1). gpus_per_node overrides the hardware's. world_size may be left out
     when neither degree is -1. Raises ValueError with a one-line message for any inconsistent input."""
     for name, value in (
         ("seq_len", seq_len),
@@ -248,8 +144,10 @@ def estimate_step_time(
         positive_int("gpus_per_node", gpus_per_node)
         hw = replace(hw, gpus_per_node=gpus_per_node)
     pp = 1 if pipeline is None else pipeline.pp
-    dims = resolve_layout(dp_replicate, dp_shard, world_size, tp, pp, ep)
+    dims = resolve_layout(dp_replicate, dp_shard, world_size, tp, pp, ep, cp)
     t = dims.tp
+    if cp > 1 and kv_features is None:
+        raise ValueError("context parallelism needs kv_features (the attention's kernel_kv_features)")
     # TP splits an MoE feed-forward by tokens: only attention's sizes must split.
     problem = tensor_parallel_problem(model_args, t, split_ffn=not getattr(model_args, "n_experts", 0))
     if problem is not None:
@@ -262,10 +160,13 @@ def estimate_step_time(
     model_flops = flops_per_token(model_args, seq_len)
     fraction = recompute_fraction(model_args.n_layers, ac_mode, selective_ac_option)
     work = rank_work(model_args, seq_len, fraction, pipeline, t)
-    micro_tokens = local_batch_size * seq_len  # per data-parallel rank
+    local_seq = seq_len // cp  # a cp rank's tokens of each sequence
+    micro_tokens = local_batch_size * local_seq  # per data-parallel (and cp) rank
     rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
     float8_s = float8_seconds(float8, work, model_args.n_layers, pipeline, fraction, t, rank_tokens, hw, efficiency)
-    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency) - float8_s
+    masked_flops = masked_attention_flops_per_token(model_args, seq_len, cp, work.blocks, fraction)
+    masked_s = compute_seconds(masked_flops / t, rank_tokens, hw.peak_flops, efficiency)
+    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency) + masked_s - float8_s
 
     # communication: each parallelism's collectives over the step, on its own link
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
@@ -289,10 +190,12 @@ def estimate_step_time(
     tensor = over("tp", grad_accum_steps * tp_b + moe_gradient_b)
     all_to_all = moe_all_to_all_bytes(model_args, work, micro_tokens, p_bytes, ep, recomputed_blocks, t)
     experts = over("ep", grad_accum_steps * all_to_all)
+    kv_gathered = kv_gather_bytes(kv_features or 0, local_batch_size, seq_len, t, cp, p_bytes)
+    context = over("cp", grad_accum_steps * kv_sent_bytes(kv_gathered, cp, work.blocks, recomputed_blocks))
     pp_b, pp_exposed_b = pipeline_send_bytes(
         pipeline,
         local_batch_size=local_batch_size,
-        seq_len=seq_len,
+        seq_len=local_seq,
         dim=model_args.dim,
         tp=t,
         sequence_parallel=sequence_parallel,
@@ -302,13 +205,14 @@ def estimate_step_time(
     sends = over("pp", pp_b)
     pp_exposed_s = pp_exposed_b / sends.bandwidth
     bubble = 0.0 if pipeline is None else pipeline.bubble_at(backward_per_forward(work.flops, work.recompute_flops))
-    data_parallel_s, tp_s, ep_s = data_parallel.seconds, tensor.seconds, experts.seconds
-    comm_s = data_parallel_s + tp_s + sends.seconds + ep_s
+    data_parallel_s, tp_s, ep_s, cp_s = data_parallel.seconds, tensor.seconds, experts.seconds, context.seconds
+    comm_s = data_parallel_s + tp_s + sends.seconds + ep_s + cp_s
 
     # TP's collectives wait between matmuls (unless async TP hides them), and the experts wait
-    # for their rows (the all-to-alls are on the critical path); the pipeline's bubble
-    # stretches them with the compute; FSDP's communication overlaps all of it.
-    critical_s = (max(compute_s, tp_s) if async_tp else compute_s + tp_s) + ep_s
+    # for their rows (the all-to-alls are on the critical path), and attention for its gathered
+    # keys and values; the pipeline's bubble stretches them with the compute; FSDP's
+    # communication overlaps all of it.
+    critical_s = (max(compute_s, tp_s) if async_tp else compute_s + tp_s) + ep_s + cp_s
     pipelined_s = pipelined_seconds(critical_s, bubble, sends.seconds, pp_exposed_s)
     step_s, exposed_s = overlapped_step_seconds(pipelined_s, data_parallel_s, work.blocks + 1)
     device_tokens = rank_tokens / t / pp  # the tokens a device's share of the model processes
@@ -339,7 +243,7 @@ def estimate_step_time(
         all_reduce_s=data_parallel.all_reduce_s,
         tp_s=tp_s,
         comm_s=comm_s,
-        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s + ep_s,
+        exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s + ep_s + cp_s,
         overlapped=True,
         step_s=step_s,
         sequence_parallel=sequence_parallel,
@@ -374,6 +278,12 @@ def estimate_step_time(
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
         float8_saved_s=float8_s,
+        cp=cp,
+        cp_bytes=context.sent_bytes,
+        cp_link=context.link,
+        cp_s=cp_s,
+        cp_masked_flops_per_token=masked_flops / t,
+        kv_gathered_bytes=kv_gathered,
     )
 
 
@@ -415,13 +325,13 @@ def estimate_for_job_config(
         parallelism.tensor_parallel_degree,
         parallelism.pipeline_parallel_degree,
         parallelism.expert_parallel_degree,
+        parallelism.context_parallel_degree,
     )
     positive_int("training.local_batch_size", training.local_batch_size)
     _, accumulation = dims.batch_plan(training.local_batch_size, training.global_batch_size)
     model_args = run_model_args(job_config, tokenizer_for_estimate(job_config)[0])
-    pipeline = None
+    pipeline, model_cls = None, get_model_spec(job_config.model.name).model_cls
     if dims.pp > 1:
-        model_cls = get_model_spec(job_config.model.name).model_cls
         pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size)
     return estimate_step_time(
         model_args,
@@ -446,4 +356,6 @@ def estimate_for_job_config(
         pipeline=pipeline,
         ep=dims.ep,
         float8=float8_work(job_config, model_args),
+        cp=dims.cp,
+        kv_features=model_cls.block_cls.attention_cls.kernel_kv_features(model_args),
     )

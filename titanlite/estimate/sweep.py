@@ -52,7 +52,9 @@ Progress = Callable[[str, int, int, str], None]
 class SweepSettings:
     """What the sweep tries and how. ``pipelines``: (pp degree, schedule) pairs, (1, None)
     first; ``ep_degrees``: the EP degrees to try (those that divide a layout's shard degree
-    and the experts are); ``simulate``: one of SIMULATE (see the module docstring)."""
+    and the experts are); ``simulate``: one of SIMULATE (see the module docstring);
+    ``cp_degrees``: the context-parallel degrees to try, each splitting a layout's shard ranks
+    into dp_shard x cp (those that divide them)."""
 
     sizes: tuple[int, ...]
     pipelines: tuple[tuple[int, str | None], ...]
@@ -60,6 +62,7 @@ class SweepSettings:
     efficiency: float
     reserve_bytes: int
     simulate: str = "needed"
+    cp_degrees: tuple[int, ...] = (1,)  # context-parallel degrees, each carved out of the shard ranks
 
 
 @dataclass
@@ -161,6 +164,7 @@ def _memory_key(result: dict) -> tuple:
         layout.get("pp", 1),
         layout.get("schedule"),
         layout.get("ep", 1),
+        layout.get("cp", 1),
     )
 
 
@@ -168,7 +172,7 @@ def _candidates(
     job_config: JobConfig, hardware: Hardware, settings: SweepSettings
 ) -> tuple[list[SweepCandidate], list[str]]:
     """Every layout the sweep tries, in its order (GPU count, pipeline, TP degree, FSDP before
-    HSDP, EP degree), and the "skipped" line of each whose data-parallel ranks do not split the
+    HSDP, CP degree, EP degree), and the "skipped" line of each whose data-parallel ranks do not split the
     global batch."""
     candidates, skipped = [], []
     training = job_config.training
@@ -176,18 +180,23 @@ def _candidates(
         global_batch = training.global_batch_size
         if global_batch == -1:
             global_batch = training.local_batch_size * world_size
-        for pp, schedule, replicate, shard, tp in _layouts(job_config, world_size, hardware, settings.pipelines):
-            data_parallel = replicate * shard
-            name = f"{replicate} x {shard} x {tp}" if pp == 1 else f"{pp} x {replicate} x {shard} x {tp} ({schedule})"
-            if global_batch % data_parallel:
-                skipped.append(
-                    f"skipped {world_size} GPUs {name}: the global batch of {global_batch} "
-                    f"sequences does not split over {data_parallel} data-parallel ranks"
+        for pp, schedule, replicate, ranks, tp in _layouts(job_config, world_size, hardware, settings.pipelines):
+            for cp in (cp for cp in settings.cp_degrees if ranks % cp == 0):
+                shard, data_parallel = ranks // cp, replicate * ranks // cp  # the cp ranks share a batch
+                name = (
+                    f"{replicate} x {shard} x {tp}" if pp == 1 else f"{pp} x {replicate} x {shard} x {tp} ({schedule})"
                 )
-                continue
-            for ep in expert_parallel_degrees(job_config, settings.ep_degrees, shard, tp):
-                layout = with_layout(job_config, replicate, shard, tp, global_batch // data_parallel, pp, schedule, ep)
-                candidates.append(SweepCandidate(world_size, name + (f" ep {ep}" if ep > 1 else ""), layout))
+                name += f" cp {cp}" if cp > 1 else ""
+                if global_batch % data_parallel:
+                    skipped.append(
+                        f"skipped {world_size} GPUs {name}: the global batch of {global_batch} "
+                        f"sequences does not split over {data_parallel} data-parallel ranks"
+                    )
+                    continue
+                for ep in expert_parallel_degrees(job_config, settings.ep_degrees, shard * cp, tp):
+                    local_batch = global_batch // data_parallel
+                    layout = with_layout(job_config, replicate, shard, tp, local_batch, pp, schedule, ep, cp)
+                    candidates.append(SweepCandidate(world_size, name + (f" ep {ep}" if ep > 1 else ""), layout))
     return candidates, skipped
 
 
@@ -213,11 +222,13 @@ def with_layout(
     pp: int = 1,
     schedule: str | None = None,
     ep: int = 1,
+    cp: int = 1,
 ) -> JobConfig:
     """A copy of the config with this layout (and pipeline schedule) and local batch, and no
     accumulation."""
     changed = copy.deepcopy(job_config)
     changed.parallelism.expert_parallel_degree = ep
+    changed.parallelism.context_parallel_degree = cp
     changed.parallelism.data_parallel_replicate_degree = replicate
     changed.parallelism.data_parallel_shard_degree = shard
     changed.parallelism.tensor_parallel_degree = tp

@@ -1,5 +1,5 @@
 """The sweep's answers as text: a table of every layout tried (100 columns wide, a legend under
-it for its codes) and one verdict per GPU count: which layout wins, whether TP, PP and EP win,
+it for its codes) and one verdict per GPU count: which layout wins, whether TP, PP, EP and CP win,
 and why (titanlite.estimate.sweep makes the results these read)."""
 
 import textwrap
@@ -77,7 +77,8 @@ def _cells(result: dict) -> tuple:
     peak, fit = _fit_cell(result)
     return (
         layout["world_size"],
-        f"{layout.get('pp', 1)}x{layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}",
+        f"{layout.get('pp', 1)}x{layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
+        + (f"c{layout['cp']}" if "cp" in layout else ""),
         layout.get("ep", 1),
         schedule_code(layout.get("schedule")),
         layout["local_batch_size"],
@@ -109,8 +110,10 @@ def sweep_table(results: list[dict]) -> str:
 def _legend(results: list[dict]) -> list[str]:
     fit_codes = {_fit_cell(result)[1] for result in results}
     schedules = {result["layout"].get("schedule") for result in results} - {None}
+    context_parallel = any("cp" in result["layout"] for result in results)
     parts = [
-        "layout: pp x replicas x shards x TP degree",
+        "layout: pp x replicas x shards x TP degree"
+        + (", cN: each sequence split over N context-parallel GPUs" if context_parallel else ""),
         "batch: sequences per data-parallel rank",
         "bound: compute- or communication-bound",
         "rsvd GiB: what the caching allocator reserves at the simulated peak, what fits compares with the GPU",
@@ -125,6 +128,8 @@ def layout_name(layout: dict) -> str:
     degrees = f"{layout['dp_replicate']}x{layout['dp_shard']}x{layout['tp']}"
     if layout.get("ep", 1) > 1:
         degrees += f" ep {layout['ep']}"
+    if layout.get("cp", 1) > 1:
+        degrees += f" cp {layout['cp']}"
     if layout.get("pp", 1) > 1:
         return f"{layout['strategy']} {layout['pp']}x{degrees} {layout['schedule']}"
     return f"{layout['strategy']} {degrees}"
@@ -140,7 +145,7 @@ def _data_parallel_seconds(timing: dict) -> float:
 
 
 def _degree(result: dict, dim: str) -> int:
-    """The layout's degree of "tp", "pp" or "ep" (1 where the layout has none)."""
+    """The layout's degree of "tp", "pp", "ep" or "cp" (1 where the layout has none)."""
     return result["layout"].get(dim, 1)
 
 
@@ -175,6 +180,14 @@ _DIMENSIONS = {
             f"EP {_degree(result, 'ep')} leaves each GPU 1/{_degree(result, 'ep')} of the experts to gather and reduce"
         ),
         lambda timing: f"its all-to-alls adding {timing['ep_s'] * 1e3:,.0f} ms a step over {timing['ep_link']}",
+    ),
+    "cp": (
+        "CP",
+        lambda result: f"CP {_degree(result, 'cp')} gives each GPU 1/{_degree(result, 'cp')} of every sequence",
+        lambda timing: (
+            f"its key/value all-gathers adding {timing['cp_s'] * 1e3:,.0f} ms a step over {timing['cp_link']} and "
+            f"its masked scores {timing['cp_masked_flops_per_token'] / timing['flops_per_token']:.0%} to the FLOPs"
+        ),
     ),
 }
 

@@ -1,5 +1,6 @@
 """The import rules README.md writes down (its "Imports point one way" block) hold in the code:
-each module of titanlite, and each script, imports only what its line allows."""
+each module of titanlite, and each script, imports only what its line allows; and no module of
+the package outgrows its room."""
 
 import ast
 import re
@@ -70,3 +71,17 @@ def test_the_rules_can_fail():
     rules, leaves = readme_rules()
     assert "train" not in leaves and all(allowed is None or "train" not in allowed for allowed in rules.values())
     assert "train" in imported_units(REPO / "benchmarks" / "checkpoint_stall.py")
+
+
+# No module of the package over this many lines: each one a reader takes in one sitting,
+# split by concern when it grows (README.md's map of the package names each).
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_of_the_package_is_over_its_room_size():
+    sizes = {path: len(path.read_text().splitlines()) for path in (REPO / "titanlite").rglob("*.py")}
+    assert len(sizes) > 50, sorted(sizes)  # the package was found
+    over = [
+        f"{path.relative_to(REPO)}: {lines} lines" for path, lines in sorted(sizes.items()) if lines > MAX_MODULE_LINES
+    ]
+    assert not over, f"over {MAX_MODULE_LINES} lines (split by concern): {over}"

@@ -6,12 +6,19 @@ tests/helpers.py, where rank processes can import them too.
 """
 
 import logging
+import multiprocessing
 import signal
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import TinyRun, save_hf_llama, train_tiny
+
+# Rank processes (tests/multiprocess.py) and script runs (tests/forked_scripts.py) fork from
+# multiprocessing's fork server, which imports these once per test process instead of once
+# per child. The server never runs a parallel kernel, so no OpenMP thread pool is forked
+# half-alive.
+multiprocessing.set_forkserver_preload(["titanlite.train", "tests.multiprocess", "tests.forked_scripts"])
 
 # The modules that take longest (a minute or more of the suite's 2 workers each, in
 # docs/performance.md's CI rows), run first: run_tests.sh's `--dist loadfile` hands modules to

@@ -10,7 +10,6 @@ small jobs in one launch, each in a process group of its own.
 """
 
 import copy
-import multiprocessing
 import os
 import tempfile
 import time
@@ -97,11 +96,9 @@ def _log_job_time(name: str, job_rank: int, seconds: float) -> None:
             log.write(f"{seconds:7.1f} s  {name}\n")
 
 
-# Rank processes fork from multiprocessing's fork server, which imports torch and titanlite
-# once per test process; a spawned rank imported them again (about 2.5 s of CPU each, a third
-# of the suite's CPU time over its few hundred ranks). The server never runs a parallel
-# kernel, so no OpenMP thread pool is forked half-alive.
-multiprocessing.set_forkserver_preload(["titanlite.train", "tests.multiprocess"])
+# Rank processes fork from multiprocessing's fork server, which has imported torch and
+# titanlite once per test process (tests/conftest.py): a spawned rank imported them again
+# (about 2.5 s of CPU each, a third of the suite's CPU time over its few hundred ranks).
 
 
 def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str, environ: dict) -> None:

@@ -2,12 +2,12 @@
 subprocess, exits 0 and ends with its key line. No timings are asserted: the numbers
 depend on the machine and on whatever else runs on it."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.forked_scripts import run_python
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -15,14 +15,7 @@ BENCHMARKS = REPO_ROOT / "benchmarks"
 
 def _run(script: str, *args: str, timeout: float = 180) -> list[str]:
     """Run a benchmark script; return its non-empty stdout lines after checking it succeeded."""
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), *args],
-        cwd=REPO_ROOT,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    result = run_python([BENCHMARKS / script, *args], cwd=REPO_ROOT, timeout=timeout)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     lines = [line for line in result.stdout.splitlines() if line.strip()]
     assert lines, result.stderr[-4000:]

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager
 
+from tests.forked_scripts import kill_group, run_python, start_python
 from tests.helpers import NoArgs, StepCounter, full_weights, tiny_args
 from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.checkpoint import (
@@ -81,15 +82,8 @@ def _train_command(dump: Path, *args: str) -> list[str]:
 
 
 def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        command,
-        cwd=cwd,
-        env=_env(),
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT,
-    )
+    """`command` (sys.executable first), forked from the fork server (tests/forked_scripts.py)."""
+    return run_python(command[1:], cwd=cwd, env=_env(), timeout=SUBPROCESS_TIMEOUT)
 
 
 def _describe(returncode: int, output: str) -> str:
@@ -235,38 +229,28 @@ def _kill_during_a_save(dump: Path, min_step: int, deadline_s: float = 120) -> t
         "0",
     )
     caught = None
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            command,
-            cwd=dump.parent,
-            env=_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            start = time.monotonic()
-            while caught is None and process.poll() is None and time.monotonic() - start < deadline_s:
+    process = start_python(command[1:], cwd=dump.parent, env=_env(), stdout=log_path, stderr=None)
+    try:
+        start = time.monotonic()
+        while caught is None and process.exitcode is None and time.monotonic() - start < deadline_s:
+            try:
+                names = os.listdir(folder)
+            except FileNotFoundError:
+                names = []
+            for name in names:
+                match = re.fullmatch(r"\.step-(\d+)\.partial", name)
+                if not match or int(match.group(1)) < min_step:
+                    continue
                 try:
-                    names = os.listdir(folder)
-                except FileNotFoundError:
-                    names = []
-                for name in names:
-                    match = re.fullmatch(r"\.step-(\d+)\.partial", name)
-                    if not match or int(match.group(1)) < min_step:
-                        continue
-                    try:
-                        inside = os.listdir(folder / name)
-                    except FileNotFoundError:  # just renamed to step-N
-                        continue
-                    if any(entry.endswith(".distcp") for entry in inside) and ".metadata" not in inside:
-                        caught = name
-                        break
-                time.sleep(0.001)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+                    inside = os.listdir(folder / name)
+                except FileNotFoundError:  # just renamed to step-N
+                    continue
+                if any(entry.endswith(".distcp") for entry in inside) and ".metadata" not in inside:
+                    caught = name
+                    break
+            time.sleep(0.001)
+    finally:
+        kill_group(process)
     return caught, log_path.read_text()
 
 

@@ -2,7 +2,6 @@
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from tests.forked_scripts import run_python
 from tests.helpers import NoArgs
 from titanlite import train as train_module
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState
@@ -31,9 +31,9 @@ SMALL = [
 
 
 def train(dump: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump), *SMALL, *args]
+    command = ["-m", "titanlite.train", "--job.dump_folder", str(dump), *SMALL, *args]
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO_ROOT), "HOME": str(dump.parent)}
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    return run_python(command, env=env)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ matches transformers'; seeded sampling repeats; the script prints text or fails 
 
 import dataclasses
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 
+from tests.forked_scripts import run_python
 from tests.helpers import load_script, save_one_layer_hf_llama, train_tiny
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, top_level_names
@@ -195,7 +195,7 @@ def test_bad_arguments_are_refused(tiny_ema_run):
 
 
 def run_script(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return run_python([SCRIPT, *args])
 
 
 def test_script_prints_the_continuation(tiny_ema_run):

@@ -8,7 +8,6 @@ this process; the conversions themselves run the scripts as commands).
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
+from tests.forked_scripts import run_python
 from tests.helpers import full_weights, hf_tensors, load_script, save_one_layer_hf_llama, tiny_args
 from titanlite.checkpoint import hf as hf_convert
 from titanlite.checkpoint import hf_export, read_model_description
@@ -30,7 +30,7 @@ IMPORT = REPO_ROOT / "scripts" / "convert_hf_to_dcp.py"
 
 
 def run_script(script: Path, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return run_python([script, *args])
 
 
 def leftovers(parent: Path) -> list[str]:

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from tests.forked_scripts import run_python
 from tests.helpers import TINY, hf_tensors, load_script, train_tiny
 from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
@@ -39,7 +40,7 @@ TEXT = "def main():\n    return 'hello world'  # the quick brown fox"
 
 
 def run_export(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(EXPORT), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return run_python([EXPORT, *args])
 
 
 def error_line(capsys, *args) -> str:
@@ -424,12 +425,8 @@ def test_transformers_continues_a_prompt_as_generate_py(run, request, tmp_path):
     loaded, _ = load_model(trained.step_dir)
     real_vocab = read_model_description(trained.step_dir).real_vocab_size  # as generate.py limits it
     assert generated == generate(loaded, prompt_ids, new_tokens, eos_id=ours.eos_id, vocab_size=real_vocab)
-    script = subprocess.run(
-        [sys.executable, str(GENERATE), "--checkpoint", str(trained.step_dir), "--prompt", prompt]
-        + ["--max_new_tokens", str(new_tokens)],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    script = run_python(
+        [GENERATE, "--checkpoint", trained.step_dir, "--prompt", prompt, "--max_new_tokens", new_tokens]
     )
     assert script.returncode == 0, script.stderr
     assert script.stdout == prompt + tokenizer.decode(generated, skip_special_tokens=True) + "\n"

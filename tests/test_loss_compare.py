@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_scripts import run_python
 from titanlite.metrics import tags
 from titanlite.metrics.compare import (
     FORMAT,
@@ -272,7 +273,7 @@ def test_contradicting_options_are_usage_errors(capsys):
 
 
 def run_script(*args: str, cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return run_python([SCRIPT, *args], cwd=cwd, timeout=600)
 
 
 def _output(result: subprocess.CompletedProcess) -> str:

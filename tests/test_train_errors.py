@@ -15,13 +15,13 @@ size, and the checksum check after start-up, keep their own Python.
 import os
 import re
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
+from tests.forked_scripts import run_python
 from tests.helpers import write_word_tokenizer
 from tests.prepared_data import make_documents, prepare_documents
 from titanlite.train import main
@@ -209,10 +209,10 @@ def _run(case: Case, folder: Path) -> Outcome:
     env.update(case.env)
     # The checkout under test, not whichever titanlite happens to be installed.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "titanlite.train", "--job.dump_folder", str(dump_folder)]
+    command = ["-m", "titanlite.train", "--job.dump_folder", str(dump_folder)]
     command += (SMALL_RUN if case.small_run else []) + args
     before = _listing(folder)
-    result = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=240)
+    result = run_python(command, cwd=folder, env=env, timeout=240)
     return Outcome(result, must_name, dump_folder, before, _listing(folder))
 
 

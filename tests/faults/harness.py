@@ -21,12 +21,12 @@ tests/faults/test_kill_resume.py runs one trial per fault point, and
 """
 
 import json
+import multiprocessing
 import os
 import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -35,6 +35,7 @@ from pathlib import Path
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tests.forked_scripts import start_python
 from tests.helpers import rendezvous_env, tiny_args
 from titanlite import train
 from titanlite.checkpoint import manager
@@ -294,7 +295,7 @@ class Job:
     timed_out: bool
 
 
-def _kill_process_group(process: subprocess.Popen) -> None:
+def _kill_process_group(process: multiprocessing.Process) -> None:
     try:
         os.killpg(process.pid, signal.SIGKILL)  # the rank, and DCP's writer process if any
     except ProcessLookupError:
@@ -326,23 +327,22 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
         env[FAULT_ENV] = fault.to_json()
     logs = [dump_folder.parent / f"{dump_folder.name}.{tag}.rank{r}.log" for r in range(config.world_size)]
     start = time.monotonic()
-    processes = []
-    for rank, log in enumerate(logs):
-        with open(log, "w") as out:
-            processes.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", LAUNCHER, *config.args(dump_folder)],
-                    cwd=REPO,
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(config.world_size)},
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+    # Each rank forks from the test process's fork server (tests/forked_scripts.py), which has
+    # imported torch and titanlite already, and leads a process group of its own.
+    processes = [
+        start_python(
+            ["-c", LAUNCHER, *config.args(dump_folder)],
+            cwd=REPO,
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(config.world_size)},
+            stdout=log,
+            stderr=None,
+        )
+        for rank, log in enumerate(logs)
+    ]
     killed = timed_out = False
     try:
-        while any(p.poll() is None for p in processes):
-            if any(p.poll() not in (None, 0) for p in processes):
+        while any(p.exitcode is None for p in processes):
+            if any(p.exitcode not in (None, 0) for p in processes):
                 killed = True
                 break
             if time.monotonic() - start > timeout:
@@ -353,10 +353,10 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
         for process in processes:
             _kill_process_group(process)
         for process in processes:
-            process.wait()
+            process.join()
             _wait_group_gone(process.pid)
     return Job(
-        [p.returncode for p in processes],
+        [p.exitcode for p in processes],
         [log.read_text() for log in logs],
         time.monotonic() - start,
         killed,

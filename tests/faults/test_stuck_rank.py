@@ -4,14 +4,14 @@ the others wait in the mesh's own groups (shard and replicate), not the default 
 that hangs inside a checkpoint save holds the others in the checkpoint's own group, which
 gives up after comm.init_timeout_seconds."""
 
+import multiprocessing
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.forked_scripts import start_python
 from tests.helpers import rendezvous_env, tiny_args
 
 REPO = Path(__file__).resolve().parents[2]
@@ -65,36 +65,33 @@ START_LIMIT = 240
 SLACK = 40
 
 
-def launch(rank: int, env: dict[str, str], args: list[str], logs: Path) -> subprocess.Popen:
-    """One rank, as torchrun starts it; its output goes to files (a full pipe would stall it)."""
-    with open(logs / f"rank{rank}.out", "w") as out, open(logs / f"rank{rank}.err", "w") as err:
-        return subprocess.Popen(
-            [sys.executable, "-c", LAUNCHER, *args],
-            cwd=REPO,
-            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-            stdout=out,
-            stderr=err,
-        )
+def launch(rank: int, env: dict[str, str], args: list[str], logs: Path) -> multiprocessing.Process:
+    """One rank, as torchrun starts it (forked from the fork server: tests/forked_scripts.py); its
+    output goes to files."""
+    return start_python(
+        ["-c", LAUNCHER, *args],
+        cwd=REPO,
+        env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        stdout=logs / f"rank{rank}.out",
+        stderr=logs / f"rank{rank}.err",
+    )
 
 
-def wait_for_hang(mark: Path, ranks: list[subprocess.Popen], logs: Path) -> float:
+def wait_for_hang(mark: Path, ranks: list[multiprocessing.Process], logs: Path) -> float:
     """The time the stuck rank stopped answering, once it has."""
     deadline = time.monotonic() + START_LIMIT
     while not mark.exists():
-        failed = [rank for rank, process in enumerate(ranks) if process.poll() is not None]
+        failed = [rank for rank, process in enumerate(ranks) if process.exitcode is not None]
         assert not failed, f"rank(s) {failed} ended before the hang: {(logs / f'rank{failed[0]}.err').read_text()}"
         assert time.monotonic() < deadline, "no rank reached the hang"
         time.sleep(0.2)
     return float(mark.read_text())
 
 
-def ends_by(process: subprocess.Popen, deadline: float) -> bool:
+def ends_by(process: multiprocessing.Process, deadline: float) -> bool:
     """Whether ``process`` has ended by the wall-clock time ``deadline``."""
-    try:
-        process.wait(timeout=max(1.0, deadline - time.time()))
-    except subprocess.TimeoutExpired:
-        return False
-    return True
+    process.join(timeout=max(1.0, deadline - time.time()))
+    return process.exitcode is not None
 
 
 def start_ranks(tmp_path: Path, world_size: int, args: list[str], hang_in: str):
@@ -122,14 +119,14 @@ def others_give_up(ranks, dump_folder: Path, logs: Path, limit: float) -> list[s
         ended = ends_by(ranks[rank], hang_started + limit + SLACK)
         assert ended, f"rank {rank} still waits {time.time() - hang_started:.0f} s after rank 1 stopped"
         stderr = (logs / f"rank{rank}.err").read_text()
-        assert ranks[rank].returncode == 1, stderr
+        assert ranks[rank].exitcode == 1, stderr
         gave_up_after = float((dump_folder / f"rank{rank}-ended").read_text()) - hang_started
         print(f"rank {rank} gave up {gave_up_after:.1f} s after rank 1 stopped")
         assert gave_up_after <= limit + SLACK, f"rank {rank} gave up only {gave_up_after:.0f} s after rank 1 stopped"
         errors = [line for line in stderr.splitlines() if line.startswith("titanlite:")]
         assert len(errors) == 1, stderr
         lines.append(errors[0])
-    assert ranks[1].poll() is None  # the stuck rank is still stuck: the others did not wait for it
+    assert ranks[1].exitcode is None  # the stuck rank is still stuck: the others did not wait for it
     return lines
 
 
@@ -159,7 +156,7 @@ def stuck_jobs(tmp_path_factory):
         for ranks, _, _ in started.values():
             for process in ranks:
                 process.kill()
-                process.wait()
+                process.join()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

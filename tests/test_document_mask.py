@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import tiny_args
-from titanlite.config import ConfigError, parse_args
+from tests.helpers import TINY, tiny_args
+from titanlite.config import parse_args
 from titanlite.models.attention import document_ids
 from titanlite.plan import build_model, plan_run
 from titanlite.registry import get_model_args, get_model_spec
@@ -118,13 +118,14 @@ def block_causal_logits_at_cp2() -> dict:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        ({"parallelism.pipeline_parallel_degree": 2}, r"block_causal.*pipeline_parallel_degree \(2\)"),
-    ],
-)
-def test_block_causal_refuses_what_it_cannot_mask(overrides, message):
-    config = parse_args(tiny_args({"model.attn_mask_type": "block_causal", **overrides}))
-    with pytest.raises(ConfigError, match=message):
-        plan_run(config, 2)
+def test_a_later_pipeline_stage_without_the_tokens_refuses_to_guess_the_documents():
+    """A stage after the first gets hidden states: block_causal cannot find documents in them,
+    so the pipeline hands every stage the tokens (test_pipeline_parity's block_causal runs)."""
+    config = parse_args(tiny_args({"model.attn_mask_type": "block_causal"}))
+    plan = plan_run(config, 1)
+    model = build_model(config, plan, None, "cpu", stage_modules=("layers.1", "layers.2", "norm", "output"))
+    hidden = torch.zeros(2, 32, TINY.dim)
+    with pytest.raises(ValueError, match="after the first needs the tokens as document_tokens"):
+        model(hidden)
+    tokens = packed_rows(plan.model_args.vocab_size)
+    assert model(hidden, document_tokens=tokens).shape == (2, 32, plan.model_args.vocab_size)

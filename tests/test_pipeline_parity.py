@@ -33,7 +33,10 @@ from tests.helpers import full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_parity import (
     BASE_ARGS,
+    BLOCK_CAUSAL,
+    BLOCK_CAUSAL_REFERENCE,
     COMPILE,
+    CP2,
     FULL_AC,
     MOE_REFERENCE,
     NO_LP,
@@ -183,6 +186,15 @@ REPLICATED = [name for name in {**COMPOSED, **HYBRID} if "ddp2" in name or "hsdp
 MOE_COMPOSED = {"moe_pp2_tp2_1f1b_m2": pp_args("1F1B", 8, 4, *TP2, *TINY_MOE)}
 
 
+# Document masking: every stage finds the documents in its micro-batch's tokens, which the
+# pipeline hands it besides the previous stage's hidden states; with CP, in the whole
+# sequences gathered over cp. Against test_parity's block_causal single process.
+BLOCK_CAUSAL_PIPELINES = {
+    "block_causal_pp2_1f1b_m2_accum2": (2, pp_args("1F1B", 4, 2, *BLOCK_CAUSAL)),
+    "block_causal_pp2_cp2_zbv_m2": (4, pp_args("ZBVZeroBubble", 8, 4, *CP2, *BLOCK_CAUSAL)),
+}
+
+
 # Compiled blocks (and loss) inside the stages: compile per block under PP, checked like
 # test_parity's compiled layouts (to 1e-4: the compiled kernels round differently).
 COMPILED = {"compiled_pp2_interleaved1f1b_m2_accum2": pp_args("Interleaved1F1B", 4, 2, *COMPILE)}
@@ -218,6 +230,11 @@ def test_pipeline_matches_single_process(runs, layout):
 @pytest.mark.parametrize("layout", MOE_COMPOSED)
 def test_moe_pipeline_with_tensor_parallelism_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["moe reference"][0])
+
+
+@pytest.mark.parametrize("layout", BLOCK_CAUSAL_PIPELINES)
+def test_block_causal_pipeline_matches_single_process(runs, layout):
+    assert_pipeline_trains_like_one_process(runs[layout], runs["block causal reference"][0])
 
 
 @pytest.mark.parametrize("layout", COMPILED)
@@ -341,6 +358,8 @@ RUNS = {
     "reference": REFERENCE,
     "moe reference": MOE_REFERENCE,
     "bf16 reference": BF16_REFERENCE,
+    "block causal reference": BLOCK_CAUSAL_REFERENCE,
+    **{name: Job(n, train_pipeline, (args,)) for name, (n, args) in BLOCK_CAUSAL_PIPELINES.items()},
     **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED}.items()},
     **{name: Job(2, train_pipeline, (args, True)) for name, args in BF16_PIPELINE.items()},
 }

@@ -80,18 +80,12 @@ def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims
             raise ConfigError(f"{key} ({seq_len}) must be a multiple of {why}")
 
 
-def check_document_mask(job_config: JobConfig, tokenizer, dims: ParallelDims) -> None:
-    """block_causal needs the tokenizer's end-of-document token, and every forward its tokens:
-    a pipeline stage after the first gets hidden states only."""
+def check_document_mask(job_config: JobConfig, tokenizer) -> None:
+    """block_causal needs the tokenizer's end-of-document token."""
     if job_config.model.attn_mask_type != "block_causal":
         return
     if tokenizer.eos_id is None:
         raise ConfigError(
             'model.attn_mask_type = "block_causal" needs an end-of-document token, and the tokenizer of '
             f"model.hf_assets_path ({job_config.model.hf_assets_path}) names no eos_token"
-        )
-    if dims.pp > 1:
-        raise ConfigError(
-            'model.attn_mask_type = "block_causal" does not work with parallelism.pipeline_parallel_degree '
-            f"({dims.pp}) yet: the later stages do not see the tokens that mark the documents"
         )

@@ -155,7 +155,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         check_expert_parallel(job_config, model_args, parallel_dims)
     check_tensor_parallel(job_config, model_args, parallel_dims.tp)
     check_context_parallel(job_config, model_args, parallel_dims)
-    check_document_mask(job_config, tokenizer, parallel_dims)
+    check_document_mask(job_config, tokenizer)
     if pipeline is not None:
         check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:

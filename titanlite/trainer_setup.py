@@ -231,7 +231,8 @@ def build_run_model(
         return build_model(job_config, plan, mesh, weights_device, device, stage_modules=stage_modules)
 
     pp_mesh = plan.parallel_dims.pp_mesh(mesh)
-    pipeline = Pipeline(plan.pipeline, pp_mesh.get_local_rank(), pp_mesh.get_group(), device, build_part, loss_fn)
+    pp_rank, block_causal = pp_mesh.get_local_rank(), job_config.model.attn_mask_type == "block_causal"
+    pipeline = Pipeline(plan.pipeline, pp_rank, pp_mesh.get_group(), device, build_part, loss_fn, block_causal)
     return LocalModel(pipeline.parts, pipeline), pipeline
 
 

@@ -39,8 +39,8 @@ class Model:
     attn_mask_type: Literal["causal", "block_causal"] = "causal"
     """Attention's mask in training and validation: causal (every earlier token of the window) or block_causal (only
     the earlier tokens of the same document, documents ending at the tokenizer's end-of-document token, which the data
-    pipeline puts after each). On CPU through SDPA with a boolean mask, on CUDA through FlexAttention. Not with pipeline
-    parallelism. Export is unchanged: transformers does not mask documents."""
+    pipeline puts after each). On CPU through SDPA with a boolean mask, on CUDA through FlexAttention. Composes with
+    every layout. Export is unchanged: transformers does not mask documents."""
 
     rope_scaling_factor: float | None = ranged(POSITIVE_OR_UNSET, default=None)
     """Context extension: stretch RoPE for a context this many times longer than rope_original_seq_len, with the

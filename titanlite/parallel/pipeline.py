@@ -302,8 +302,13 @@ class Pipeline:
         device: torch.device,
         build_part: Callable[[tuple[str, ...]], nn.Module],
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        tokens_to_every_stage: bool = False,
     ):
         self.plan = plan
+        # Document masking finds the documents in the tokens, which a stage after the first
+        # does not receive (it gets hidden states): each stage is also given its micro-batch's
+        # tokens, as the model's `document_tokens`.
+        self.tokens_to_every_stage = tokens_to_every_stage
         self.stage_indices = plan.rank_stages(pp_rank)
         self.parts = [build_part(plan.stage_modules[index]) for index in self.stage_indices]
         self.stages = [
@@ -326,8 +331,14 @@ class Pipeline:
         on the rank with the last stage, zero elsewhere)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        self.schedule.step(*args, target=labels if self.has_last else None, losses=losses, return_outputs=False)
+        target = labels if self.has_last else None
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **self._stage_kwargs(inputs))
         return self._summed(losses)
+
+    def _stage_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What every stage's forward takes besides its input (split into micro-batches as
+        the inputs are)."""
+        return {"document_tokens": inputs} if self.tokens_to_every_stage else {}
 
     def set_requires_all_reduce(self, enabled: bool) -> None:
         """Whether the next runs' gradient reductions all-reduce across replicas (DDP, HSDP);
@@ -344,7 +355,8 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         training_loss, self.loss_fn = self.loss_fn, loss_fn or self.loss_fn
         try:
-            self.schedule.eval(*args, target=labels if self.has_last else None, losses=losses)
+            target = labels if self.has_last else None
+            self.schedule.eval(*args, target=target, losses=losses, **self._stage_kwargs(inputs))
         finally:
             self.loss_fn = training_loss
         return self._summed(losses)

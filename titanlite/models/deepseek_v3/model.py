@@ -228,10 +228,10 @@ class DeepSeekV3Transformer(Transformer):
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(self.args, device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Llama's forward; with balancing losses on, its output carries their gradients for
         the MoE layers it ran (this pipeline stage's under PP: none in a dense-only stage)."""
-        return add_load_balancing_loss(super().forward(tokens), moe_layers(self))
+        return add_load_balancing_loss(super().forward(tokens, document_tokens), moe_layers(self))
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables, and each MoE layer's token counts (never saved either)."""

@@ -229,14 +229,14 @@ class Transformer(nn.Module):
         for block in self.layers.values():
             getattr(block.attention, block.attention.kernel_name).documents = self.documents
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]. A pipeline stage without the
-        embedding takes the previous stage's hidden state instead of tokens, and one without
-        the output returns its hidden state."""
+        embedding takes the previous stage's hidden state instead of tokens (and, under
+        block_causal, the tokens as ``document_tokens``: their end-of-document tokens mark
+        the documents), and one without the output returns its hidden state."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        if self.document_end_id is not None:  # block_causal; a stage without tokens is refused
-            whole = tokens if self.whole_sequence is None else self.whole_sequence(tokens)
-            self.documents.ids = document_ids(whole, self.document_end_id)
+        if self.document_end_id is not None:  # block_causal
+            self.documents.ids = document_ids(self._document_marks(tokens, document_tokens), self.document_end_id)
         cos, sin = self.rope_cos, self.rope_sin
         if self.token_positions is not None:
             positions = self.token_positions(tokens.shape[1], cos.device)
@@ -246,6 +246,14 @@ class Transformer(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h
+
+    def _document_marks(self, tokens: torch.Tensor, document_tokens: torch.Tensor | None) -> torch.Tensor:
+        """The whole sequences' tokens that block_causal finds the documents in (under context
+        parallelism this rank's chunks are gathered)."""
+        if document_tokens is None and self.tok_embeddings is None:
+            raise ValueError("block_causal: a pipeline stage after the first needs the tokens as document_tokens")
+        marks = tokens if document_tokens is None else document_tokens
+        return marks if self.whole_sequence is None else self.whole_sequence(marks)
 
     def init_buffers(self, device: torch.device) -> None:
         """The RoPE tables: derived from the args and never saved, so a model whose weights

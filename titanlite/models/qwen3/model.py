@@ -70,10 +70,10 @@ class Qwen3Transformer(Transformer):
             self._register_state_dict_hook(_drop_tied_output)
             self.register_load_state_dict_pre_hook(_fill_tied_output)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, document_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Llama's forward; with an MoE model's balancing losses on, its output carries their
         gradients for the MoE layers it ran (this pipeline stage's under PP)."""
-        output = super().forward(tokens)
+        output = super().forward(tokens, document_tokens)
         if not self.args.is_moe or not self.args.moe_args().has_balance_loss:
             return output
         return add_load_balancing_loss(output, moe_layers(self))

@@ -20,24 +20,26 @@ from tests.helpers import TinyRun, save_hf_llama, train_tiny
 # half-alive.
 multiprocessing.set_forkserver_preload(["titanlite.train", "tests.multiprocess", "tests.forked_scripts"])
 
-# The modules that take longest (a minute or more of the suite's 2 workers each, in
-# docs/performance.md's CI rows), run first: run_tests.sh's `--dist loadfile` hands modules to
+# The modules that take longest (half a minute or more of a worker each, measured as the
+# comment says), run first: run_tests.sh's `--dist loadfile` hands modules to
 # its workers in collection order, so a long module collected last (alphabetically) would run
 # alone at the end while the other worker idles. Longest first keeps both busy to the end.
-LONGEST_FIRST = (
-    "test_benchmarks_smoke.py",
-    "test_parity.py",
-    "test_kill_resume.py",
-    "test_estimate_cli.py",
-    "test_checkpoint_resume.py",
-    "test_gpu_check.py",
-    "test_checkpoint_files.py",
-    "test_estimate_memory.py",
-    "test_qwen3_moe.py",
-    "test_stuck_rank.py",
-    "test_expert_parallel_training.py",
-    "test_pipeline_parity.py",
-    "test_launch.py",
+LONGEST_FIRST = (  # the suite at a04f030 (./run_tests.sh --junitxml): seconds per module
+    "test_parity.py",  # 134
+    "test_benchmarks_smoke.py",  # 118
+    "test_expert_parallel_training.py",  # 108
+    "test_qwen3_moe.py",  # 91
+    "test_checkpoint_files.py",  # 70
+    "test_estimate_cli.py",  # 60
+    "test_pipeline_parity.py",  # 58
+    "test_launch.py",  # 56
+    "test_gpu_check.py",  # 49
+    "test_estimate_memory.py",  # 42
+    "test_checkpoint_resume.py",  # 37
+    "test_reference_losses.py",  # 34
+    "test_kill_resume.py",  # 33
+    "test_tp_checkpoint.py",  # 32
+    "test_stuck_rank.py",  # 31
 )
 
 

@@ -7,6 +7,7 @@ trainer in one process (on a GPU where there is one).
     python benchmarks/moe_balance.py --quick                # tiny_moe, 4 steps of 4 settings (seconds)
     python benchmarks/moe_balance.py --settings none,lb,bias_sigmoid --steps 1000
     python benchmarks/moe_balance.py --settings aux --aux-coefs 0.001,0.01
+    python benchmarks/moe_balance.py --model deepseek_v3 --settings none,flavor --lr 5e-4
 
 Each setting trains the same model from the same seed on the same batches (the built-in
 python_stdlib data, train_configs/debug_model.toml's optimizer and schedule, float32), with
@@ -35,7 +36,9 @@ step's (token, expert) pairs per expert (1: even; at most n_experts / top_k = 4 
 debugmodel_moe); the benchmark keeps the largest over the layers. Printed per setting: that
 load at step 1, its mean over the first and over the last `--window` steps, the first step
 from which it stays below --bound (or "never"), the last step's loss and its ratio to the
-none setting's; under it, the setting's curve (its mean load over each tenth of the steps).
+none setting's; under it, the setting's curve (its mean load over each tenth of the steps)
+and, where the bias is on, the bias's spread over the experts (the largest of the layers) at
+the end of each tenth. --lr sets every setting's learning rate (default: the config's, 2e-3).
 The last line is
 
     max/mean expert load, mean of the last W steps: none A, aux@0.001 B, ...
@@ -102,9 +105,12 @@ def chosen_settings(table: dict[str, dict], names: str) -> dict[str, dict]:
     return {setting: overrides for setting, overrides in table.items() if any(picks(name, setting) for name in wanted)}
 
 
-def run_options(overrides: dict, model: str, flavor: str, steps: int, seq_len: int, batch: int) -> list[str]:
-    """The trainer's command line for one setting."""
+def run_options(
+    overrides: dict, model: str, flavor: str, steps: int, seq_len: int, batch: int, lr: float | None
+) -> list[str]:
+    """The trainer's command line for one setting (lr None: the config's learning rate)."""
     options = {
+        **({"optimizer.lr": lr} if lr is not None else {}),
         "model.name": model,
         "model.flavor": flavor,
         "training.steps": steps,
@@ -120,15 +126,29 @@ def run_options(overrides: dict, model: str, flavor: str, steps: int, seq_len: i
     return config_file + [f"--{key}={value}" for key, value in options.items()]
 
 
-def train_setting(options: list[str]) -> tuple[list[float], float]:
-    """(largest max / mean over the layers at each step, the last step's loss)."""
+def bias_spread(model: torch.nn.Module) -> float:
+    """The largest spread (max - min over the experts) of any MoE layer's expert bias: how far
+    the bias has pushed the experts apart. The update moves each expert by its rate a step,
+    so the spread grows by at most twice the rate a step."""
+    biases = [module.expert_bias for module in model.modules() if getattr(module, "expert_bias", None) is not None]
+    return max((float(bias.max() - bias.min()) for bias in biases), default=0.0)
+
+
+def train_setting(options: list[str]) -> tuple[list[float], list[float], float]:
+    """(largest max / mean over the layers at each step, the bias spread after each step,
+    the last step's loss)."""
     with tempfile.TemporaryDirectory() as dump:
         trainer = Trainer(parse_args(options + ["--job.dump_folder", dump]))
-        loads = []
+        loads, spreads = [], []
+
+        def record(*_):
+            loads.append(trainer.balancer.step_load.max())
+            spreads.append(bias_spread(trainer.model))
+
         # Runs after the balancer's own hook (registered first): the step's loads are kept.
-        trainer.optimizer.register_step_post_hook(lambda *_: loads.append(trainer.balancer.step_load.max()))
+        trainer.optimizer.register_step_post_hook(record)
         records = trainer.train()
-    return torch.stack(loads).tolist(), records[-1].loss
+    return torch.stack(loads).tolist(), spreads, records[-1].loss
 
 
 def first_step_staying_below(loads: list[float], bound: float) -> str:
@@ -144,6 +164,12 @@ def tenths(loads: list[float]) -> list[float]:
     parts = min(10, len(loads))
     bounds = [round(len(loads) * part / parts) for part in range(parts + 1)]
     return [statistics.fmean(loads[start:end]) for start, end in itertools.pairwise(bounds)]
+
+
+def at_tenths(values: list[float]) -> list[float]:
+    """The values at the end of each tenth of the run (fewer parts for fewer steps)."""
+    parts = min(10, len(values))
+    return [values[round(len(values) * part / parts) - 1] for part in range(1, parts + 1)]
 
 
 def coefficients(text: str) -> list[float]:
@@ -165,6 +191,7 @@ def parse_options() -> argparse.Namespace:
     parser.add_argument("--bias-seq-coef", type=float, default=1e-4, help="bias_sigmoid_seq's sequence-wise weight")
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen3", help="the model family trained")
     parser.add_argument("--settings", default="all", help="names or families, comma-separated (default: all)")
+    parser.add_argument("--lr", type=float, default=None, help="every setting's learning rate (default: the config's)")
     parser.add_argument("--quick", action="store_true", help="tiny_moe, 4 steps of 2 x 16 tokens")
     return parser.parse_args()
 
@@ -180,23 +207,28 @@ def main() -> int:
             names = f"none,aux@{args.aux_coefs[0]:g},lb@{args.lb_coefs[0]:g},bias_sigmoid_seq"
     window = min(args.window, args.steps)
     chosen = table if names == "all" else chosen_settings(table, names)
-    shape = (args.model, flavor, args.steps, args.seq_len, args.batch)
+    shape = (args.model, flavor, args.steps, args.seq_len, args.batch, args.lr)
     options = {name: run_options(overrides, *shape) for name, overrides in table.items()}
     for name in table.keys() - chosen.keys():  # a setting left out still plans (its keys fit the model)
         plan_run(parse_args(options[name]), world_size=1)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where the trainer puts a single process
-    print(f"{args.model} {flavor}, {args.steps} steps of {args.batch} x {args.seq_len} tokens, one process on {device}")
+    lr = f"learning rate {args.lr:g}" if args.lr is not None else "the config's learning rate"
+    tokens = f"{args.steps} steps of {args.batch} x {args.seq_len} tokens"
+    print(f"{args.model} {flavor}, {tokens}, {lr}, one process on {device}")
     first, last, below = f"first {window}", f"last {window}", f"< {args.bound:g} from"
     print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {below:>11} {'loss':>7} {'/ none':>7}")
     ends, losses = {}, {}
     for name in chosen:
-        loads, loss = train_setting(options[name])
+        loads, spreads, loss = train_setting(options[name])
         start, ends[name], losses[name] = statistics.fmean(loads[:window]), statistics.fmean(loads[-window:]), loss
         from_step = first_step_staying_below(loads, args.bound)
         ratio = f"{loss / losses['none']:7.4f}" if "none" in losses else f"{'-':>7}"
         row = f"{name:17} {loads[0]:7.2f} {start:9.2f} {ends[name]:8.2f} {from_step:>11} {loss:7.4f} {ratio}"
         print(row, flush=True)
         print(f"  curve, mean load per tenth of the steps: {' '.join(f'{value:.2f}' for value in tenths(loads))}")
+        if max(spreads) > 0:  # the bias is on: how far it has moved, at the end of each tenth
+            spread_curve = " ".join(f"{value:.3f}" for value in at_tenths(spreads))
+            print(f"  bias spread (max - min) at the end of each tenth: {spread_curve}")
     tail = ", ".join(f"{name} {end:.2f}" for name, end in ends.items())
     print(f"max/mean expert load, mean of the last {window} steps: {tail}")
     print(f"settings planned without training: {len(table) - len(chosen)} of {len(table)}")

@@ -195,6 +195,12 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     assert all(1 <= float(value) <= 2 for row in rows.values() for value in row[1:4]), lines  # 4 experts, top 2
     assert rows["none"][6] == "1.0000" and all(0.9 < float(row[6]) < 1.1 for row in rows.values()), lines
     assert lines[-2].startswith("max/mean expert load, mean of the last 2 steps: none "), lines
+    # The bias setting's spread after each step: the bias moves each expert by its rate
+    # (1e-3) a step, so after k steps two experts are at most 2k x 1e-3 apart (printed to 3
+    # decimals), and by the end some are apart.
+    spreads = [float(value) for value in next(line for line in lines if "bias spread" in line).split(":")[1].split()]
+    assert len(spreads) == 4 and spreads[-1] > 0, lines
+    assert all(spread <= 2e-3 * step + 5e-4 for step, spread in enumerate(spreads, start=1)), lines
     # Every other setting the issue lists (each loss at two weights, the bias on either
     # router) planned its run: its keys fit the model.
     assert lines[-1] == "settings planned without training: 9 of 13", lines

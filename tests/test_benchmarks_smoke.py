@@ -204,3 +204,13 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     # Every other setting the issue lists (each loss at two weights, the bias on either
     # router) planned its run: its keys fit the model.
     assert lines[-1] == "settings planned without training: 9 of 13", lines
+
+
+def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios():
+    lines = _run("context_parallel.py", "--seq-len", "64", "--steps", "2")
+    rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and "MiB" not in line]
+    assert [row[0].strip() for row in rows] == ["1 rank at S/c = 32", "CP 2 at S = 64", "1 rank at S = 64"], lines
+    # Every figure and ratio is a positive number (each layout ran, and the estimator answered).
+    assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[1:]), lines
+    ratios = [line for line in lines if line.startswith(("memory: CP 2 at S /", "step time: CP 2 at S /"))]
+    assert len(ratios) == 4 and all(float(line.rsplit("=", 1)[1]) > 0 for line in ratios), lines

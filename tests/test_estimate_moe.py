@@ -20,7 +20,7 @@ from titanlite.estimate.compute import device_flops_per_token, rank_work
 from titanlite.estimate.expert_parallel import expert_all_to_all_bytes
 from titanlite.estimate.floor import exact_model_state_bytes, fullest_floor
 from titanlite.estimate.held_whole import HeldWhole, held_whole
-from titanlite.estimate.simulation import expert_parallel_bytes
+from titanlite.estimate.simulation import expert_parallel_bytes, measure_real_memory
 from titanlite.estimate.tensor_parallel import tensor_parallel_bytes
 from titanlite.metrics import flops_per_token
 from titanlite.metrics.flops import active_params, attention_flops_per_token, model_on_meta, param_counts
@@ -432,3 +432,17 @@ def test_deepseek_configs_plan_and_estimate_what_their_comments_say(name, world_
     quoted = re.search(r"([\d,]+) tokens/s/GPU", path.read_text().split("[parallelism]")[1]).group(1)
     timing = estimate_for_job_config(job_config, world_size, "h100")
     assert f"{timing.tokens_per_second_per_device:,.0f}" == quoted
+
+
+def test_a_float32_moe_is_simulated_with_its_rows_split_evenly_and_holds_what_it_really_holds():
+    """float32 runs the experts as a loop that reads the routed counts on the host; the fake
+    tensors of the simulation have no values, so the simulated loop splits the rows evenly.
+    Its tensors have the same sizes whatever the split: the estimate is what one real
+    process holds."""
+    argv = [*TINY_MOE, "--training.mixed_precision_param=float32"]
+    estimate = estimate_memory(parse_args(argv), 1, "cpu")
+    real = measure_real_memory(parse_args(argv))
+    for name in ("parameters", "gradients", "optimizer_state"):
+        assert real[name] == getattr(estimate.measured, name), name
+    assert estimate.activations == pytest.approx(real["activations"], rel=0.02)
+    assert estimate.peak_bytes == pytest.approx(real["peak"], rel=0.02)

@@ -31,6 +31,7 @@ from titanlite.estimate.tracker import (
 )
 from titanlite.loss import cross_entropy_sum
 from titanlite.metrics.flops import param_counts
+from titanlite.models.moe import experts
 from titanlite.optim import build_optimizer
 from titanlite.optim.ema import EMA
 from titanlite.parallel import ParallelDims, compute_context, loss_context
@@ -136,6 +137,26 @@ class Simulated:
     ema_bytes: int
 
 
+@contextlib.contextmanager
+def _even_expert_split():
+    """A float32 MoE layer runs its experts as a loop that splits the rows by the routed
+    counts, read on the host; fake tensors have no values to read. In the simulated step the
+    loop splits the rows evenly over the experts instead: balanced routing, which the
+    arithmetic for expert parallelism's all-to-all assumes too."""
+    loop = experts._linear_per_expert
+
+    def evenly(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        rows, n_experts = x.shape[0], weight.shape[0]
+        sizes = [rows // n_experts + (expert < rows % n_experts) for expert in range(n_experts)]
+        return experts.linear_by_sizes(x, weight, sizes)
+
+    experts._linear_per_expert = evenly
+    try:
+        yield
+    finally:
+        experts._linear_per_expert = loop
+
+
 def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] | None = None) -> Simulated:
     """Build the run's model (or, with ``stage_modules``, that pipeline stage's part) on
     ``mesh`` as fake tensors and run one tracked steady-state step: the whole local batch, or
@@ -158,7 +179,7 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
     local_seq = training.seq_len // parallel_dims.cp
     model = build_model(job_config, plan, mesh, stage_modules=stage_modules)  # materialised as fake tensors below
     # allow_non_fake_inputs: to_empty reads the meta parameters, which are not fake.
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _even_expert_split():
         model.to_empty(device="cpu")  # no init_weights: fake tensors have no values
         optimizer = build_optimizer(model.parameters(), job_config.optimizer)
         prime_optimizer(model, optimizer, keep_gradients=plan.grad_accum_steps > 1)

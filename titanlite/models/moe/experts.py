@@ -80,7 +80,12 @@ def _aligned_for_cuda(tensor: torch.Tensor) -> torch.Tensor:
 # on the host, and the compiler cannot size the pieces from values it does not know.
 @torch.compiler.disable
 def _linear_per_expert(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    rows = x.split(counts.tolist())
+    return linear_by_sizes(x, weight, counts.tolist())
+
+
+def linear_by_sizes(x: torch.Tensor, weight: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The per-expert loop given the rows of each expert as numbers (sizes[e] for expert e)."""
+    rows = x.split(sizes)
     # unbind, not weight[e]: each index's backward fills a zero tensor the size of the whole
     # stacked weight (cost growing with the square of the expert count); unbind's stacks once.
     return torch.cat([F.linear(expert_rows, w) for w, expert_rows in zip(weight.unbind(0), rows, strict=True)])

@@ -40,6 +40,7 @@ from tests.test_expert_parallel import forward_backward
 from tests.test_moe import GROUPED_MMS_PER_PASS, make_moe
 from tests.test_parity import (
     BASE_ARGS,
+    CP2,
     FULL_AC,
     GLOBAL_BATCH,
     REFERENCE,
@@ -94,6 +95,12 @@ LAYOUTS = {
     # EP borrows the cp ranks: each routes its chunks of every sequence and holds 2 experts;
     # the balancing losses' terms sum over cp, the bias's counts over dp_shard x cp.
     "ep2_over_cp2": (2, [*batch(1), *EP2, "--parallelism.context_parallel_degree=2"]),
+    # The same beside replicas: each replica's 2 cp ranks hold the 4 experts, 2 each; the
+    # experts' gradients all-reduce over the replicas.
+    "ep2_over_cp2_ddp2": (4, [*batch(2), *EP2, *CP2, "--parallelism.data_parallel_replicate_degree=2"]),
+    # EP 4 borrows the 2 cp ranks and the 2 TP ranks: one expert a rank, each rank routing its
+    # sequence-parallel half of its cp chunks.
+    "ep4_over_cp2_tp2": (4, [*batch(1), "--parallelism.expert_parallel_degree=4", *CP2, *TP2]),
 }
 
 
@@ -351,6 +358,14 @@ def test_experts_are_split_by_ep_and_by_row_by_fsdp(runs):
     for report in (run["experts"] for run in hsdp):  # one efsdp rank
         assert report["mesh"] == ("dp_replicate", "efsdp", "ep")
         assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
+    # EP over the cp ranks beside replicas: 2 experts a rank, replicated over dp_replicate.
+    for report in (run["experts"] for run in runs["layout ep2_over_cp2_ddp2"]):
+        assert report["mesh"] == ("dp_replicate", "efsdp", "ep")
+        assert report["placements"] == (Replicate(), Shard(1), Shard(0)) and report["local_shape"] == (2, 32, 64)
+    # EP 4 over the cp and TP ranks: one expert a rank, no rank holding another's.
+    for report in (run["experts"] for run in runs["layout ep4_over_cp2_tp2"]):
+        assert report["expert_parallel"] and report["placements"][-1] == Shard(0)
+        assert report["local_shape"] == (1, 32, 64)
 
 
 @pytest.mark.parametrize(

@@ -195,8 +195,12 @@ def test_context_parallel_is_a_dimension_that_fsdp_shards_over():
     assert (dims.expert_fsdp, dims.strategy) == (2, "FSDP + CP + EP")
     with pytest.raises(ValueError, match=r"\(4\) must divide .*shard_degree x context_parallel_degree \(2\)"):
         ParallelDims.resolve(1, -1, 2, cp=2, ep=4)
-    with pytest.raises(ValueError, match=r"expert_parallel_degree \(2\) with .*context_parallel_degree \(2\) .*tensor"):
-        ParallelDims.resolve(1, -1, 8, cp=2, ep=2, tp=2)
+    # EP may borrow cp and TP ranks together, and sits beside replicas.
+    dims = ParallelDims.resolve(1, -1, 4, cp=2, ep=4, tp=2)
+    assert (dims.ep_shard, dims.expert_fsdp, dims.strategy) == (2, 1, "CP + EP + TP")
+    assert ParallelDims.resolve(2, -1, 4, cp=2, ep=2).expert_fsdp == 1
+    with pytest.raises(ValueError, match=r"expert_parallel_degree / .*tensor_parallel_degree \(4\) must divide"):
+        ParallelDims.resolve(1, -1, 4, cp=2, ep=8, tp=2)
 
 
 @pytest.mark.parametrize(

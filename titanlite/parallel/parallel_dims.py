@@ -88,11 +88,6 @@ class ParallelDims:
                 "use -1 for one of them to take the ranks left over"
             )
         problem = ep_problem(ep, dp_shard * cp, tp, cp > 1)
-        if problem is None and ep > 1 and cp > 1 and (tp > 1 or dp_replicate > 1):
-            problem = (
-                f"parallelism.expert_parallel_degree ({ep}) with {names[4]} ({cp}) borrows the shard and cp ranks "
-                f"only: not with {names[2] if tp > 1 else names[0]} above 1 yet"
-            )
         if problem is not None:
             raise ValueError(problem)
         return cls(dp_replicate, dp_shard, world_size, tp, pp, ep, cp)
@@ -165,20 +160,26 @@ class ParallelDims:
         (ep_shard, tp) flattened into one dimension (DeviceMesh._flatten). Everything that
         shards or reads over dp_shard or tp (FSDP of the dense parameters, TP, the data
         loader's rank, the collective timeouts) keeps using the mesh as it is; ep_mesh and
-        expert_fsdp_mesh read the view. Both are made once, here, because unflattening and
+        expert_fsdp_mesh read the view. Under context parallelism it is dp_shard x cp, flattened,
+        that is unflattened (_shard_cp_mesh). Both are made once, here, because unflattening and
         flattening create process groups on every call."""
         mesh = self._build_layout_mesh(device_type)
-        if mesh is not None and self.ep > 1 and self.cp > 1:
-            # The ep groups are consecutive ranks of dp_shard x cp (the cp ranks first): the
-            # flattened shard mesh split into (efsdp, ep). Only without TP and replicas.
-            view = self.dp_mesh(mesh)._unflatten(0, (self.expert_fsdp, self.ep), EXPERT_MESH_DIMS)
-            setattr(mesh, _EXPERT_VIEW, (view, view["ep"]))
-        elif mesh is not None and self.ep > 1:
+        if mesh is not None and self.ep > 1:
             names = EXPERT_MESH_DIMS_UNDER_TP if self.tp > 1 else EXPERT_MESH_DIMS
-            view = mesh._unflatten("dp_shard", (self.expert_fsdp, self.ep_shard), names)
+            base, shard = (self._shard_cp_mesh(mesh), SHARD_CP) if self.cp > 1 else (mesh, "dp_shard")
+            view = base._unflatten(shard, (self.expert_fsdp, self.ep_shard), names)
             ep_mesh = view["ep_shard", "tp"]._flatten("ep") if self.tp > 1 else view["ep"]
             setattr(mesh, _EXPERT_VIEW, (view, ep_mesh))
         return mesh
+
+    def _shard_cp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """Under context parallelism, the dimensions an expert view splits: dp_shard x cp
+        flattened (the cp ranks route tokens of their own, as shard ranks do, so EP borrows
+        them first), with dp_replicate before it and tp after it where they are."""
+        names = (*(["dp_replicate"] if self.dp_replicate > 1 else []), SHARD_CP, *(["tp"] if self.tp > 1 else []))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)  # as in dp_mesh
+            return mesh[names]
 
     def _build_layout_mesh(self, device_type: str) -> DeviceMesh | None:
         if self.world_size == 1:

@@ -8,15 +8,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def group_by_mesh(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` in lists of one device mesh each (plain tensors together), in first-seen
-    order. Clipping's foreach multiply takes one mesh per call ("Cannot run aten.mul.Tensor on
-    inputs with different meshes"): under expert parallelism the experts live on another mesh
-    than the dense parameters, and a single call over both fails."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.device_mesh if isinstance(tensor, DTensor) else None, []).append(tensor)
-    return list(groups.values())
+def _scale_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply every gradient by ``scale`` in place, on its local tensor: scaling is the same
+    on every element, whatever the placement, so DTensor need not find a sharding for it.
+    For a foreach multiply over hundreds of DTensors that search costs seconds (it grows
+    with the mesh's dimensions: half the estimator's simulated step on a 5-D mesh), and it
+    cannot take DTensors of different meshes in one call (the experts' under EP)."""
+    by_device_and_dtype: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        by_device_and_dtype.setdefault((local.device, local.dtype), []).append(local)
+    for (device, _), group in by_device_and_dtype.items():
+        torch._foreach_mul_(group, scale.to(device))
 
 
 def _copies(grad: torch.Tensor, stages: int) -> int:
@@ -110,7 +113,7 @@ def clip_grad_norm_(
     parameters = list(parameters)
     _grads_in_parameter_layout(parameters)
     total_norm = total_grad_norm([p.grad for p in parameters if p.grad is not None], norm_type, stages)
-    if max_norm > 0:
-        for same_mesh in group_by_mesh(parameters):
-            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total_norm, foreach=True)
+    if max_norm > 0:  # as torch.nn.utils.clip_grads_with_norm_ scales
+        scale = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        _scale_([p.grad for p in parameters if p.grad is not None], scale)
     return total_norm

@@ -41,23 +41,26 @@ def _exit_status(error: BaseException) -> int:
 
 
 def _redirect_output(stdout_path: str, stderr_path: str | None) -> None:
-    """Point fds 1 and 2 at the files (stderr into stdout's file when it has none of its own)."""
+    """Point fds 1 and 2 at the files (stderr into stdout's file when it has none of its own),
+    buffered as the interpreter buffers them: stderr by line, stdout by line too under
+    PYTHONUNBUFFERED, else by block."""
     stdout = os.open(stdout_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     stderr = stdout if stderr_path is None else os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(stdout, 1)
     os.dup2(stderr, 2)
     for fd in {stdout, stderr}:
         os.close(fd)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 (the process's own streams)
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+    stdout_buffering = 1 if os.environ.get("PYTHONUNBUFFERED") else -1
+    sys.stdout = open(1, "w", buffering=stdout_buffering, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
 def _run_as_main(args: list[str], cwd: str, environ: dict[str, str], stdout: str, stderr: str | None) -> None:
     os.setsid()  # its own process group, as start_new_session gives: a test may signal the group
-    _redirect_output(stdout, stderr)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
+    _redirect_output(stdout, stderr)
     if "OMP_NUM_THREADS" in environ:  # read at torch's import, which the server did
         import torch
 

@@ -85,12 +85,14 @@ def test_grad_norm_counts_each_element_once(runs):
 
 
 def tensor_parallel_gradients_after_clipping(dump: str) -> dict:
-    """One backward of a TP 2 run without FSDP, then clipping: what each gradient became."""
+    """One backward of a TP 2 run without FSDP, then clipping: what each gradient became, and
+    the global norm before and after clipping."""
     trainer = Trainer(parse_args(tiny_args({"parallelism.tensor_parallel_degree": 2, "job.dump_folder": dump})))
     inputs, labels = trainer.loader.next_batch()
     with trainer.loss_context():
         trainer.loss_fn(trainer.model(inputs), labels).backward()
-    clip_grad_norm_(trainer.model.parameters(), max_norm=1.0)
+    before = clip_grad_norm_(trainer.model.parameters(), max_norm=1.0).item()
+    after = total_grad_norm([p.grad for p in trainer.model.parameters()]).item()
     layouts = {}
     for name, param in trainer.model.named_parameters():
         local = param.grad.to_local()
@@ -100,14 +102,21 @@ def tensor_parallel_gradients_after_clipping(dump: str) -> dict:
             "storage_is_the_shard": local.untyped_storage().nbytes() == local.numel() * local.element_size(),
         }
     dist.destroy_process_group()
-    return layouts
+    return {"layouts": layouts, "norms": (before, after)}
+
+
+def test_clipping_scales_every_shard_to_the_max_norm(runs):
+    # Clipping multiplies each rank's local shards; the parity tests clip alike on both
+    # sides, so only this shows that the scale reached the DTensors' data at all.
+    before, after = runs["tp gradients"][0]["norms"]
+    assert before > 1.5 and after == pytest.approx(1.0, rel=1e-5)
 
 
 def test_tensor_parallel_gradients_end_in_their_parameters_layout(runs):
     # Without FSDP, TP leaves the norms' gradients as partial sums and the vocabulary-split
     # embedding's gradient whole; the optimizer must see them laid out like the parameters,
     # and the whole embedding gradient must not stay alive behind a slice.
-    layouts = runs["tp gradients"][0]
+    layouts = runs["tp gradients"][0]["layouts"]
     assert "tok_embeddings.weight" in layouts and "layers.0.attention_norm.weight" in layouts
     for name, layout in layouts.items():
         assert all(layout.values()), (name, layout)

@@ -158,18 +158,20 @@ def first_step_staying_below(loads: list[float], bound: float) -> str:
     return "1"
 
 
+def _tenth_ends(length: int) -> list[int]:
+    """Where each tenth of a run of ``length`` steps ends (fewer parts for fewer steps)."""
+    parts = min(10, length)
+    return [round(length * part / parts) for part in range(parts + 1)]
+
+
 def tenths(loads: list[float]) -> list[float]:
-    """The mean load over each tenth of the run (fewer parts for fewer steps): whether a
-    setting is still moving at its end."""
-    parts = min(10, len(loads))
-    bounds = [round(len(loads) * part / parts) for part in range(parts + 1)]
-    return [statistics.fmean(loads[start:end]) for start, end in itertools.pairwise(bounds)]
+    """The mean load over each tenth of the run: whether a setting is still moving at its end."""
+    return [statistics.fmean(loads[start:end]) for start, end in itertools.pairwise(_tenth_ends(len(loads)))]
 
 
 def at_tenths(values: list[float]) -> list[float]:
-    """The values at the end of each tenth of the run (fewer parts for fewer steps)."""
-    parts = min(10, len(values))
-    return [values[round(len(values) * part / parts) - 1] for part in range(1, parts + 1)]
+    """The values at the end of each tenth of the run."""
+    return [values[end - 1] for end in _tenth_ends(len(values))[1:]]
 
 
 def coefficients(text: str) -> list[float]:

@@ -177,9 +177,7 @@ class ParallelDims:
         flattened (the cp ranks route tokens of their own, as shard ranks do, so EP borrows
         them first), with dp_replicate before it and tp after it where they are."""
         names = (*(["dp_replicate"] if self.dp_replicate > 1 else []), SHARD_CP, *(["tp"] if self.tp > 1 else []))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)  # as in dp_mesh
-            return mesh[names]
+        return _slice(mesh, names)
 
     def _build_layout_mesh(self, device_type: str) -> DeviceMesh | None:
         if self.world_size == 1:
@@ -220,11 +218,7 @@ class ParallelDims:
         if mesh is None or not self.fsdp_applied:
             return None
         shard = SHARD_CP if self.cp > 1 else "dp_shard"
-        with warnings.catch_warnings():
-            # torch 2.13 slices a flattened dimension (dp_shard_cp) from the root mesh as it
-            # slices any other, but warns that a later release may stop doing so.
-            warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
-            return mesh[shard] if self.dp_replicate == 1 else mesh["dp_replicate", shard]
+        return _slice(mesh, (shard,) if self.dp_replicate == 1 else ("dp_replicate", shard))
 
     def cp_mesh(self, mesh: DeviceMesh | None) -> DeviceMesh | None:
         """The context-parallel part of ``mesh`` (the ranks splitting the same sequences), or
@@ -271,6 +265,14 @@ class ParallelDims:
         from its place in the mesh: the tp ranks (and cp ranks) of one group share it."""
         coordinate = self.coordinate(mesh)
         return coordinate.get("dp_replicate", 0) * self.dp_shard + coordinate.get("dp_shard", 0)
+
+
+def _slice(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """mesh[names]. torch 2.13 slices a flattened dimension (dp_shard_cp) from the root mesh as
+    it slices any other, but warns that a later release may stop doing so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Slicing a flattened dim", UserWarning)
+        return mesh[names]
 
 
 def ep_shard_ranks(ep: int, tp: int) -> int:

@@ -1,7 +1,7 @@
 """The job configuration: JobConfig, one field per TOML section, in --help's order.
 
 Each section is a dataclass in the file of its concern (job.py, model.py, training.py,
-optimizer.py, parallelism.py, quantize.py, checkpoint.py, metrics.py). Each of its fields carries a
+optimizer.py, parallelism.py, quantize.py, checkpoint.py, metrics.py, fault_tolerance.py). Each of its fields carries a
 docstring right below it; the config parser reads those docstrings and prints them as
 ``--help``. A field with a limited range says so beside its default (ranges.ranged), and
 validation reads the range from there. Section and key names follow torchtitan 0.2's TOML
@@ -11,6 +11,7 @@ wherever the feature exists there.
 from dataclasses import dataclass, field
 
 from titanlite.config.checkpoint import Checkpoint
+from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.job import Comm, Debug, Job
 from titanlite.config.metrics import Metrics, Profiling
 from titanlite.config.model import Model
@@ -37,5 +38,6 @@ class JobConfig:
     metrics: Metrics = field(default_factory=Metrics)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     comm: Comm = field(default_factory=Comm)
     debug: Debug = field(default_factory=Debug)

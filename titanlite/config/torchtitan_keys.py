@@ -75,8 +75,6 @@ def _only_default(default: Any, advice: str, *neutral: Any) -> TorchtitanKey:
     return TorchtitanKey(default, "IGNORE_IF_DEFAULT", advice, tuple(neutral))
 
 
-NO_FT = "titanlite has no torchft integration; remove it (titanlite resumes from checkpoints instead)"
-
 RENAMED: dict[str, str] = {
     # Deprecated in torchtitan 0.2 itself in favour of hf_assets_path; titanlite reads
     # only tokenizer.json (and tokenizer_config.json) from that folder.
@@ -166,14 +164,6 @@ TORCHTITAN_ONLY: dict[str, TorchtitanKey] = {
         False, "titanlite estimates memory before a run with scripts/estimate.py; remove it"
     ),
     "memory_estimation.disable_fake_mode": _ignore(False),
-    # [fault_tolerance]: read only with fault_tolerance.enable.
-    "fault_tolerance.enable": _only_default(False, NO_FT),
-    "fault_tolerance.process_group": _ignore("gloo"),
-    "fault_tolerance.process_group_timeout_ms": _ignore(10000),
-    "fault_tolerance.replica_id": _ignore(0),
-    "fault_tolerance.group_size": _ignore(0),
-    "fault_tolerance.min_replica_size": _ignore(1),
-    "fault_tolerance.semi_sync_method": _ignore(None),
     # [experimental]
     "experimental.custom_import": _only_default(
         "", "titanlite has no import hook; register a model in titanlite/models instead"
@@ -229,6 +219,9 @@ SHARED_KEYS = (
     "validation.enable", "validation.dataset", "validation.dataset_path",
     "validation.local_batch_size", "validation.seq_len", "validation.freq", "validation.steps",
     "debug.seed", "debug.deterministic",
+    "fault_tolerance.enable", "fault_tolerance.replica_id", "fault_tolerance.group_size",
+    "fault_tolerance.min_replica_size", "fault_tolerance.process_group",
+    "fault_tolerance.process_group_timeout_ms", "fault_tolerance.semi_sync_method",
 )  # fmt: skip
 
 ALL_KEYS = frozenset(SHARED_KEYS) | frozenset(TORCHTITAN_ONLY) | frozenset(RENAMED)

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
+from titanlite.config.fault_tolerance import fault_tolerance_problem
 from titanlite.config.job_config import JobConfig
 from titanlite.config.parallelism import PIPELINE_SCHEDULES, canonical_schedule
 from titanlite.config.quantize import quantize_problem
@@ -111,6 +112,12 @@ def _check_quantize(config: JobConfig) -> None:
         raise ConfigError(problem)
 
 
+def _check_fault_tolerance(config: JobConfig) -> None:
+    problem = fault_tolerance_problem(config.fault_tolerance)
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 # Run in this order after the ranges; the first broken rule is the one reported.
 CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_quantize,
@@ -120,6 +127,7 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_hf_seed,
     _check_load_step,
     _check_validation,
+    _check_fault_tolerance,
 )
 
 

@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 
 # Checked from / so that the checkout itself (the current folder) does not count as installed.
 # pyproject.toml pins torch, so this install cannot replace the torch build already present.
-if ! (cd / && "$PYTHON" -c "import pytest, xdist, tokenizers, transformers, coverage, matplotlib, torchao, titanlite") >/dev/null 2>&1; then
+if ! (cd / && "$PYTHON" -c "import pytest, xdist, tokenizers, transformers, coverage, matplotlib, torchao, torchft, titanlite") >/dev/null 2>&1; then
     echo "run_tests.sh: installing titanlite with its test extras (pip install -e \".[test]\")"
     "$PYTHON" -m pip install -e ".[test]"
 fi

@@ -37,6 +37,12 @@ class RunPlan:
     grad_accum_steps: int
     tokenizer: object
     pipeline: PipelinePlan | None = None  # the stages, with pipeline parallelism
+    replica_groups: int = 1  # fault_tolerance.group_size: groups sharing global_batch_size
+
+    @property
+    def group_batch_size(self) -> int:
+        """Sequences one replica group trains on per optimizer step (the global batch without fault tolerance)."""
+        return self.global_batch_size // self.replica_groups
 
     @property
     def tokenizer_vocab_size(self) -> int | None:
@@ -162,10 +168,13 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         raise ConfigError("training.enable_cpu_offload needs FSDP, i.e. more than one data-parallel rank")
 
     try:
-        global_batch, accumulation = parallel_dims.batch_plan(training.local_batch_size, training.global_batch_size)
+        groups = job_config.fault_tolerance.group_size if job_config.fault_tolerance.enable else 1
+        global_batch, accumulation = parallel_dims.batch_plan(
+            training.local_batch_size, training.global_batch_size, groups
+        )
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline)
+    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline, groups)
 
 
 def check_pipeline_validation(job_config: JobConfig) -> None:

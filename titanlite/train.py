@@ -24,6 +24,7 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState,
 from titanlite.checkpoint.description import ModelDescription
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
+from titanlite.fault_tolerant_run import join_replica_groups, replica_group_metrics
 from titanlite.loss import cross_entropy_sum, global_loss
 from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
@@ -40,6 +41,7 @@ from titanlite.parallel import (
     set_gradient_all_reduce,
     use_collective_timeout,
 )
+from titanlite.parallel.fault_tolerance import FaultToleranceError
 from titanlite.profiling import profiler_context
 from titanlite.quantize import scale_precompute_hook
 from titanlite.registry import get_model_spec
@@ -96,16 +98,17 @@ class Trainer(Stateful):
         self.loss_fn = cross_entropy_sum
         if job_config.compile.enable and "loss" in job_config.compile.components:
             self.loss_fn = torch.compile(cross_entropy_sum)
-        # Packed windows have no padding and no ignored labels, so the global batch always
+        # Packed windows have no padding and no ignored labels, so the group's batch always
         # holds exactly this many target tokens. Dividing every rank's summed loss by it makes
-        # the summed gradients equal one big batch's, whatever the layout.
-        self.global_tokens = self.plan.global_batch_size * training.seq_len
+        # the summed gradients equal one big batch's, whatever the layout. (Without fault
+        # tolerance the group is the whole job; with it the groups' gradients are averaged.)
+        self.group_tokens = self.plan.group_batch_size * training.seq_len
         model, self.pipeline = build_run_model(
             job_config,
             self.plan,
             mesh,
             self.device,
-            lambda logits, labels: self.loss_fn(logits, labels) / self.global_tokens,
+            lambda logits, labels: self.loss_fn(logits, labels) / self.group_tokens,
         )
         self.model = model
         self.dtype_probe, self.phase_memory = log_built_model(
@@ -134,11 +137,24 @@ class Trainer(Stateful):
         }
         if self.ema is not None:
             states["ema"] = self.ema
+        self.replicas = join_replica_groups(job_config, self.plan, self.device, states)
         self.checkpointer = CheckpointManager(
-            states, job_config.checkpoint, job_config.job.dump_folder, job_config.comm.init_timeout_seconds
+            states,
+            job_config.checkpoint,
+            job_config.job.dump_folder,
+            job_config.comm.init_timeout_seconds,
+            shared_by_groups=self.replicas is not None,
         )
-        loaded = self.checkpointer.load()
-        if not loaded and job_config.checkpoint.initial_load_in_hf:
+        # A group joining a running job heals from a live one in its first quorum and reads
+        # no checkpoint; a fresh or fully restarted job loads as without fault tolerance.
+        healed = self.replicas is not None and self.replicas.wait_for_all_groups(
+            self.step, job_config.comm.init_timeout_seconds
+        )
+        loaded = [] if healed else self.checkpointer.load()
+        if self.replicas is not None:
+            self.replicas.resume_at(self.step)
+            self.loader.seek(self.step * self.plan.global_batch_size)  # the data position follows the step
+        if not loaded and not healed and job_config.checkpoint.initial_load_in_hf:
             adapter, group = model_spec.state_dict_adapter, self.checkpointer.process_group
             seed_weights_from_hf(job_config, self.plan, model, adapter, group)
             loaded = ["model"]
@@ -150,7 +166,9 @@ class Trainer(Stateful):
 
         # 7. Metrics and held-out loss.
         self.metrics = build_metrics(job_config, self.plan, self.rank, self.device)
-        self.balancer = balance_expert_load(self.plan, model, self.optimizer, self.metrics, mesh, self.global_tokens)
+        self.balancer = balance_expert_load(self.plan, model, self.optimizer, self.metrics, mesh, self.group_tokens)
+        if self.replicas is not None:
+            self.metrics.add_source(partial(replica_group_metrics, self.replicas))
         self.validator = build_run_validator(
             job_config,
             self.plan,
@@ -165,14 +183,18 @@ class Trainer(Stateful):
 
     # --- one optimizer step ------------------------------------------------------------
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One optimizer step over the global batch.
 
         Returns this rank's share of the global mean loss (sum it over ranks for the
         loss itself) and the global gradient norm, both as tensors, so that nothing
-        waits for the device unless the caller asks for the numbers.
+        waits for the device unless the caller asks for the numbers. Under fault tolerance,
+        None when the replica groups did not commit the step (it is then tried again).
         """
         training, dims = self.job_config.training, self.plan.parallel_dims
+        if self.replicas is not None and self.replicas.start_step(self.step):  # healed: a peer's step
+            self.loader.seek(self.step * self.plan.global_batch_size)
+        data_mark = self.loader.state_dict() if self.replicas is not None else None
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()
         for micro_step in range(self.plan.grad_accum_steps):
@@ -184,6 +206,15 @@ class Trainer(Stateful):
             loss_share += self._forward_backward(inputs, labels)
             self.phase_memory.mark("backward")
 
+        counts = [] if self.balancer is None else self.balancer.routed_counts()
+        if self.replicas is not None and not self.replicas.average_and_commit(
+            self.model.parameters(), loss_share, counts
+        ):
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.balancer is not None:
+                self.balancer.discard_step()
+            self.loader.load_state_dict(data_mark)  # the retry reads the same windows
+            return None
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm, stages=dims.pp)
         # A NaN/inf anywhere reaches the global norm, which every rank holds alike after its
         # all-reduce, so all ranks skip the same steps without another collective.
@@ -197,7 +228,8 @@ class Trainer(Stateful):
         if self.ema is not None:
             self.ema.update(skip=nonfinite)
         self.step += 1
-        self.tokens_seen += self.global_tokens
+        groups_in_step = 1 if self.replicas is None else self.replicas.participants
+        self.tokens_seen += self.group_tokens * groups_in_step
         self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share)
         return loss_share, grad_norm
 
@@ -210,7 +242,7 @@ class Trainer(Stateful):
         with self.loss_context():
             with self.compute_context:
                 logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels) / self.global_tokens
+                loss = self.loss_fn(logits, labels) / self.group_tokens
             del logits  # the [batch, seq, vocab] logits are the largest activation
             self.phase_memory.mark("forward")
             loss.backward()
@@ -271,8 +303,11 @@ class Trainer(Stateful):
                 self.job_config.profiling, self.job_config.job.dump_folder, self.rank, start_step=self.step
             ) as profiler:
                 while self.step < training.steps:
+                    step_before = self.step
                     record = self._one_step(log_freq)
                     profiler.step()
+                    if self.step == step_before:  # not committed by the replica groups: again
+                        continue
                     if self.step == self.first_step + 1:
                         # Start-up (compiles, first all-gathers, loading) may be slow; after the first
                         # step a collective that waits longer than train_timeout_seconds means a dead or
@@ -288,6 +323,8 @@ class Trainer(Stateful):
             self.loader.close()
             self.checkpointer.close()
             self.metrics.close()
+            if self.replicas is not None:
+                self.replicas.close()
         logger.info("training done: %d steps, %d tokens", self.step, self.tokens_seen)
         return records
 
@@ -295,7 +332,10 @@ class Trainer(Stateful):
         """Train one step; log it when it is due and return what was logged."""
         training = self.job_config.training
         lr = self.lr_scheduler.get_last_lr()[0]
-        loss_share, grad_norm = self.train_step()
+        result = self.train_step()
+        if result is None:  # not committed by the replica groups: the loop tries the step again
+            return None
+        loss_share, grad_norm = result
         # Per device: the tp ranks of a group, the pp stages of a pipeline and the cp ranks
         # splitting its sequences share their data-parallel rank's tokens (and FLOPs).
         dims = self.plan.parallel_dims
@@ -334,6 +374,8 @@ class Trainer(Stateful):
         training = self.job_config.training
         last = self.step == training.steps
         saved = self.checkpointer.should_save(self.step, training.steps)
+        if saved and self.replicas is not None:
+            saved = self.replicas.first_participant()  # one group writes each checkpoint
         stop = not last and self.stop_requested()
         if saved or stop:
             self.read_unread_steps()  # a step that should have stopped the run is never saved
@@ -342,7 +384,7 @@ class Trainer(Stateful):
             self.checkpointer.save(self.step, model_only=model_only, sync=last)
             if last:
                 self.checkpointer.fail_if_not_saved("the run's last save")
-        if stop:
+        if stop and (self.replicas is None or self.replicas.first_participant()):  # one group saves
             self.checkpointer.save_at_stop(self.step)  # waits for a save still in flight, or saves this step
             self.checkpointer.fail_if_not_saved("the save on a stop signal")
             self.stop_signal.report_time(self.job_config.checkpoint.stop_save_seconds)
@@ -372,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
         destroy_distributed()
         kind = "config" if isinstance(error, ConfigError) else "checkpoint"
         return fail(f"titanlite: {kind} error: {error}", 2, rank0)
+    except FaultToleranceError as error:  # no quorum to join
+        destroy_distributed()
+        return fail(f"titanlite: fault tolerance: {error}", 1)
     try:
         save_resolved_config(job_config, trainer.rank)
         trainer.train()
@@ -379,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"titanlite: checkpoint error at step {trainer.step}: {error}", 1)
     except DataError as error:
         return fail(f"titanlite: data error in step {trainer.step + 1}: {error}", 1)
+    except FaultToleranceError as error:
+        return fail(f"titanlite: fault tolerance: {error}", 1)
     except NonFiniteError as error:
         # Every rank stops at the same step with the same norm: one line is enough.
         return fail(f"titanlite: non-finite values at {error}", 1, trainer.rank == 0)

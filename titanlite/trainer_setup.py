@@ -21,6 +21,7 @@ from titanlite.config import ConfigError, JobConfig, show_config_warnings, to_to
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
+from titanlite.fault_tolerant_run import check_fault_tolerance_run, groups_text
 from titanlite.files import write_text_atomically
 from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
@@ -54,6 +55,7 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     A problem is a ConfigError (a CheckpointError for that checkpoint); a key this layout
     ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
+    check_fault_tolerance_run(job_config)  # torchft and its lighthouse, with fault tolerance
     check_float8_run(job_config)  # torchao and a float8 GPU (or emulation), before anything is built
     warnings = unused_layout_keys(job_config, plan.parallel_dims)
     if plan.pipeline is not None and microbatch_warning(plan.pipeline) is not None:
@@ -83,7 +85,7 @@ def config_ok_line(plan: RunPlan) -> str:
     )
     return (
         f"titanlite: config ok: {dims.strategy} over {dims.world_size} rank(s){stages}{experts}, "
-        f"global batch {plan.global_batch_size}, {plan.grad_accum_steps} accumulation step(s)"
+        f"global batch {plan.global_batch_size}{groups_text(plan)}, {plan.grad_accum_steps} accumulation step(s)"
     )
 
 
@@ -113,17 +115,13 @@ def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device,
     return device, rank, mesh, flight_recorder_dump
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def check_prepared_files(job_config: JobConfig, windows) -> None:
     """With data.verify_checksums, the ranks agree that the prepared files of ``windows`` are
     intact; the work is split over all ranks, each checking its own share of the files."""
     if not job_config.data.verify_checksums:
         return
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    error = first_error_on_any_rank(verify_share(windows, _rank(), world_size))
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    error = first_error_on_any_rank(verify_share(windows, rank, world_size))
     if error is not None:
         raise ConfigError(error)
 
@@ -140,14 +138,17 @@ def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int,
     reads the part of each batch of this rank's data-parallel index, its place in the mesh."""
     data, dims = job_config.data, plan.parallel_dims
     check_prepared_files(job_config, windows)
-    warning = stream_warning(windows, job_config.training.dataset, dims.dp_degree)
+    # Replica group g of G reads the data-parallel ranks [g*dp, (g+1)*dp) of a G*dp layout.
+    group = job_config.fault_tolerance.replica_id if plan.replica_groups > 1 else 0
+    dp_degree = dims.dp_degree * plan.replica_groups
+    warning = stream_warning(windows, job_config.training.dataset, dp_degree)
     if warning is not None and rank == 0:
         logger.warning(warning)
     return DataLoader(
         windows,
         job_config.training.local_batch_size,
-        dp_rank=dims.dp_rank(mesh),
-        dp_degree=dims.dp_degree,
+        dp_rank=group * dims.dp_degree + dims.dp_rank(mesh),
+        dp_degree=dp_degree,
         prefetch=data.prefetch,
         pin_memory=device.type == "cuda",
         allow_changed_data=data.allow_changed_data,
@@ -237,7 +238,8 @@ def build_run_model(
 
 
 def build_metrics(job_config: JobConfig, plan: RunPlan, rank: int, device: torch.device) -> MetricsProcessor:
-    run_name = [default_run_name()]
+    ft = job_config.fault_tolerance
+    run_name = [default_run_name() + (f"_group{ft.replica_id}" if ft.enable else "")]  # groups share the dump folder
     if dist.is_initialized():  # one folder name for all ranks: rank 0's clock decides
         dist.broadcast_object_list(run_name, src=0)
     loggers = build_loggers(
@@ -315,7 +317,7 @@ def build_run_validator(
         raise ConfigError(str(error)) from None
     check_prepared_files(job_config, validator.held_out)
     warning = stream_warning(validator.held_out, job_config.validation.dataset, dims.dp_degree, section="validation")
-    if warning is not None and _rank() == 0:
+    if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(warning)
     return validator
 
@@ -345,7 +347,8 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
     model than the command line's overrides built."""
     dims, training = plan.parallel_dims, job_config.training
     logger.info(
-        "model %s %s (%s), %s over %s on %s, global batch %d = local %d x dp %d x accumulation %d; job.description: %s",
+        "model %s %s (%s), %s over %s on %s, global batch %d%s = local %d x dp %d x accumulation %d; "
+        "job.description: %s",
         job_config.model.name,
         job_config.model.flavor,
         params_text(plan, model),
@@ -353,6 +356,7 @@ def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, devi
         layout_text(dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.pp > 1, dims.cp),
         device.type,
         plan.global_batch_size,
+        groups_text(plan),
         training.local_batch_size,
         dims.dp_degree,
         plan.grad_accum_steps,

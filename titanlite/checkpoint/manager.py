@@ -18,6 +18,7 @@ against the byte ranges DCP's ``.metadata`` records, so a truncated file is name
 
 import logging
 import os
+import re
 import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -73,10 +74,13 @@ class CheckpointManager:
         config: Checkpoint,
         dump_folder: str,
         timeout_seconds: int = Comm.init_timeout_seconds,
+        shared_by_groups: bool = False,
     ):
         """`states` maps part names (model, optimizer, dataloader, ...) to Stateful objects.
         `timeout_seconds` bounds each collective of a save or load (comm.init_timeout_seconds:
-        ranks wait there for the slowest writer, so the shorter train timeout does not fit)."""
+        ranks wait there for the slowest writer, so the shorter train timeout does not fit).
+        `shared_by_groups`: fault-tolerant replica groups write to the folder in turn, so a
+        group starting up must not take another's save in progress for a leftover."""
         self.states = states
         self.config = config
         self.folder = Path(dump_folder) / config.folder
@@ -113,7 +117,8 @@ class CheckpointManager:
         if self.process_group is None:
             # One process saves alone on purpose; DCP warns about that at every save and load.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        if self.rank == 0 and config.enable:
+        self.shared_by_groups = shared_by_groups
+        if self.rank == 0 and config.enable and not shared_by_groups:
             self._remove_leftovers()
 
     # --- saving ------------------------------------------------------------------------
@@ -253,6 +258,8 @@ class CheckpointManager:
         fsync_path(self.folder)
         logger.info("checkpoint saved: %s", final)
         try:
+            if self.shared_by_groups:  # what a group that died while saving an older step left
+                self._remove_leftovers(older_than=int(final.name.removeprefix("step-")))
             self._purge()
         except DCP_FAILURES as error:  # the new checkpoint is saved; only old ones stay
             logger.warning("could not delete old checkpoints in %s: %s", self.folder, describe_failure(error))
@@ -338,9 +345,12 @@ class CheckpointManager:
     def _purge(self) -> None:
         purge_old_steps(self.folder, self.config.keep_latest_k, self.config.keep_every)
 
-    def _remove_leftovers(self) -> None:
-        """Remove what interrupted saves and purges left behind (only names we create)."""
+    def _remove_leftovers(self, older_than: int | None = None) -> None:
+        """Remove what interrupted saves and purges left behind (only names we create), or
+        only those of steps before `older_than`."""
         for entry in leftover_folders(self.folder):
+            if older_than is not None and int(re.search(r"\d+", entry.name).group()) >= older_than:
+                continue
             shutil.rmtree(entry, ignore_errors=True)
             logger.info("removed an incomplete checkpoint folder: %s", entry)
 

@@ -5,8 +5,9 @@ from typing import Literal
 
 from titanlite.config.ranges import MINUS_ONE_OR_AT_LEAST_ZERO, at_least, ranged, subset_of
 
-# What a checkpoint holds, by the names its parts are saved under (ema only with ema.enable).
-CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema")
+# What a checkpoint holds, by the names its parts are saved under (ema only with ema.enable,
+# fault_tolerance, the counts of replica groups' absence, only with fault_tolerance.enable).
+CHECKPOINT_PARTS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng", "ema", "fault_tolerance")
 
 
 @dataclass

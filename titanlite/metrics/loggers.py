@@ -90,6 +90,9 @@ _CONSOLE_FIELDS = (
     (tags.MOE_LOAD_BALANCE_LOSS, "lb_loss", "green", _four_places),
     (tags.MOE_SEQ_BALANCE_LOSS, "seq_loss", "green", _four_places),
     (tags.MOE_Z_LOSS, "z_loss", "green", _four_places),
+    (tags.FT_GROUPS, "groups", "white", lambda v, _: f"{v:.0f}"),
+    (tags.FT_HEALS, "heals", "white", lambda v, _: f"{v:.0f}"),
+    (tags.FT_SKIPPED, "skipped", "white", lambda v, _: f"{v:,.0f}"),
     (tags.VAL_LOSS, "val_loss", "green", _four_places),
     (tags.VAL_PERPLEXITY, "val_ppl", "green", lambda v, _: _small(v)),
 )

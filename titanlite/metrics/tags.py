@@ -35,6 +35,11 @@ MOE_AUX_LOSS = "moe_metrics/aux_loss"  # transformers' pooled load-balancing los
 MOE_LOAD_BALANCE_LOSS = "moe_metrics/load_balance_loss"  # the per-layer one, summed over the layers
 MOE_SEQ_BALANCE_LOSS = "moe_metrics/seq_balance_loss"  # DeepSeek-V3's sequence-wise one
 MOE_Z_LOSS = "moe_metrics/router_z_loss"
+# Fault tolerance only: replica groups in the step's quorum, heals this group received, and
+# samples (windows) of the global order that absent groups' shares of committed steps skipped.
+FT_GROUPS = "fault_tolerance/participating_groups"
+FT_HEALS = "fault_tolerance/heals"
+FT_SKIPPED = "fault_tolerance/skipped_samples"
 VAL_LOSS = "validation_metrics/loss"
 VAL_PERPLEXITY = "validation_metrics/perplexity"
 

@@ -79,6 +79,16 @@ class ExpertLoadBalancer:
         for layer in self.layers:
             layer.reset_load()
 
+    def routed_counts(self) -> list[torch.Tensor]:
+        """This rank's routed-token counts of the step so far, one per layer (summed in place
+        over other replica groups by fault tolerance before after_step sums them here)."""
+        return [layer.tokens_per_expert for layer in self.layers]
+
+    def discard_step(self) -> None:
+        """Forget a step that was not applied (its counts must not join the next step's)."""
+        for layer in self.layers:
+            layer.reset_load()
+
     def step_metrics(self) -> tuple[dict[int, float], dict[str, float]]:
         """({block index: load} of every MoE layer over all stages, {name: loss summed over
         the stages} of the BALANCE_LOSSES that are on), of the last step. Every rank must call

@@ -104,16 +104,18 @@ class ParallelDims:
         context parallelism, whose ranks route tokens of their own like shard ranks)."""
         return self.dp_shard * self.cp // self.ep_shard
 
-    def batch_plan(self, local_batch_size: int, global_batch_size: int) -> tuple[int, int]:
+    def batch_plan(self, local_batch_size: int, global_batch_size: int, replica_groups: int = 1) -> tuple[int, int]:
         """(sequences per optimizer step, micro-batches per step) for these degrees; -1
-        means no accumulation. Raise ValueError unless the global batch is a positive
-        multiple of local_batch_size x dp degree."""
-        per_micro_step = local_batch_size * self.dp_degree
+        means no accumulation. ``replica_groups``: fault-tolerant replica groups, each with
+        these degrees, that read disjoint parts of the global batch. Raise ValueError unless
+        the global batch is a positive multiple of local_batch_size x dp degree x groups."""
+        per_micro_step = local_batch_size * self.dp_degree * replica_groups
         global_batch = per_micro_step if global_batch_size == -1 else global_batch_size
         if global_batch < 1 or global_batch % per_micro_step != 0:
+            groups = f" x replica groups ({replica_groups})" if replica_groups > 1 else ""
             raise ValueError(
                 f"training.global_batch_size ({global_batch}) must be a multiple of training.local_batch_size "
-                f"({local_batch_size}) x data-parallel degree ({self.dp_degree}) = {per_micro_step}"
+                f"({local_batch_size}) x data-parallel degree ({self.dp_degree}){groups} = {per_micro_step}"
             )
         return global_batch, global_batch // per_micro_step
 

@@ -1,0 +1,302 @@
+"""Fault tolerance through torchft: replica groups as real rank processes, a real lighthouse.
+
+- Two groups x FSDP 2 equal HSDP 2 x 2 at every step, and a full restart of both groups
+  resumes as the uninterrupted HSDP run goes on.
+- One group SIGKILLed mid-run: the other trains on, its steps fast again; the restarted
+  group heals from it (not from the checkpoint folder), with equal states at the first step
+  they share.
+- The lighthouse SIGKILLed: every group stops with one line.
+- Bad input: one line, exit status 2, nothing written.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.faults.harness import read_losses
+from tests.forked_scripts import kill_group, start_python
+from tests.helpers import rendezvous_env, tiny_args
+from titanlite import train
+from titanlite.checkpoint.load import load_model
+from titanlite.metrics import tags
+
+# What every rank runs: the trainer, plus two test hooks inside the process (production code
+# has none): FT_TEST_PAUSE seconds of sleep at each quorum, so that a restart overlaps training,
+# and FT_TEST_DUMP, a folder that receives this rank's states (as sent to a healing peer)
+# whenever its group heals or sees the quorum grow.
+LAUNCHER = """
+import os, sys, time, torch
+from titanlite import train
+from titanlite.parallel import exit_process
+from titanlite.parallel.fault_tolerance import ReplicaGroups
+pause, dump = float(os.environ.get("FT_TEST_PAUSE", "0")), os.environ.get("FT_TEST_DUMP")
+start_step = ReplicaGroups.start_step
+def start_step_and_dump(self, step):
+    before = self.participants
+    healed = start_step(self, step)
+    time.sleep(pause)
+    if dump and (healed or 0 < before < self.participants):
+        name = f"g{self.section.replica_id}-r{os.environ.get('RANK', '0')}-step{self.manager.current_step()}.pt"
+        torch.save(self.states_for_peer(), os.path.join(dump, name))
+    return healed
+ReplicaGroups.start_step = start_step_and_dump
+exit_process(train.main(sys.argv[1:]))
+"""
+
+LISTENING = re.compile(r"listening on: http://[^:\s]+:(\d+)")
+
+
+def start_lighthouse(folder: Path) -> tuple[subprocess.Popen, str]:
+    """torchft's lighthouse as users start it, on a port the kernel picks; (process, address)."""
+    script = Path(sys.executable).parent / "torchft_lighthouse"
+    command = [str(script) if script.exists() else shutil.which("torchft_lighthouse")]
+    # A dead group is dropped after 2 s of silence (5 s by default).
+    command += ["--min_replicas", "1", "--bind", "[::]:0", "--join_timeout_ms", "500"]
+    command += ["--heartbeat_timeout_ms", "2000", "--quorum_tick_ms", "50"]
+    log = folder / "lighthouse.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        match = LISTENING.search(log.read_text())
+        if match:
+            return process, f"http://127.0.0.1:{match.group(1)}"
+        assert process.poll() is None, log.read_text()
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"the lighthouse did not start: {log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory):
+    process, address = start_lighthouse(tmp_path_factory.mktemp("lighthouse"))
+    yield address
+    process.kill()
+    process.wait()
+
+
+class Group:
+    """One replica group (or a plain run): its ranks as processes, as torchrun would start them."""
+
+    def __init__(self, name: str, folder: Path, args: list[str], ranks: int, env: dict[str, str]):
+        self.name, self.folder = name, folder
+        self.logs = [folder / f"{name}-rank{rank}.log" for rank in range(ranks)]
+        store = rendezvous_env()
+        self.processes = []
+        for rank in range(ranks):
+            rank_env = {**os.environ, **env, **store, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            rank_env.update({"WORLD_SIZE": str(ranks), "LOCAL_WORLD_SIZE": str(ranks), "OMP_NUM_THREADS": "1"})
+            args_ = ["-c", LAUNCHER, *args]
+            self.processes.append(start_python(args_, env=rank_env, stdout=self.logs[rank], stderr=None))
+
+    def wait(self, timeout: float = 240) -> list[int]:
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        if any(process.exitcode is None for process in self.processes):
+            self.kill()
+            raise AssertionError(f"{self.name} did not finish:\n{self.log()[-3000:]}")
+        return [process.exitcode for process in self.processes]
+
+    def kill(self) -> None:
+        for process in self.processes:  # SIGKILL every rank before joining any
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for process in self.processes:
+            kill_group(process)
+
+    def log(self) -> str:
+        return self.logs[0].read_text()
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not re.search(rf"step: +{step} ", self.log()):
+            assert time.monotonic() < deadline and all(p.exitcode is None for p in self.processes), self.log()
+            time.sleep(0.05)
+
+
+def run_args(dump_folder: Path, steps: int, overrides: dict | None = None) -> list[str]:
+    return tiny_args(
+        {
+            "training.steps": steps,
+            "training.global_batch_size": 8,  # 4 data-parallel ranks of 2 sequences
+            "checkpoint.enable": True,
+            "checkpoint.interval": 2,
+            "job.dump_folder": dump_folder,
+            "comm.train_timeout_seconds": 30,
+            "comm.init_timeout_seconds": 120,
+            **(overrides or {}),
+        }
+    )
+
+
+def ft_args(dump_folder: Path, steps: int, group: int, overrides: dict | None = None) -> list[str]:
+    ft = {"fault_tolerance.enable": True, "fault_tolerance.group_size": 2, "fault_tolerance.replica_id": group}
+    return run_args(dump_folder, steps, {**ft, **(overrides or {})})
+
+
+def start_groups(folder: Path, lighthouse: str, steps: int, overrides=None, ranks=2, name="run", env=None):
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse, **(env or {})}
+    return [Group(f"{name}-g{g}", folder, ft_args(folder / "dump", steps, g, overrides), ranks, env) for g in range(2)]
+
+
+def metrics_of(dump_folder: Path, group: int) -> dict[int, dict]:
+    """step -> the logged record of `group` (its runs' metrics.jsonl, later runs last)."""
+    records = {}
+    for path in sorted((dump_folder / "metrics").glob(f"*_group{group}/metrics.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            records[record["step"]] = record
+    return records
+
+
+def test_two_groups_equal_hsdp_and_a_full_restart_resumes(tmp_path, lighthouse):
+    hsdp = Group(
+        "hsdp",
+        tmp_path,
+        run_args(tmp_path / "hsdp", 6, {"parallelism.data_parallel_replicate_degree": 2}),
+        ranks=4,
+        env={},
+    )
+    assert hsdp.wait() == [0] * 4, hsdp.log()
+    groups = start_groups(tmp_path, lighthouse, steps=4)
+    assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
+    # Every group restarts: both load the newest checkpoint (the first group's) and go on.
+    groups = start_groups(tmp_path, lighthouse, steps=6, name="restart")
+    assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
+    for group in groups:
+        assert re.search(r"loaded checkpoint \S+step-4 ", group.log()), group.log()
+
+    reference = read_losses(tmp_path / "hsdp")
+    assert sorted(reference) == list(range(1, 7))
+    for g in range(2):
+        losses = {step: record[tags.LOSS] for step, record in metrics_of(tmp_path / "dump", g).items()}
+        assert sorted(losses) == list(range(1, 7))
+        for step, loss in reference.items():
+            assert losses[step] == pytest.approx(loss, abs=1e-5), (g, step, losses, reference)
+        assert all(record[tags.FT_GROUPS] == 2 for record in metrics_of(tmp_path / "dump", g).values())
+    ours, _ = load_model(tmp_path / "dump" / "checkpoint" / "step-6")
+    theirs, _ = load_model(tmp_path / "hsdp" / "checkpoint" / "step-6")
+    for (name, mine), (_, other) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        torch.testing.assert_close(mine, other, atol=1e-5, rtol=0, msg=name)
+
+
+def _states_equal(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), where
+        for key in a:
+            _states_equal(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _states_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif where.endswith(".heals"):
+        assert b == a + 1, where  # the healed group counts its heal
+    else:
+        assert a == b, where
+
+
+def test_a_killed_group_drops_out_and_heals_from_the_survivor(tmp_path, lighthouse):
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    overrides = {"ema.enable": True, "checkpoint.interval": 5}
+    env = {"FT_TEST_PAUSE": "0.15", "FT_TEST_DUMP": str(dumps)}
+    survivor, doomed = start_groups(tmp_path, lighthouse, steps=45, overrides=overrides, env=env)
+    doomed.wait_for_step(6)
+    doomed.kill()
+    killed_after = int(re.findall(r"step: +(\d+) ", survivor.log())[-1])
+    survivor.wait_for_step(killed_after + 3)  # alone: the survivor went on without a restart
+    assert list((tmp_path / "dump" / "checkpoint").glob("step-*")), "the survivor saved nothing yet"
+    args = ft_args(tmp_path / "dump", 45, 1, overrides)
+    restarted = Group("restarted-g1", tmp_path, args, 2, {"TORCHFT_LIGHTHOUSE": lighthouse, **env})
+    assert survivor.wait() == [0, 0], survivor.log()
+    assert restarted.wait() == [0, 0], restarted.log()
+
+    healed = re.search(r"healed from a live group at step (\d+)", restarted.log())
+    assert healed, restarted.log()
+    assert "loaded checkpoint" not in restarted.log()  # from the peer's memory, not the folder
+    first_shared = int(healed.group(1))
+    for rank in range(2):
+        ours = torch.load(dumps / f"g0-r{rank}-step{first_shared}.pt", weights_only=False)
+        theirs = torch.load(dumps / f"g1-r{rank}-step{first_shared}.pt", weights_only=False)
+        assert {"model", "optimizer", "ema", "train_state"} <= set(ours)
+        _states_equal(ours, theirs)
+
+    records = metrics_of(tmp_path / "dump", 0)
+    alone = [step for step, record in records.items() if record[tags.FT_GROUPS] == 1]
+    assert alone and min(alone) > 6 and max(alone) < first_shared + 1, alone
+    assert records[45][tags.FT_SKIPPED] == 4 * len(alone)  # each step alone skipped the other group's 4 windows
+    assert metrics_of(tmp_path / "dump", 1)[45][tags.LOSS] == records[45][tags.LOSS]
+    # Step times: the step that found the group dead waits for the lighthouse to drop it; a
+    # few steps later they are back to what they were before.
+    times = {step: record[tags.STEP_TIME] for step, record in records.items()}
+    before = statistics.median(times[step] for step in range(2, 7))
+    after = statistics.median(times[step] for step in alone[2:5])
+    assert after < 3 * before + 0.2, (before, after, times)
+
+
+def test_the_groups_stop_with_one_line_when_the_lighthouse_dies(tmp_path):
+    process, address = start_lighthouse(tmp_path)
+    try:
+        overrides = {"checkpoint.enable": False, "training.global_batch_size": 4, "comm.train_timeout_seconds": 10}
+        groups = start_groups(tmp_path, address, 500, overrides, ranks=1, env={"FT_TEST_PAUSE": "0.1"})
+        groups[0].wait_for_step(3)
+    finally:
+        process.kill()
+        process.wait()
+    for group in groups:
+        assert group.wait(timeout=120) == [1]
+        last = group.log().strip().splitlines()[-1]
+        assert last.startswith("titanlite: fault tolerance: no quorum before step "), group.log()[-2000:]
+        assert "does not answer" in last and address in last, last
+
+
+@pytest.mark.parametrize(
+    "setting, lighthouse_address, expected",
+    [
+        ({"fault_tolerance.replica_id": 2}, None, "fault_tolerance.replica_id must lie in [0, 2)"),
+        ({}, "http://127.0.0.1:{closed}", "does not answer"),
+        ({}, "", "needs the lighthouse's address in TORCHFT_LIGHTHOUSE"),
+        ({"fault_tolerance.semi_sync_method": "diloco"}, None, "has no DiLoCo"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(setting, lighthouse_address, expected, tmp_path, monkeypatch, capsys):
+    closed = _closed_port()
+    if lighthouse_address is not None:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse_address.format(closed=closed))
+    assert train.main(ft_args(tmp_path / "dump", 4, 0, setting)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and expected in err[0], err
+    assert not (tmp_path / "dump").exists()
+
+
+def test_torchft_missing_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:1")
+    assert train.main(ft_args(tmp_path / "dump", 4, 0)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs torchft" in err[0] and "titanlite[ft]" in err[0], err
+    assert not (tmp_path / "dump").exists()
+
+
+def _closed_port() -> int:
+    """A port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -4,12 +4,18 @@
 #   ./run_train.sh                                   # the CPU demo (train_configs/debug_model.toml)
 #   NGPU=8 CONFIG_FILE=train_configs/llama7b.toml ./run_train.sh
 #   ./run_train.sh --training.steps 100              # extra arguments go to the trainer
+#   FT_GROUPS=2 NGPU=8 ./run_train.sh                # fault tolerance: 2 replica groups of 4 ranks
 #
 # Environment:
 #   NGPU         processes to start (default: the GPUs nvidia-smi lists, else 2 CPU processes)
 #   LOG_RANK     comma-separated ranks that print their log (default 0)
 #   CONFIG_FILE  TOML config (default: this checkout's train_configs/debug_model.toml)
 #   PYTHON       interpreter to use (default python3)
+#   FT_GROUPS    fault tolerance (docs/reliability.md): start this many replica groups, each a
+#                torchrun of NGPU / FT_GROUPS ranks on its own GPUs, and torchft's lighthouse
+#                (on FT_LIGHTHOUSE_PORT, default 29510; 0 lets the kernel pick one) unless
+#                TORCHFT_LIGHTHOUSE names a running one
+#   FT_GROUP     with FT_GROUPS: start only this group (a restart; it heals from the live ones)
 #
 # Also set for the ranks: PYTORCH_ALLOC_CONF=expandable_segments:True, unless PYTORCH_ALLOC_CONF,
 # PYTORCH_CUDA_ALLOC_CONF or PYTORCH_HIP_ALLOC_CONF is set (even empty). After a SIGTERM,
@@ -60,10 +66,41 @@ for (( i = 0; i < ${#arguments[@]}; i++ )); do
     esac
 done
 
+# Fault tolerance: the groups' flags, and the lighthouse they all talk to (started here unless
+# TORCHFT_LIGHTHOUSE names one), which the preflight checks too.
+ft_groups="${FT_GROUPS:-0}"
+group_ranks="$NGPU"
+ft_flags=()
+if (( ft_groups > 0 )); then
+    if (( NGPU % ft_groups != 0 )); then
+        echo "run_train.sh: NGPU ($NGPU) must be a multiple of FT_GROUPS ($ft_groups)" >&2
+        exit 2
+    fi
+    group_ranks=$(( NGPU / ft_groups ))
+    ft_flags=(--fault_tolerance.enable --fault_tolerance.group_size "$ft_groups")
+    if [[ -z "${TORCHFT_LIGHTHOUSE:-}" ]]; then
+        port="${FT_LIGHTHOUSE_PORT:-29510}"
+        lighthouse_log="$(mktemp -t titanlite-lighthouse.XXXXXX)"
+        torchft_lighthouse --min_replicas 1 --bind "[::]:$port" >"$lighthouse_log" 2>&1 &
+        lighthouse_pid=$!
+        trap 'kill "$lighthouse_pid" 2>/dev/null; wait "$lighthouse_pid" 2>/dev/null || true' EXIT
+        for _ in $(seq 300); do
+            grep -q "listening on" "$lighthouse_log" && break
+            kill -0 "$lighthouse_pid" 2>/dev/null || { cat "$lighthouse_log" >&2; exit 1; }
+            sleep 0.1
+        done
+        port="$(sed -n 's|.*listening on: http://[^ ]*:\([0-9][0-9]*\).*|\1|p' "$lighthouse_log" | head -n 1)"
+        export TORCHFT_LIGHTHOUSE="http://localhost:$port"
+        echo "run_train.sh: torchft lighthouse at $TORCHFT_LIGHTHOUSE (log: $lighthouse_log)"
+    fi
+fi
+
 # Preflight in one process: a config mistake prints one line here, instead of one
 # failure per rank followed by torchrun's long report.
 status=0
-WORLD_SIZE="$NGPU" "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" --job.validate_only || status=$?
+WORLD_SIZE="$group_ranks" "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" \
+    ${ft_flags[@]+"${ft_flags[@]}"} ${ft_flags[@]+--fault_tolerance.replica_id "${FT_GROUP:-0}"} \
+    --job.validate_only || status=$?
 if (( status != 0 )) || [[ "$validate_only" == [Tt][Rr][Uu][Ee] ]]; then
     exit "$status"
 fi
@@ -85,6 +122,26 @@ if [[ -z "${PYTORCH_ALLOC_CONF+set}${PYTORCH_CUDA_ALLOC_CONF+set}${PYTORCH_HIP_A
     export PYTORCH_ALLOC_CONF="expandable_segments:True"
 fi
 
-exec torchrun --nproc_per_node="$NGPU" --rdzv_backend c10d --rdzv_endpoint="localhost:0" \
-    --shutdown-timeout "$stop_save_seconds" \
-    -m titanlite.train --job.config_file "$CONFIG_FILE" "$@"
+torchrun_args=(--nproc_per_node="$group_ranks" --rdzv_backend c10d --rdzv_endpoint="localhost:0"
+    --shutdown-timeout "$stop_save_seconds" -m titanlite.train --job.config_file "$CONFIG_FILE")
+if (( ft_groups == 0 )); then
+    exec torchrun "${torchrun_args[@]}" "$@"
+fi
+
+# One torchrun per replica group, each on its own GPUs; a SIGTERM reaches every group.
+group_pids=()
+for (( group = 0; group < ft_groups; group++ )); do
+    [[ -n "${FT_GROUP:-}" && "$group" != "$FT_GROUP" ]] && continue
+    if (( gpu_count > 0 )); then
+        export CUDA_VISIBLE_DEVICES="$(seq -s, $(( group * group_ranks )) $(( (group + 1) * group_ranks - 1 )))"
+    fi
+    torchrun "${torchrun_args[@]}" "$@" "${ft_flags[@]}" --fault_tolerance.replica_id "$group" &
+    group_pids+=($!)
+done
+trap 'kill -TERM "${group_pids[@]}" 2>/dev/null || true' TERM INT
+status=0
+for pid in "${group_pids[@]}"; do
+    while kill -0 "$pid" 2>/dev/null; do wait "$pid" || true; done  # a trapped signal ends a wait early
+    wait "$pid" || status=$?
+done
+exit "$status"

@@ -357,3 +357,82 @@ def test_slurm_script_passes_one_sigterm_on_however_many_it_gets(tmp_path):
     assert len((record / "srun-sigterms").read_text().split()) == 1, output
     assert "--shutdown-timeout\n300\n" in (record / "srun.argv").read_text()  # the key's default
     assert _env_file(record / "srun.env")["PYTORCH_ALLOC_CONF"] == ""  # the user's (empty) setting is kept
+
+
+# --- fault tolerance: the launchers start the lighthouse and one job per replica group -------
+
+RECORD_EACH_CALL = 'printf "%s\\n" "$@" > "$RECORD/$(basename "$0").$$.argv"\n'
+
+
+def _calls(record: Path, command: str) -> list[list[str]]:
+    return [path.read_text().splitlines() for path in sorted(record.glob(f"{command}.*.argv"))]
+
+
+def _replica_id(argv: list[str]) -> int:
+    return int(argv[argv.index("--fault_tolerance.replica_id") + 1])
+
+
+def test_run_train_starts_a_lighthouse_and_one_torchrun_per_replica_group(tmp_path):
+    """FT_GROUPS=2 with NGPU=2: torchft's real lighthouse (on a port the kernel picks), the
+    preflight asking it, then two torchruns of one rank, replica groups 0 and 1; the
+    lighthouse is gone when the script ends."""
+    bin_dir, record = _fake_commands(tmp_path, torchrun=RECORD_EACH_CALL)
+    env = _launcher_env()
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    result = subprocess.run(
+        [str(RUN_TRAIN), "--training.steps", "3"],
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "RECORD": str(record), "NGPU": "2"}
+        | {"FT_GROUPS": "2", "FT_LIGHTHOUSE_PORT": "0"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    address = re.search(r"torchft lighthouse at (http://localhost:(\d+))", result.stdout)
+    assert address and int(address.group(2)) > 0, result.stdout
+    calls = _calls(record, "torchrun")
+    assert sorted(_replica_id(argv) for argv in calls) == [0, 1]
+    for argv in calls:
+        assert "--nproc_per_node=1" in argv and argv[argv.index("--fault_tolerance.group_size") + 1] == "2"
+        assert "--fault_tolerance.enable" in argv and argv[argv.index("--training.steps") + 1] == "3"
+    import socket
+
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", int(address.group(2))), timeout=5):
+        pass  # the lighthouse was stopped with the script
+
+
+def test_slurm_script_starts_one_srun_per_replica_group_on_its_own_nodes(tmp_path):
+    """FT_GROUPS=2 on 4 nodes, with a lighthouse already named by TORCHFT_LIGHTHOUSE (here a
+    socket this test listens on): two sruns, each of 2 nodes with its own rendezvous, run id
+    and replica_id."""
+    import socket
+
+    scontrol = 'case "$1 $2" in "show hostnames") printf "n1\\nn2\\nn3\\nn4\\n" ;; esac\n'
+    bin_dir, record = _fake_commands(tmp_path, scontrol=scontrol, srun=RECORD_EACH_CALL)
+    base = _launcher_env()
+    with socket.socket() as lighthouse:
+        lighthouse.bind(("127.0.0.1", 0))
+        lighthouse.listen()
+        result = subprocess.run(
+            ["bash", str(SLURM_SCRIPT)],
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**base, "PATH": f"{bin_dir}{os.pathsep}{base['PATH']}", "RECORD": str(record)}
+            | {"CONFIG_FILE": "train_configs/debug_model.toml", "SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-4]"}
+            | {"SLURM_NNODES": "4", "FT_GROUPS": "2"}
+            | {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lighthouse.getsockname()[1]}"},
+        )
+    assert result.returncode == 0, result.stdout + result.stderr
+    calls = sorted(_calls(record, "srun"), key=_replica_id)
+    assert len(calls) == 2, calls
+    for group, argv in enumerate(calls):
+        nodes = f"n{2 * group + 1},n{2 * group + 2}"
+        assert argv[:5] == ["--nodes", "2", "--nodelist", nodes, "torchrun"], argv
+        assert argv[argv.index("--rdzv_endpoint") + 1] == f"n{2 * group + 1}:29500"
+        assert argv[argv.index("--rdzv_id") + 1] == f"77-{group}"
+        assert argv[argv.index("--fault_tolerance.group_size") + 1] == "2"

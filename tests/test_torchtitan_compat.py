@@ -463,8 +463,8 @@ def test_the_slurm_example_parses():
     text = script.read_text()
     for piece in (
         "--rdzv_backend c10d",
-        '--rdzv_endpoint "$head_node:29500"',
-        '--nnodes "$SLURM_NNODES"',
+        '--rdzv_endpoint "${members[0]}:29500"',  # a group's first node (the head node without FT)
+        '--nnodes "$group_nodes"',
         "--nproc_per_node 8",
         "-m titanlite.train --job.config_file",
     ):

@@ -214,3 +214,9 @@ def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios
     assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[1:]), lines
     ratios = [line for line in lines if line.startswith(("memory: CP 2 at S /", "step time: CP 2 at S /"))]
     assert len(ratios) == 4 and all(float(line.rsplit("=", 1)[1]) > 0 for line in ratios), lines
+
+
+def test_fault_tolerance_quick_times_both_failures_and_prints_the_ratio():
+    lines = _run("fault_tolerance.py", "--quick")
+    assert any(line.startswith("| restart |") for line in lines), lines
+    assert lines[-1].startswith("time lost to one failure: torchft ") and " ratio " in lines[-1], lines

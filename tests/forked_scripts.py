@@ -55,7 +55,28 @@ def _redirect_output(stdout_path: str, stderr_path: str | None) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
 
 
-def _run_as_main(args: list[str], cwd: str, environ: dict[str, str], stdout: str, stderr: str | None) -> None:
+def _fork_spawned_ranks() -> None:
+    """Have the script's torch.multiprocessing starts with `spawn` fork from a fork server of
+    its own instead, which imports titanlite once for all its ranks rather than once per rank.
+    A rank forked from there is as fresh as a spawned one: the server imported its modules in a
+    process of its own, so nothing the script changed reaches the rank; it unpickles its
+    arguments and imports the script as __mp_main__, as a spawned rank does. It ends without the
+    interpreter's teardown, as every forked process does."""
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["titanlite.train"])
+    start_processes = mp.start_processes
+
+    def forked(*args, start_method: str = "spawn", **kwargs):
+        method = "forkserver" if start_method == "spawn" else start_method
+        return start_processes(*args, start_method=method, **kwargs)
+
+    mp.start_processes = forked
+
+
+def _run_as_main(
+    args: list[str], cwd: str, environ: dict[str, str], stdout: str, stderr: str | None, fork_ranks: bool
+) -> None:
     os.setsid()  # its own process group, as start_new_session gives: a test may signal the group
     os.chdir(cwd)
     os.environ.clear()
@@ -65,6 +86,8 @@ def _run_as_main(args: list[str], cwd: str, environ: dict[str, str], stdout: str
         import torch
 
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+    if fork_ranks:
+        _fork_spawned_ranks()
     status = 0
     try:
         if args[0] == "-m":
@@ -87,32 +110,46 @@ def _run_as_main(args: list[str], cwd: str, environ: dict[str, str], stdout: str
 
 
 def start_python(
-    args: list, *, cwd: str | Path | None = None, env: dict[str, str] | None = None, stdout: Path, stderr: Path | None
+    args: list,
+    *,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    stdout: Path,
+    stderr: Path | None,
+    fork_ranks: bool = False,
 ) -> multiprocessing.Process:
     """Start `python *args` (a script path, `-m module` or `-c code`, then its arguments) in
     a forked child writing to the files `stdout` and `stderr` (None: into stdout's file), as
     Popen(start_new_session=True) would: the child leads a process group of its own.
+    fork_ranks: the ranks the script spawns with torch.multiprocessing fork from a fork server
+    instead (_fork_spawned_ranks), for a script whose ranks' start is not what is tested.
     The result is a multiprocessing.Process: .pid, .exitcode (None while it runs, -N after
     signal N) and .join(timeout)."""
     for path in (stdout, stderr):  # there to read even if the child dies before writing
         if path is not None:
             Path(path).write_bytes(b"")
     environ = dict(os.environ if env is None else env)
-    child_args = (list(map(str, args)), str(cwd or os.getcwd()), environ, str(stdout), stderr and str(stderr))
+    outputs = (str(stdout), stderr and str(stderr))
+    child_args = (list(map(str, args)), str(cwd or os.getcwd()), environ, *outputs, fork_ranks)
     process = multiprocessing.get_context("forkserver").Process(target=_run_as_main, args=child_args)
     process.start()
     return process
 
 
 def run_python(
-    args: list[str], *, cwd: str | Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
+    args: list[str],
+    *,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 300,
+    fork_ranks: bool = False,
 ) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, *args], capture_output=True, text=True, ...)` with
     the run forked from the fork server: the same result object (returncode, stdout, stderr),
     and subprocess.TimeoutExpired after killing the child's process group at `timeout`."""
     with tempfile.TemporaryDirectory(prefix="titanlite-script-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        process = start_python(args, cwd=cwd, env=env, stdout=out, stderr=err)
+        process = start_python(args, cwd=cwd, env=env, stdout=out, stderr=err, fork_ranks=fork_ranks)
         process.join(timeout)
         if process.exitcode is None:
             kill_group(process)

@@ -27,7 +27,8 @@ def run_under_coverage(tmp_path: Path) -> dict:
         "[run]\n"
         f"data_file = {tmp_path / 'coverage'}\n"
         "parallel = True\n"
-        # Follows the ranks each script spawns (torch.multiprocessing, spawn).
+        # Follows the ranks each script starts (torch.multiprocessing; forked from the fork
+        # server here, tests/gpu_dry_runs.py says why).
         "concurrency = multiprocessing,thread\n"
         f"include = {','.join(str(REPO / 'benchmarks' / script) for script in SCRIPTS)}\n"
         "[report]\n"

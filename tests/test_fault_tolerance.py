@@ -4,8 +4,7 @@
   resumes as the uninterrupted HSDP run goes on.
 - One group SIGKILLed mid-run: the other trains on, its steps fast again; the restarted
   group heals from it (not from the checkpoint folder), with equal states at the first step
-  they share.
-- The lighthouse SIGKILLed: every group stops with one line.
+  they share. Then the lighthouse is SIGKILLed: every group stops with one line.
 - Bad input: one line, exit status 2, nothing written.
 """
 
@@ -210,26 +209,41 @@ def _states_equal(a, b, where: str = "") -> None:
         assert a == b, where
 
 
-def test_a_killed_group_drops_out_and_heals_from_the_survivor(tmp_path, lighthouse):
+def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_path):
+    """One launch, three faults in turn: group 1 SIGKILLed (group 0 trains on alone), group 1
+    restarted (it heals from group 0), then the lighthouse SIGKILLed (both stop with one line)."""
+    process, lighthouse = start_lighthouse(tmp_path)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
-    overrides = {"ema.enable": True, "checkpoint.interval": 5}
+    # A quorum without the lighthouse gives up after comm.train_timeout_seconds.
+    overrides = {"ema.enable": True, "checkpoint.interval": 5, "comm.train_timeout_seconds": 10}
     env = {"FT_TEST_PAUSE": "0.15", "FT_TEST_DUMP": str(dumps)}
-    survivor, doomed = start_groups(tmp_path, lighthouse, steps=45, overrides=overrides, env=env)
-    doomed.wait_for_step(6)
-    doomed.kill()
-    killed_after = int(re.findall(r"step: +(\d+) ", survivor.log())[-1])
-    survivor.wait_for_step(killed_after + 3)  # alone: the survivor went on without a restart
-    assert list((tmp_path / "dump" / "checkpoint").glob("step-*")), "the survivor saved nothing yet"
-    args = ft_args(tmp_path / "dump", 45, 1, overrides)
-    restarted = Group("restarted-g1", tmp_path, args, 2, {"TORCHFT_LIGHTHOUSE": lighthouse, **env})
-    assert survivor.wait() == [0, 0], survivor.log()
-    assert restarted.wait() == [0, 0], restarted.log()
+    try:
+        survivor, doomed = start_groups(tmp_path, lighthouse, steps=1000, overrides=overrides, env=env)
+        doomed.wait_for_step(6)
+        doomed.kill()
+        killed_after = int(re.findall(r"step: +(\d+) ", survivor.log())[-1])
+        survivor.wait_for_step(killed_after + 3)  # alone: the survivor went on without a restart
+        assert list((tmp_path / "dump" / "checkpoint").glob("step-*")), "the survivor saved nothing yet"
+        args = ft_args(tmp_path / "dump", 1000, 1, overrides)
+        restarted = Group("restarted-g1", tmp_path, args, 2, {"TORCHFT_LIGHTHOUSE": lighthouse, **env})
+        healed = None
+        while healed is None:
+            assert restarted.processes[0].exitcode is None, restarted.log()
+            healed = re.search(r"healed from a live group at step (\d+)", restarted.log())
+            time.sleep(0.05)
+        first_shared = int(healed.group(1))
+        restarted.wait_for_step(first_shared + 4)
+    finally:
+        process.kill()
+        process.wait()
+    for group in (survivor, restarted):  # the lighthouse is gone: every group stops, one line each
+        assert group.wait(timeout=120) == [1, 1], group.log()[-3000:]
+        last = group.log().strip().splitlines()[-1]
+        assert last.startswith("titanlite: fault tolerance: no quorum before step "), group.log()[-2000:]
+        assert "does not answer" in last and lighthouse in last, last
 
-    healed = re.search(r"healed from a live group at step (\d+)", restarted.log())
-    assert healed, restarted.log()
     assert "loaded checkpoint" not in restarted.log()  # from the peer's memory, not the folder
-    first_shared = int(healed.group(1))
     for rank in range(2):
         ours = torch.load(dumps / f"g0-r{rank}-step{first_shared}.pt", weights_only=False)
         theirs = torch.load(dumps / f"g1-r{rank}-step{first_shared}.pt", weights_only=False)
@@ -239,30 +253,15 @@ def test_a_killed_group_drops_out_and_heals_from_the_survivor(tmp_path, lighthou
     records = metrics_of(tmp_path / "dump", 0)
     alone = [step for step, record in records.items() if record[tags.FT_GROUPS] == 1]
     assert alone and min(alone) > 6 and max(alone) < first_shared + 1, alone
-    assert records[45][tags.FT_SKIPPED] == 4 * len(alone)  # each step alone skipped the other group's 4 windows
-    assert metrics_of(tmp_path / "dump", 1)[45][tags.LOSS] == records[45][tags.LOSS]
+    shared = first_shared + 4
+    assert records[shared][tags.FT_SKIPPED] == 4 * len(alone)  # each step alone skipped the other group's 4 windows
+    assert metrics_of(tmp_path / "dump", 1)[shared][tags.LOSS] == records[shared][tags.LOSS]
     # Step times: the step that found the group dead waits for the lighthouse to drop it; a
     # few steps later they are back to what they were before.
     times = {step: record[tags.STEP_TIME] for step, record in records.items()}
     before = statistics.median(times[step] for step in range(2, 7))
     after = statistics.median(times[step] for step in alone[2:5])
     assert after < 3 * before + 0.2, (before, after, times)
-
-
-def test_the_groups_stop_with_one_line_when_the_lighthouse_dies(tmp_path):
-    process, address = start_lighthouse(tmp_path)
-    try:
-        overrides = {"checkpoint.enable": False, "training.global_batch_size": 4, "comm.train_timeout_seconds": 10}
-        groups = start_groups(tmp_path, address, 500, overrides, ranks=1, env={"FT_TEST_PAUSE": "0.1"})
-        groups[0].wait_for_step(3)
-    finally:
-        process.kill()
-        process.wait()
-    for group in groups:
-        assert group.wait(timeout=120) == [1]
-        last = group.log().strip().splitlines()[-1]
-        assert last.startswith("titanlite: fault tolerance: no quorum before step "), group.log()[-2000:]
-        assert "does not answer" in last and address in last, last
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """Fault tolerance through torchft: replica groups as real rank processes, a real lighthouse.
 
 - Two groups x FSDP 2 equal HSDP 2 x 2 at every step, and a full restart of both groups
-  resumes as the uninterrupted HSDP run goes on.
+  resumes as the uninterrupted HSDP run goes on; likewise an MoE model with its experts
+  split over ep 2 inside each group and the expert bias trained.
 - One group SIGKILLed mid-run: the other trains on, its steps fast again; the restarted
   group heals from it (not from the checkpoint folder), with equal states at the first step
   they share. Then the lighthouse is SIGKILLed: every group stops with one line.
@@ -151,10 +152,12 @@ def start_groups(folder: Path, lighthouse: str, steps: int, overrides=None, rank
     return [Group(f"{name}-g{g}", folder, ft_args(folder / "dump", steps, g, overrides), ranks, env) for g in range(2)]
 
 
-def metrics_of(dump_folder: Path, group: int) -> dict[int, dict]:
-    """step -> the logged record of `group` (its runs' metrics.jsonl, later runs last)."""
+def metrics_of(dump_folder: Path, group: int | None) -> dict[int, dict]:
+    """step -> the logged record of `group` (its runs' metrics.jsonl, later runs last; None:
+    a run without fault tolerance)."""
     records = {}
-    for path in sorted((dump_folder / "metrics").glob(f"*_group{group}/metrics.jsonl")):
+    pattern = "*" if group is None else f"*_group{group}"
+    for path in sorted((dump_folder / "metrics").glob(f"{pattern}/metrics.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             records[record["step"]] = record
@@ -188,6 +191,33 @@ def test_two_groups_equal_hsdp_and_a_full_restart_resumes(tmp_path, lighthouse):
         assert all(record[tags.FT_GROUPS] == 2 for record in metrics_of(tmp_path / "dump", g).values())
     ours, _ = load_model(tmp_path / "dump" / "checkpoint" / "step-6")
     theirs, _ = load_model(tmp_path / "hsdp" / "checkpoint" / "step-6")
+    for (name, mine), (_, other) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
+        torch.testing.assert_close(mine, other, atol=1e-5, rtol=0, msg=name)
+
+
+def test_moe_groups_under_expert_parallelism_equal_hsdp(tmp_path, lighthouse):
+    """An inner layout with experts split over ep 2, and the expert bias on: the routed
+    counts are summed over the groups, so both groups' biases and losses stay the HSDP run's."""
+    moe = {"model.name": "qwen3", "model.flavor": "tiny_moe", "model.moe_bias_update_rate": 0.001}
+    moe |= {"parallelism.expert_parallel_degree": 2, "checkpoint.interval": 3}
+    hsdp_args = run_args(tmp_path / "hsdp", 3, {**moe, "parallelism.data_parallel_replicate_degree": 2})
+    hsdp = Group("hsdp", tmp_path, hsdp_args, ranks=4, env={})
+    assert hsdp.wait() == [0] * 4, hsdp.log()
+    groups = start_groups(tmp_path, lighthouse, steps=3, overrides=moe)
+    assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
+    reference = metrics_of(tmp_path / "hsdp", None)
+    for g in range(2):
+        records = metrics_of(tmp_path / "dump", g)
+        assert sorted(records) == sorted(reference) == [1, 2, 3]
+        for step, expected in reference.items():
+            # The load is max / mean of the routed counts: over all four data-parallel ranks
+            # only if each group's counts were summed with the other's.
+            for tag in (tags.LOSS, tags.MOE_MAX_LOAD):
+                assert records[step][tag] == pytest.approx(expected[tag], abs=1e-5), (g, step, tag)
+    ours, _ = load_model(tmp_path / "dump" / "checkpoint" / "step-3")
+    theirs, _ = load_model(tmp_path / "hsdp" / "checkpoint" / "step-3")
+    biases = [name for name in theirs.state_dict() if name.endswith("expert_bias")]
+    assert biases and theirs.state_dict()[biases[0]].abs().sum() > 0  # the bias did train
     for (name, mine), (_, other) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
         torch.testing.assert_close(mine, other, atol=1e-5, rtol=0, msg=name)
 

@@ -2,12 +2,14 @@
 subprocess, exits 0 and ends with its key line. No timings are asserted: the numbers
 depend on the machine and on whatever else runs on it."""
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.forked_scripts import run_python
+from tests.forked_scripts import run_python, start_python
+from tests.helpers import load_script
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = REPO_ROOT / "benchmarks"
@@ -219,7 +221,33 @@ def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios
     assert len(ratios) == 4 and all(float(line.rsplit("=", 1)[1]) > 0 for line in ratios), lines
 
 
-def test_fault_tolerance_quick_times_both_failures_and_prints_the_ratio():
-    lines = _run("fault_tolerance.py", "--quick")
+class _ForkedTrainer:
+    """What benchmarks/fault_tolerance.py uses of its Popen (pid, poll, wait), for a training
+    process forked from the preloaded fork server (tests/forked_scripts.py)."""
+
+    def __init__(self, process):
+        self.process, self.pid = process, process.pid
+
+    def poll(self):
+        return self.process.exitcode
+
+    def wait(self, timeout=None):
+        self.process.join(timeout)
+        return self.process.exitcode
+
+
+def test_fault_tolerance_quick_times_both_failures_and_prints_the_ratio(monkeypatch, capsys):
+    """In this process, its training processes forked from the preloaded fork server instead
+    of started by Popen: the 7 of them would otherwise import torch and titanlite each."""
+    benchmark = load_script(BENCHMARKS / "fault_tolerance.py")
+
+    def launch(args, log, env=None):
+        environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        process = start_python(["-m", "titanlite.train", *args], cwd=REPO_ROOT, env=environ, stdout=log, stderr=None)
+        return _ForkedTrainer(process)
+
+    monkeypatch.setattr(benchmark, "launch", launch)
+    assert benchmark.main(["--quick"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert any(line.startswith("| restart |") for line in lines), lines
     assert lines[-1].startswith("time lost to one failure: torchft ") and " ratio " in lines[-1], lines

@@ -301,6 +301,7 @@ def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_pat
         ({}, "http://127.0.0.1:{closed}", "does not answer"),
         ({}, "", "needs the lighthouse's address in TORCHFT_LIGHTHOUSE"),
         ({"fault_tolerance.semi_sync_method": "diloco"}, None, "has no DiLoCo"),
+        ({"fault_tolerance.process_group": "nccl"}, None, "'nccl' needs CUDA GPUs"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(setting, lighthouse_address, expected, tmp_path, monkeypatch, capsys):

@@ -7,7 +7,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titanlite.checkpoint.heal import load_local_states, local_states
 from titanlite.config import ConfigError, JobConfig
 from titanlite.metrics import tags
-from titanlite.parallel.fault_tolerance import ReplicaGroups, lighthouse_problem, torchft_missing
+from titanlite.parallel.fault_tolerance import ReplicaGroups, backend_problem, lighthouse_problem, torchft_missing
 from titanlite.plan import RunPlan
 
 
@@ -17,12 +17,14 @@ def check_fault_tolerance_run(job_config: JobConfig) -> None:
     section = job_config.fault_tolerance
     if not section.enable:
         return
-    problem = torchft_missing() or lighthouse_problem(section.process_group_timeout_ms / 1000)
+    problem = (
+        torchft_missing() or backend_problem(section) or lighthouse_problem(section.process_group_timeout_ms / 1000)
+    )
     if problem is not None:
         raise ConfigError(problem)
 
 
-def join_replica_groups(job_config: JobConfig, plan: RunPlan, device, states: dict[str, Stateful]):
+def join_replica_groups(job_config: JobConfig, plan: RunPlan, states: dict[str, Stateful]) -> ReplicaGroups | None:
     """This group's ReplicaGroups (None without fault tolerance), added to ``states`` as the
     checkpoint part "fault_tolerance". A healing peer receives every state but the data
     position, which follows from the step."""
@@ -31,7 +33,6 @@ def join_replica_groups(job_config: JobConfig, plan: RunPlan, device, states: di
     healed = {name: state for name, state in states.items() if name != "dataloader"}
     replicas = ReplicaGroups(
         job_config.fault_tolerance,
-        device,
         send_states=lambda: local_states(healed),
         receive_states=lambda sent: load_local_states(healed, sent),
         windows_per_group_step=plan.group_batch_size,

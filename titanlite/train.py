@@ -137,7 +137,7 @@ class Trainer(Stateful):
         }
         if self.ema is not None:
             states["ema"] = self.ema
-        self.replicas = join_replica_groups(job_config, self.plan, self.device, states)
+        self.replicas = join_replica_groups(job_config, self.plan, states)
         self.checkpointer = CheckpointManager(
             states,
             job_config.checkpoint,

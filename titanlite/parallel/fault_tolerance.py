@@ -75,6 +75,13 @@ def _one_line(record: logging.LogRecord) -> bool:
     return True
 
 
+def backend_problem(section: FaultTolerance) -> str | None:
+    """Why the process group across groups cannot run here (NCCL without CUDA), or None."""
+    if section.process_group == "nccl" and not torch.cuda.is_available():
+        return "fault_tolerance.process_group = 'nccl' needs CUDA GPUs; use 'gloo' on this machine"
+    return None
+
+
 def lighthouse_problem(timeout_seconds: float) -> str | None:
     """Why the lighthouse named by TORCHFT_LIGHTHOUSE cannot be reached, or None."""
     address = os.environ.get(LIGHTHOUSE_ENV)
@@ -96,7 +103,7 @@ def lighthouse_problem(timeout_seconds: float) -> str | None:
     except OSError as error:
         return (
             f"the lighthouse at {address} ({LIGHTHOUSE_ENV}) does not answer: {error.strerror or error}; "
-            "start it first (torchft_lighthouse --min_replicas 1 --bind [::]:PORT)"
+            "start it with torchft_lighthouse --min_replicas 1 --bind [::]:PORT"
         )
 
 
@@ -111,7 +118,6 @@ class ReplicaGroups(Stateful):
     def __init__(
         self,
         section: FaultTolerance,
-        device: torch.device,
         send_states: Callable[[], dict],
         receive_states: Callable[[dict], None],
         windows_per_group_step: int,

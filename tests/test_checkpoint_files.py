@@ -122,13 +122,16 @@ def _train_on_ranks(args: list[str]) -> dict:
     return result
 
 
-def _manager(dump: Path, **options) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
+def _manager(
+    dump: Path, shared_by_groups: bool = False, **options
+) -> tuple[CheckpointManager, torch.nn.Linear, StepCounter]:
     """A manager over a small Linear "model" and a step counter, as a trainer would build it."""
     model, train_state = torch.nn.Linear(4, 3), StepCounter()
     manager = CheckpointManager(
         {"model": ModelState(model, ModelDescription("linear", "4x3", NoArgs())), "train_state": train_state},
         Checkpoint(enable=True, **options),
         str(dump),
+        shared_by_groups=shared_by_groups,
     )
     return manager, model, train_state
 
@@ -330,6 +333,22 @@ def test_partial_and_foreign_folders_are_never_loaded(tmp_path):
     assert resumed_state.step == 5
     assert torch.equal(resumed_model.weight, saved_weight)
     resumed.close()
+
+
+def test_groups_sharing_the_folder_leave_a_newer_partial_save_alone(tmp_path):
+    """Fault-tolerant replica groups write to one folder in turn. A group starting up must not
+    remove a partial folder, which may be another group's save in progress; a save of step N
+    removes what a dead saver left of older steps only."""
+    folder = tmp_path / "checkpoint"
+    older, newer = folder / ".step-3.partial", folder / ".step-9.partial"
+    for partial in (older, newer):
+        partial.mkdir(parents=True)
+        (partial / "__0_0.distcp").write_bytes(b"\0" * 100)
+    manager, model, train_state = _manager(tmp_path, shared_by_groups=True, interval=5)
+    assert older.exists() and newer.exists()  # start-up removed nothing
+    _train_with_manager(manager, model, train_state, steps=5)
+    assert not older.exists() and newer.exists()
+    assert list(complete_steps(folder)) == [5]
 
 
 # --- 3. keep_latest_k ------------------------------------------------------------------

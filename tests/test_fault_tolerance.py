@@ -33,7 +33,7 @@ from titanlite.metrics import tags
 # What every rank runs: the trainer, plus two test hooks inside the process (production code
 # has none): FT_TEST_PAUSE seconds of sleep at each quorum, so that a restart overlaps training,
 # and FT_TEST_DUMP, a folder that receives this rank's states (as sent to a healing peer)
-# whenever its group heals or sees the quorum grow.
+# whenever its group heals or sees the quorum grow, and the data position at every step.
 LAUNCHER = """
 import os, sys, time, torch
 from titanlite import train
@@ -50,6 +50,14 @@ def start_step_and_dump(self, step):
         torch.save(self.states_for_peer(), os.path.join(dump, name))
     return healed
 ReplicaGroups.start_step = start_step_and_dump
+train_step = train.Trainer.train_step
+def train_step_and_record_the_data_position(self):
+    if dump:
+        name = f"positions-g{self.job_config.fault_tolerance.replica_id}-r{os.environ.get('RANK', '0')}.txt"
+        with open(os.path.join(dump, name), "a") as record:
+            record.write(f"{self.step} {self.loader.windows_consumed}\\n")
+    return train_step(self)
+train.Trainer.train_step = train_step_and_record_the_data_position
 exit_process(train.main(sys.argv[1:]))
 """
 
@@ -279,6 +287,16 @@ def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_pat
         theirs = torch.load(dumps / f"g1-r{rank}-step{first_shared}.pt", weights_only=False)
         assert {"model", "optimizer", "ema", "train_state"} <= set(ours)
         _states_equal(ours, theirs)
+
+    # The data position is the step's, in both groups, the healed one from its first step on.
+    for positions in dumps.glob("positions-*.txt"):
+        seen = [tuple(map(int, line.split())) for line in positions.read_text().splitlines()]
+        assert seen and all(windows == 8 * step for step, windows in seen), (positions.name, seen)
+    first_after_heal = dumps / "positions-g1-r0.txt"
+    assert any(
+        step == first_shared
+        for step, _ in (map(int, line.split()) for line in first_after_heal.read_text().splitlines())
+    )
 
     records = metrics_of(tmp_path / "dump", 0)
     alone = [step for step, record in records.items() if record[tags.FT_GROUPS] == 1]

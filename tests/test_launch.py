@@ -387,7 +387,7 @@ def test_run_train_starts_a_lighthouse_and_one_torchrun_per_replica_group(tmp_pa
         text=True,
         timeout=300,
         env={**env, "PATH": f"{bin_dir}{os.pathsep}{env['PATH']}", "RECORD": str(record), "NGPU": "2"}
-        | {"FT_GROUPS": "2", "FT_LIGHTHOUSE_PORT": "0"},
+        | {"FT_GROUPS": "2", "FT_LIGHTHOUSE_PORT": "0", "TMPDIR": str(tmp_path)},  # the lighthouse's log
     )
     assert result.returncode == 0, result.stdout + result.stderr
     address = re.search(r"torchft lighthouse at (http://localhost:(\d+))", result.stdout)

@@ -189,18 +189,6 @@ def test_resume_backwards_restarts_the_stream():
     assert torch.equal(loader.next_batch()[0], first)
 
 
-def test_seek_reads_from_a_window_count_as_a_loader_that_got_there():
-    """Fault tolerance's healed group: the data position is set from the step alone, forward
-    or back, without a saved state (a raw stream tokenizes its way there from the start)."""
-    walked = make_loader(local_batch_size=2, dp_rank=1, dp_degree=2)
-    batches = [walked.next_batch()[0] for _ in range(5)]
-    seeking = make_loader(local_batch_size=2, dp_rank=1, dp_degree=2)
-    seeking.seek(3 * 4)  # 3 steps of 2 ranks x 2 windows
-    assert torch.equal(seeking.next_batch()[0], batches[3])
-    seeking.seek(4)
-    assert torch.equal(seeking.next_batch()[0], batches[1]) and seeking.windows_consumed == 8
-
-
 @pytest.mark.parametrize("new_degree,new_batch", [(2, 2), (1, 4)])
 def test_resume_at_another_dp_degree_gives_the_same_global_windows(new_degree, new_batch):
     saved_layout = [make_loader(local_batch_size=1, dp_rank=rank, dp_degree=4) for rank in range(4)]

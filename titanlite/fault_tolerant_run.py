@@ -26,19 +26,19 @@ def check_fault_tolerance_run(job_config: JobConfig) -> None:
 
 def join_replica_groups(job_config: JobConfig, plan: RunPlan, states: dict[str, Stateful]) -> ReplicaGroups | None:
     """This group's ReplicaGroups (None without fault tolerance), added to ``states`` as the
-    checkpoint part "fault_tolerance". A healing peer receives every state but the data
-    position, which follows from the step."""
+    checkpoint part "fault_tolerance". A healing peer receives every state, the data loader's
+    too: its position is the step's, and a raw stream's document cursor comes with it, so the
+    healed group never tokenizes its way there from the start."""
     if not job_config.fault_tolerance.enable:
         return None
-    healed = {name: state for name, state in states.items() if name != "dataloader"}
     replicas = ReplicaGroups(
         job_config.fault_tolerance,
-        send_states=lambda: local_states(healed),
-        receive_states=lambda sent: load_local_states(healed, sent),
+        send_states=lambda: local_states(states),
+        receive_states=lambda sent: load_local_states(states, sent),
         windows_per_group_step=plan.group_batch_size,
         quorum_timeout_seconds=job_config.comm.train_timeout_seconds,
     )
-    states["fault_tolerance"] = healed["fault_tolerance"] = replicas
+    states["fault_tolerance"] = replicas
     return replicas
 
 

@@ -153,7 +153,6 @@ class Trainer(Stateful):
         loaded = [] if healed else self.checkpointer.load()
         if self.replicas is not None:
             self.replicas.resume_at(self.step)
-            self.loader.seek(self.step * self.plan.global_batch_size)  # the data position follows the step
         if not loaded and not healed and job_config.checkpoint.initial_load_in_hf:
             adapter, group = model_spec.state_dict_adapter, self.checkpointer.process_group
             seed_weights_from_hf(job_config, self.plan, model, adapter, group)
@@ -192,8 +191,8 @@ class Trainer(Stateful):
         None when the replica groups did not commit the step (it is then tried again).
         """
         training, dims = self.job_config.training, self.plan.parallel_dims
-        if self.replicas is not None and self.replicas.start_step(self.step):  # healed: a peer's step
-            self.loader.seek(self.step * self.plan.global_batch_size)
+        if self.replicas is not None:
+            self.replicas.start_step(self.step)  # after a heal, every state (data position too) is a peer's
         data_mark = self.loader.state_dict() if self.replicas is not None else None
         loss_share = torch.zeros((), device=self.device)
         self.phase_memory.start_step()

@@ -41,10 +41,8 @@ def _locals(value):
 def _fill(own, sent, where: str):
     """``own`` with its tensors overwritten in place by ``sent``'s and its other values replaced."""
     if isinstance(own, dict) and isinstance(sent, dict):
-        if set(own) != set(sent):
-            if own:  # a fresh optimizer's state is empty until its first step: take the peer's whole
-                raise ValueError(f"{where}: the peer's keys differ from this rank's: {sorted(set(own) ^ set(sent))}")
-            return sent
+        if set(own) != set(sent):  # (a fresh optimizer's state_dict() already holds every moment)
+            raise ValueError(f"{where}: the peer's keys differ from this rank's: {sorted(set(own) ^ set(sent))}")
         return {key: _fill(own[key], sent[key], f"{where}.{key}") for key in own}
     if isinstance(own, (list, tuple)) and isinstance(sent, (list, tuple)) and len(own) == len(sent):
         return type(own)(_fill(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(own, sent, strict=True)))

@@ -204,15 +204,6 @@ class DataLoader:
             self._reader.stop()
             self._reader = None
 
-    def seek(self, windows_consumed: int) -> None:
-        """Go to a position of the group's window order (fault tolerance derives it from the
-        step). A raw stream tokenizes its way there from the start; prepared data seeks in
-        constant time."""
-        self.close()
-        self.windows_consumed = windows_consumed
-        self._cursor = START
-        self.windows.restore(self._cursor)
-
     # --- Stateful --------------------------------------------------------------------------
 
     def state_dict(self) -> dict:

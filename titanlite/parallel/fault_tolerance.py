@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
@@ -210,24 +211,17 @@ class ReplicaGroups(Stateful):
                 return healed
             time.sleep(0.2)
 
-    def average(self, tensors: list[torch.Tensor]) -> None:
-        """Average ``tensors`` (gradients, DTensors or not, and this rank's loss share) over
-        the groups in the quorum, in place. A failure is recorded by torchft and makes
-        ``commit`` say no; the tensors are then garbage and the step is thrown away."""
+    def all_reduce(self, tensors: list[torch.Tensor], op: ReduceOp.RedOpType) -> None:
+        """Reduce ``tensors`` (DTensors or not: their local shards) over the groups in the
+        quorum, in place, in flat buckets; ReduceOp.AVG divides by the groups taking part. A
+        failure is recorded by torchft and makes ``commit`` say no; the tensors are then
+        garbage and the step is thrown away."""
         locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         for bucket in _buckets(locals_):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            self.manager.allreduce(flat).wait()
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
-
-    def sum(self, tensor: torch.Tensor) -> None:
-        """Sum ``tensor`` (an integer count) over the groups in the quorum, in place."""
-        from torch.distributed import ReduceOp
-
-        self.manager.allreduce(tensor, reduce_op=ReduceOp.SUM).wait()
+            self.manager.allreduce(flat, reduce_op=op).wait()
+            parts = flat.split([t.numel() for t in bucket])
+            torch._foreach_copy_(bucket, [part.view_as(t) for part, t in zip(parts, bucket, strict=True)])
 
     def average_and_commit(self, params, loss_share: torch.Tensor, counts: list[torch.Tensor]) -> bool:
         """Average the parameters' gradients and this rank's loss share, and sum the routed
@@ -237,9 +231,8 @@ class ReplicaGroups(Stateful):
             if param.grad is None:  # every group must send the same tensors
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
-        self.average([*grads, loss_share])
-        for count in counts:
-            self.sum(count)
+        self.all_reduce([*grads, loss_share], ReduceOp.AVG)
+        self.all_reduce(counts, ReduceOp.SUM)
         return self.commit()
 
     def commit(self) -> bool:

@@ -2,7 +2,7 @@
 
     python benchmarks/convert.py                          # about 1.2 GB of float32 weights
     python benchmarks/convert.py --size-gb 2 --max-shard-size 500MB --folder /some/disk
-    python benchmarks/convert.py --quick                  # a smoke run: 0.31 GB, one turn
+    python benchmarks/convert.py --quick                  # a smoke run: a few MB, one turn
 
 The script builds a Llama 3 shaped model (dim 1024, 16 heads, vocabulary 32000, as many
 blocks as it takes to reach `--size-gb` GB of float32 weights) and saves it
@@ -66,6 +66,9 @@ import time
 from pathlib import Path
 
 DIM, N_HEADS, VOCAB = 1024, 16, 32000
+# --quick's model: a few MB, enough to run every line (its timings mean nothing anyway).
+QUICK_SIZE_GB = 0.02
+QUICK_DIM, QUICK_N_HEADS, QUICK_VOCAB = 256, 4, 4096
 THROUGHPUT_TARGET = 0.7
 RSS_TARGET = 1.5
 READER_SPEEDUP_TARGET = 1.5  # the hand-written reader must be this much faster than DCP's
@@ -265,9 +268,10 @@ FSDP_RANKS = 2  # the checkpoint is written as a run on this many FSDP ranks wri
 def _model_args(size_gb: float):
     from titanlite.models.llama import LlamaArgs
 
-    base = LlamaArgs(dim=DIM, n_layers=1, n_heads=N_HEADS, vocab_size=VOCAB, multiple_of=256, rope_theta=500000.0)
-    per_block = 4 * DIM * DIM + 3 * DIM * base.ffn_hidden_dim + 2 * DIM
-    outside = 2 * VOCAB * DIM + DIM
+    dim, n_heads, vocab = (QUICK_DIM, QUICK_N_HEADS, QUICK_VOCAB) if size_gb <= QUICK_SIZE_GB else (DIM, N_HEADS, VOCAB)
+    base = LlamaArgs(dim=dim, n_layers=1, n_heads=n_heads, vocab_size=vocab, multiple_of=256, rope_theta=500000.0)
+    per_block = 4 * dim * dim + 3 * dim * base.ffn_hidden_dim + 2 * dim
+    outside = 2 * vocab * dim + dim
     n_layers = max(1, -(-(int(size_gb * 1e9) // 4 - outside) // per_block))
     return dataclasses.replace(base, n_layers=n_layers)
 
@@ -306,7 +310,14 @@ def _save_as_fsdp_rank(rank: int, step_dir: str, size_gb: float, store_path: str
     save_seconds = time.perf_counter() - start
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        report = {"params": params, "n_layers": args.n_layers, "weight_bytes": params * 4, "save_seconds": save_seconds}
+        report = {
+            "params": params,
+            "dim": args.dim,
+            "vocab_size": args.vocab_size,
+            "n_layers": args.n_layers,
+            "weight_bytes": params * 4,
+            "save_seconds": save_seconds,
+        }
         Path(report_path).write_text(json.dumps(report))
     # As train.py's ranks end: an interpreter teardown racing gloo's threads can abort the
     # process (SIGABRT) after a successful save, failing the whole benchmark at random.
@@ -386,11 +397,11 @@ def main() -> int:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smoke run: the smallest model (0.31 GB), 10MB shards, one turn (timings mean nothing)",
+        help="a smoke run: a model of a few MB (dim 256), 1MB shards, one turn (timings mean nothing)",
     )
     args = parser.parse_args()
     if args.quick:
-        args.size_gb, args.max_shard_size, args.repeats = 0.05, "10MB", 1
+        args.size_gb, args.max_shard_size, args.repeats = QUICK_SIZE_GB, "1MB", 1
     elif args.size_gb < 1:
         parser.error("--size-gb must be at least 1 (below that the fixed costs dominate); --quick for a smoke run")
     if args.repeats < 1:
@@ -418,8 +429,8 @@ def main() -> int:
 
     first = reports["ours"][0]
     print(
-        f"HF export: llama3 {built['params'] / 1e6:.1f} M params (dim {DIM}, {built['n_layers']} blocks, "
-        f"vocabulary {VOCAB}), float32 in and out, --max-shard-size {args.max_shard_size}; "
+        f"HF export: llama3 {built['params'] / 1e6:.1f} M params (dim {built['dim']}, {built['n_layers']} blocks, "
+        f"vocabulary {built['vocab_size']}), float32 in and out, --max-shard-size {args.max_shard_size}; "
         f"checkpoint written by {FSDP_RANKS} FSDP ranks in {built['save_seconds']:.1f} s"
     )
     print(

@@ -16,9 +16,11 @@ from tests.helpers import TinyRun, save_hf_llama, train_tiny
 
 # Rank processes (tests/multiprocess.py) and script runs (tests/forked_scripts.py) fork from
 # multiprocessing's fork server, which imports these once per test process instead of once
-# per child. The server never runs a parallel kernel, so no OpenMP thread pool is forked
-# half-alive.
-multiprocessing.set_forkserver_preload(["titanlite.train", "tests.multiprocess", "tests.forked_scripts"])
+# per child, and does the compiler's start-up once (tests/compile_preload.py). The server never
+# runs a parallel kernel, so no OpenMP thread pool is forked half-alive.
+multiprocessing.set_forkserver_preload(
+    ["titanlite.train", "tests.multiprocess", "tests.forked_scripts", "tests.compile_preload"]
+)
 
 # The modules that take longest (half a minute or more of a worker each, measured as the
 # comment says), run first: run_tests.sh's `--dist loadfile` hands modules to

@@ -69,10 +69,12 @@ def batch(world_dp: int) -> list[str]:
     return [f"--training.local_batch_size={GLOBAL_BATCH // world_dp}"]
 
 
-# Each layout's hyper-parameters are test_parity's (and test_checkpoint_resume's, whose runs
-# below train the same way): EP 2 x TP 2 is checked by the resharding job's uninterrupted run.
+# Each layout's hyper-parameters are test_parity's (test_checkpoint_resume's runs below train
+# the same way, for their own number of steps).
 LAYOUTS = {
     "ep2_fsdp2": (4, [*batch(4), *EP2]),
+    # Sequence parallel on: each TP rank routes its own slice of the sequence.
+    "ep2_tp2": (4, [*batch(2), *EP2, *TP2]),
     # The all-to-alls run again in the backward, on every rank alike.
     "ep2_full_ac_for_loop": (
         2,
@@ -167,8 +169,7 @@ def train_bf16_counting_expert_gemms(extra_args: list[str]) -> dict:
 
 # --- checkpoints reshard between EP 2 x TP 2, FSDP 4 and EP 2 x FSDP 2 ---------------------
 
-# Sequence parallel is on by default: each TP rank routes its own slice of the sequence.
-EP2_TP2 = [*batch(2), *EP2, "--parallelism.tensor_parallel_degree=2"]
+EP2_TP2 = LAYOUTS["ep2_tp2"][1]
 EP2_FSDP2, FSDP4 = [*batch(4), *EP2], batch(4)
 BACK_AT = 6  # the step of the FSDP 4 checkpoint that goes on to EP 2 x FSDP 2
 
@@ -298,13 +299,9 @@ def test_the_moe_reference_learns(runs):
     assert reference["loss"][-1] < reference["loss"][0] - 0.1
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "ep2_tp2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_expert_parallel_training_matches_one_process(runs, layout):
-    if layout == "ep2_tp2":  # the resharding job's uninterrupted run
-        rank_runs = [{**out[layout], "params": out[layout]["weights"]} for out in runs["reshard"]]
-    else:
-        rank_runs = runs[f"layout {layout}"]
-    for rank_run in rank_runs:
+    for rank_run in runs[f"layout {layout}"]:
         assert_same_training(rank_run, runs["reference"][0], rtol=1e-5)
 
 

@@ -29,6 +29,7 @@ from tests.test_parity import (
     NO_SP,
     REFERENCE,
     SELECTIVE_OP,
+    STEPS,
     TP2,
     assert_same_training,
     train_and_report,
@@ -421,7 +422,7 @@ def test_load_balancing_matches_single_process(runs, layout):
     gate = "layers.0.feed_forward.gate.weight"
     assert (reference["params"][gate] - runs["reference"][0]["params"][gate]).abs().max() > 1e-4
     ours, theirs = runs[f"balanced {layout}"][0]["metrics"], reference["metrics"]
-    assert len(ours) == len(theirs) == 8
+    assert len(ours) == len(theirs) == STEPS
     moe_tags = [tags.MOE_MAX_LOAD, tags.MOE_AUX_LOSS] + [tags.moe_layer_load(block) for block in range(3)]
     for step, (mine, expected) in enumerate(zip(ours, theirs, strict=True), start=1):
         assert mine["step"] == step and 1 <= mine[tags.MOE_MAX_LOAD] <= 4  # 4 experts: at most 4x the mean
@@ -433,7 +434,7 @@ def test_the_expert_load_under_a_pipeline_is_one_process_load(runs):
     """Each stage's layers, gathered to rank 0's metrics; torch's first-step shape inference
     (an extra forward per stage) is not counted."""
     ours, theirs = runs["pp2"][0]["metrics"], runs["reference"][0]["metrics"]
-    assert len(ours) == len(theirs) == 8
+    assert len(ours) == len(theirs) == STEPS
     for mine, expected in zip(ours, theirs, strict=True):
         for tag in [tags.MOE_MAX_LOAD] + [tags.moe_layer_load(block) for block in range(3)]:
             assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
@@ -499,7 +500,7 @@ def test_router_options_and_balancing_losses_train_like_one_process(runs, layout
         for rank_run in runs[f"router {layout}"]:
             assert_same_training(rank_run, reference, rtol=1e-5)
     ours, theirs = runs[f"router {layout}"][0]["metrics"], reference["metrics"]
-    assert len(ours) == len(theirs) == 8 and tags.MOE_AUX_LOSS not in theirs[0]
+    assert len(ours) == len(theirs) == STEPS and tags.MOE_AUX_LOSS not in theirs[0]
     for mine, expected in zip(ours, theirs, strict=True):
         assert expected[tags.MOE_WORST_LOAD] == 2.0  # 4 experts, top 2
         for tag in ROUTER_TAGS:
@@ -519,7 +520,7 @@ def test_the_router_options_and_losses_change_the_training(runs):
 
 
 def test_exporting_a_router_transformers_lacks_is_refused_before_writing(runs, tmp_path, capsys):
-    step_dir = Path(runs["router dump"]) / "checkpoint" / "step-8"
+    step_dir = Path(runs["router dump"]) / "checkpoint" / f"step-{STEPS}"
     export = load_script(SCRIPTS / "convert_dcp_to_hf.py")
     capsys.readouterr()
     assert export.main([str(step_dir), str(tmp_path / "hf")]) == 2

@@ -132,14 +132,14 @@ def others_give_up(ranks, dump_folder: Path, logs: Path, limit: float) -> list[s
 
 # The checkpoint group's collectives wait for the slowest writer, so it keeps the start-up
 # timeout; long enough for start-up on a busy machine, far below PyTorch's 30 minutes.
-INIT_TIMEOUT = 30
+INIT_TIMEOUT = 15
 SAVE_HANG_ARGS = [*ARGS, "--checkpoint.enable", "--checkpoint.interval", "2"]
 SAVE_HANG_ARGS += ["--comm.init_timeout_seconds", str(INIT_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
 def stuck_jobs(tmp_path_factory):
-    """Every job of the module, started at once: each test waits out a timeout (5 s, 5 s, 30 s)
+    """Every job of the module, started at once: each test waits out a timeout (5 s, 5 s, 15 s)
     with its ranks mostly idle, so the waits overlap instead of adding up. The jobs do not
     share a process group or a folder; each test checks its own. name -> (ranks, dump, logs)."""
     jobs = {

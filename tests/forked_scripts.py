@@ -64,7 +64,7 @@ def _fork_spawned_ranks() -> None:
     interpreter's teardown, as every forked process does."""
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["titanlite.train"])
+    multiprocessing.set_forkserver_preload(["titanlite.train", "tests.gc_frozen"])
     start_processes = mp.start_processes
 
     def forked(*args, start_method: str = "spawn", **kwargs):

@@ -78,7 +78,7 @@ def raised(call, error: type, words: str) -> None:
 
 
 def main() -> None:
-    multiprocessing.set_forkserver_preload(SCRIPT_MODULES)
+    multiprocessing.set_forkserver_preload([*SCRIPT_MODULES, "tests.gc_frozen"])
     mp.start_processes = start_from_the_fork_server(mp.start_processes)
     # --- gpu_check ---------------------------------------------------------------------------
     assert printed(gpu_check.main, []) == ["no GPU: skipped"]

@@ -5,7 +5,8 @@
     python benchmarks/convert.py --quick                  # a smoke run: a few MB, one turn
 
 The script builds a Llama 3 shaped model (dim 1024, 16 heads, vocabulary 32000, as many
-blocks as it takes to reach `--size-gb` GB of float32 weights) and saves it
+blocks as it takes to reach `--size-gb` GB of float32 weights; --quick's is dim 256, 4 heads,
+vocabulary 4096, one block) and saves it
 as a titanlite DCP checkpoint `step-0` (the weights plus the "model_args" description that
 export reads) the way a run on 2 FSDP ranks writes one, which is what users export: two
 processes (a gloo group) shard it with fully_shard, fill their shards with random numbers
@@ -66,7 +67,9 @@ import time
 from pathlib import Path
 
 DIM, N_HEADS, VOCAB = 1024, 16, 32000
-# --quick's model: a few MB, enough to run every line (its timings mean nothing anyway).
+# --quick's model: a few MB, enough to run every line (its timings mean nothing anyway). Its
+# size is the only one at or below QUICK_SIZE_GB (main refuses a --size-gb under 1), so the
+# build child, which is given the size alone, knows the shape from it.
 QUICK_SIZE_GB = 0.02
 QUICK_DIM, QUICK_N_HEADS, QUICK_VOCAB = 256, 4, 4096
 THROUGHPUT_TARGET = 0.7

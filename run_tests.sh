@@ -25,4 +25,14 @@ fi
 # processes and waiting at rendezvous, so one worker leaves a core of a 2-core machine idle
 # (measured in docs/performance.md). --dist loadfile keeps a module's tests in one worker, so a
 # module's one launch of ranks (run_jobs_on_ranks) and its fixtures run once.
-exec "$PYTHON" -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+#
+# One intra-op thread per process: the two workers and their rank processes keep the cores
+# busy, so a second thread adds no speed, and its waits at OpenMP's barriers spin on a core
+# another process needs (8% of the suite's CPU, measured in docs/performance.md).
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# Only the plugins the suite uses: pytest loads every installed package's plugin by default
+# (hypothesis, anyio, pytest-benchmark where a machine has them), 1.2 s of CPU in each of the
+# 3 pytest processes here, and a plugin the suite does not know could change how it runs.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+exec "$PYTHON" -m pytest -p xdist.plugin -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

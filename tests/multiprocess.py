@@ -107,8 +107,9 @@ def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str, env
     # a spawned one did (a test's monkeypatched variables included).
     os.environ.clear()
     os.environ.update(environ)
-    # Ranks share the machine's cores; more threads than cores per rank only thrash.
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # One intra-op thread, as run_tests.sh gives every process: the suite keeps every core busy
+    # without them, and a second thread's waits at OpenMP's barriers only spin.
+    torch.set_num_threads(1)
     results = {}
     for name, job, first, port in placed:
         if not first <= rank < first + job.world_size:

@@ -1,4 +1,4 @@
-"""The debug model's first 30 steps, on one process and on FSDP over 2, against the loss
+"""The debug model's first 10 steps, on one process and on FSDP over 2, against the loss
 files committed in tests/reference_losses/ (README.md there: how they were made, how to
 regenerate them, and why the comparison is bit-exact).
 
@@ -26,7 +26,7 @@ from titanlite.train import Trainer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REFERENCE_DIR = REPO_ROOT / "tests" / "reference_losses"
-STEPS = 30
+STEPS = 10
 
 
 def _load_loss_compare():
@@ -82,8 +82,9 @@ class Reference:
 
 
 # The debug config's 8 x 128 tokens per rank cost ~16 s of CPU for 30 steps on one process and
-# twice that on 2 ranks; a global batch of 4 sequences (of the config's 128 tokens) keeps the
-# training near 21 s of CPU (docs/performance.md). Both layouts train on the same global batches.
+# twice that on 2 ranks; a global batch of 4 sequences (of the config's 128 tokens) kept the 30
+# steps near 21 s of CPU (docs/performance.md), and 10 steps a third of that. Both layouts train
+# on the same global batches.
 REFERENCES = {
     "1rank": Reference("debug_model_1rank", 1, ["--training.local_batch_size", "4"]),
     "fsdp2": Reference("debug_model_fsdp2", 2, ["--training.local_batch_size", "2"]),
@@ -205,7 +206,7 @@ def read_reference(reference: Reference) -> LossSeries:
 
 # With another torch or other CPU kernels (vector instructions, BLAS blocking) the same run
 # sums in another order. Measured (README.md): AVX2 or plain kernels instead of AVX-512 move
-# the loss by <= 1.4e-7 and the grad norm by <= 1.1e-6 (relative) over the 30 steps; another
+# the loss by <= 1.4e-7 and the grad norm by <= 1.1e-6 (relative) over 30 steps; another
 # order of the sums (FSDP's reduce-scatter instead of one process's sums) by <= 1.2e-7 and
 # <= 1.3e-6. This tolerance covers the largest of them about 8-fold; the perturbed runs below
 # show that it still catches a changed loss, initialisation or data order at step 1.

@@ -50,11 +50,11 @@ if ! (cd / && "$PYTHON" -c "import titanlite") >/dev/null 2>&1; then
     "$PYTHON" -m pip install -e "$checkout"
 fi
 
-# --help needs no processes; a run that only validates is done after the preflight.
 # This checkout's trainer, whichever titanlite pip installed (another clone's, say): its
 # folder goes first on the path of every process started below.
 export PYTHONPATH="$checkout${PYTHONPATH:+:$PYTHONPATH}"
 
+# --help needs no processes; a run that only validates is done after the preflight.
 validate_only=false
 arguments=("$@")
 for (( i = 0; i < ${#arguments[@]}; i++ )); do

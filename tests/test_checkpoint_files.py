@@ -562,7 +562,7 @@ def _stopped_torchrun_run(tmp_path: Path, *args: str) -> tuple[Path, Path, dict,
 
 def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_path):
     long_run = ["--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "1000"]
-    dump, logs, env, returncode, output, signalled_after = _stopped_torchrun_run(tmp_path, *long_run)
+    dump, logs, _, returncode, output, signalled_after = _stopped_torchrun_run(tmp_path, *long_run)
 
     # Every worker finished the step it was in, saved it, and exited 0 without a traceback.
     for rank in (0, 1):

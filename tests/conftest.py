@@ -5,7 +5,6 @@ The plain helpers behind them (tiny_args, free_port, full_weights, ...) are in
 tests/helpers.py, where rank processes can import them too.
 """
 
-import gc
 import logging
 import multiprocessing
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.gc_frozen import freeze_what_is_loaded
 from tests.helpers import TinyRun, save_hf_llama, train_tiny
 
 # Rank processes (tests/multiprocess.py) and script runs (tests/forked_scripts.py) fork from
@@ -59,9 +59,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Everything the test modules imported stays for the whole session: the garbage
     collector need not walk it again (about 400,000 objects, 0.2 s a full collection, which the
-    memory estimator's simulations run once each)."""
-    gc.collect()
-    gc.freeze()
+    memory estimator's simulations run once each). The fork servers do the same on import."""
+    freeze_what_is_loaded()
 
 
 @pytest.fixture(scope="session")

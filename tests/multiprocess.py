@@ -102,7 +102,7 @@ def _log_job_time(name: str, job_rank: int, seconds: float, cpu_seconds: float) 
 # (about 2.5 s of CPU each, a third of the suite's CPU time over its few hundred ranks).
 
 
-def _worker(rank: int, world_size: int, placed: list[_Placed], out_dir: str, environ: dict) -> None:
+def _worker(rank: int, placed: list[_Placed], out_dir: str, environ: dict) -> None:
     # A forked rank has the fork server's environment; a rank sees the launching test's, as
     # a spawned one did (a test's monkeypatched variables included).
     os.environ.clear()
@@ -148,7 +148,7 @@ def run_jobs_on_ranks(world_size: int, jobs: dict[str, Job]) -> dict[str, list]:
     does (a job on every rank waits for everything before it)."""
     placed = _place(world_size, jobs)
     with tempfile.TemporaryDirectory() as out_dir:
-        worker_args = (world_size, placed, out_dir, dict(os.environ))
+        worker_args = (placed, out_dir, dict(os.environ))
         mp.start_processes(_worker, args=worker_args, nprocs=world_size, start_method="forkserver")
         per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
     return {

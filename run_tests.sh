@@ -37,4 +37,13 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 # (hypothesis, anyio, pytest-benchmark where a machine has them), 1.2 s of CPU in each of the
 # 3 pytest processes here, and a plugin the suite does not know could change how it runs.
 export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+
+# No DNS: the suite needs no network, but c10d asks the resolver for a name for both ends of
+# every socket it opens (only to log them). Where the resolver drops a query now and then (on
+# the CI machine 2 in 100 reverse lookups of ::ffff:127.0.0.1 wait out its 5 s timeout), each
+# drop holds a process-group start for 5 s, and the suite starts several hundred. With no
+# attempts every lookup fails at once; c10d then logs one warning a process, "The hostname of
+# the client socket cannot be retrieved", and uses numeric addresses (docs/performance.md).
+# Set after the install above, which may need the package index.
+export RES_OPTIONS="${RES_OPTIONS:-attempts:0}"
 exec "$PYTHON" -m pytest -p xdist.plugin -n "${TEST_WORKERS:-2}" --dist loadfile "$@"

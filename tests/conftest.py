@@ -24,28 +24,34 @@ multiprocessing.set_forkserver_preload(
     ["titanlite.train", "tests.multiprocess", "tests.forked_scripts", "tests.compile_warmup", "tests.gc_frozen"]
 )
 
-# The modules that take longest (half a minute or more of a worker each, measured as the
-# comment says), run first: run_tests.sh's `--dist loadfile` hands modules to
-# its workers in collection order, so a long module collected last (alphabetically) would run
-# alone at the end while the other worker idles. Longest first keeps both busy to the end.
-# The figures are of a run beside other work (load 5 to 6 on the 2 cores): read their order.
-LONGEST_FIRST = (  # the suite at b69e87e (./run_tests.sh --junitxml): seconds per module
-    "test_expert_parallel_training.py",  # 142
-    "test_parity.py",  # 135
-    "test_qwen3_moe.py",  # 113
-    "test_benchmarks_smoke.py",  # 110
-    "test_checkpoint_files.py",  # 69
-    "test_checkpoint_resume.py",  # 66
-    "test_pipeline_parity.py",  # 65
-    "test_estimate_memory.py",  # 63
-    "test_launch.py",  # 60
-    "test_estimate_cli.py",  # 54
-    "test_reference_losses.py",  # 49
-    "test_tp_checkpoint.py",  # 48
-    "test_stuck_rank.py",  # 40
-    "test_kill_resume.py",  # 40
-    "test_loss_compare.py",  # 37
-    "test_fault_tolerance.py",  # 30 (idle machine, added after that run)
+# The modules that take longest (a quarter of a minute or more of a worker each, measured as the
+# comment says), run first: run_tests.sh's `--dist loadfile` hands modules to its workers in
+# collection order, so a long module collected last (alphabetically) would run alone at the end
+# while the other worker idles (test_gpu_check did: 30 s, with one core idle for 25 s of it).
+# Longest first keeps both busy to the end. The figures are of a whole suite's run: read their order.
+LONGEST_FIRST = (  # the suite at 1553717 (./run_tests.sh -v --durations=0): seconds per module
+    "test_expert_parallel_training.py",  # 114
+    "test_benchmarks_smoke.py",  # 96
+    "test_qwen3_moe.py",  # 82
+    "test_parity.py",  # 82
+    "test_launch.py",  # 62
+    "test_pipeline_parity.py",  # 59
+    "test_kill_resume.py",  # 55
+    "test_estimate_cli.py",  # 51
+    "test_estimate_memory.py",  # 49
+    "test_checkpoint_resume.py",  # 47
+    "test_checkpoint_files.py",  # 37
+    "test_loss_compare.py",  # 36
+    "test_tp_checkpoint.py",  # 36
+    "test_fault_tolerance.py",  # 35
+    "test_gpu_check.py",  # 30
+    "test_pipeline_checkpoint.py",  # 20
+    "test_data_prepared.py",  # 18
+    "test_reference_losses.py",  # 17
+    "test_estimate_gpu_peaks.py",  # 17
+    "test_stuck_rank.py",  # 16
+    "test_hf_seed.py",  # 14
+    "test_estimate_moe.py",  # 14
 )
 
 

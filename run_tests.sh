@@ -46,4 +46,7 @@ export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 # the client socket cannot be retrieved", and uses numeric addresses (docs/performance.md).
 # Set after the install above, which may need the package index.
 export RES_OPTIONS="${RES_OPTIONS:-attempts:0}"
-exec "$PYTHON" -m pytest -p xdist.plugin -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+# --no-loadscope-reorder: the workers take modules in collection order (tests/conftest.py puts
+# the longest first); by default pytest-xdist queues them by their number of tests instead, and
+# a 30 s module of 3 tests ran last, alone, with the other core idle (docs/performance.md).
+exec "$PYTHON" -m pytest -p xdist.plugin -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"

@@ -25,9 +25,10 @@ multiprocessing.set_forkserver_preload(
 )
 
 # The modules that take longest (a quarter of a minute or more of a worker each, measured as the
-# comment says), run first: run_tests.sh's `--dist loadfile` hands modules to its workers in
-# collection order, so a long module collected last (alphabetically) would run alone at the end
-# while the other worker idles (test_gpu_check did: 30 s, with one core idle for 25 s of it).
+# comment says), run first: run_tests.sh's `--dist loadfile --no-loadscope-reorder` hands
+# modules to its workers in collection order (without that flag pytest-xdist orders them by their
+# number of tests and this list does nothing), so a long module collected last would run alone at
+# the end while the other worker idles (test_gpu_check did: 30 s, one core idle for 25 s of it).
 # Longest first keeps both busy to the end. The figures are of a whole suite's run: read their order.
 LONGEST_FIRST = (  # the suite at 1553717 (./run_tests.sh -v --durations=0): seconds per module
     "test_expert_parallel_training.py",  # 114

@@ -7,12 +7,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PYTHON="${PYTHON:-python3}"
 
-# Checked from / so that the checkout itself (the current folder) does not count as installed.
-# Found, not imported: importing them all took 6 s before the suite could start.
-# pyproject.toml pins torch, so this install cannot replace the torch build already present.
-needed="pytest xdist tokenizers transformers coverage matplotlib torchao torchft titanlite"
-if ! (cd / && "$PYTHON" -c "import importlib.util, sys; sys.exit(any(importlib.util.find_spec(name) is None for name in sys.argv[1:]))" $needed) >/dev/null 2>&1; then
-    echo "run_tests.sh: installing titanlite with its test extras (pip install -e \".[test]\")"
+# The test extras are installed when anything pyproject.toml asks for is missing or older
+# (tests/requirements_met.py names it). Run from /, so that the checkout itself does not count as
+# installed. pyproject.toml pins torch to a version, not a build: pip keeps a CPU or CUDA build of it.
+root="$PWD"
+if ! unmet="$(cd / && "$PYTHON" "$root/tests/requirements_met.py" "$root/pyproject.toml" 2>/dev/null)"; then
+    echo "run_tests.sh: installing titanlite with its test extras (pip install -e \".[test]\"): ${unmet:-tests/requirements_met.py could not run}"
     "$PYTHON" -m pip install -e ".[test]"
 fi
 

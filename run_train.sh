@@ -101,8 +101,11 @@ fi
 
 # Preflight in one process: a config mistake prints one line here, instead of one
 # failure per rank followed by torchrun's long report.
+# Without GPUs the ranks train on this host, so its memory is the one to check.
+cpu_flags=()
+if (( gpu_count == 0 )); then cpu_flags=(--job.validate_hardware cpu); fi
 status=0
-WORLD_SIZE="$group_ranks" "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" "$@" \
+WORLD_SIZE="$group_ranks" "$PYTHON" -m titanlite.train --job.config_file "$CONFIG_FILE" ${cpu_flags[@]+"${cpu_flags[@]}"} "$@" \
     ${ft_flags[@]+"${ft_flags[@]}"} ${ft_flags[@]+--fault_tolerance.replica_id "${FT_GROUP:-0}"} \
     --job.validate_only || status=$?
 if (( status != 0 )) || [[ "$validate_only" == [Tt][Rr][Uu][Ee] ]]; then

@@ -258,12 +258,15 @@ CASES = [
          r"model\.converters = \['float8'\] needs a CUDA GPU of compute capability 8\.9 or newer .*; found no CUDA GPU \(the CPU\): set quantize\.linear\.float8\.emulate = true",
          env={"CUDA_VISIBLE_DEVICES": ""}),
     # A rank that surely cannot fit: said before any process group or tensor exists.
-    Case("batch_beyond_memory", ["--job.validate_only", "--training.local_batch_size", "99999999999999999999999"],
+    Case("batch_beyond_memory", ["--job.validate_only", "--job.validate_hardware", "cpu", "--training.local_batch_size", "99999999999999999999999"],
          r"training\.local_batch_size 99999999999999999999999 \(x seq_len \d+\): one rank needs at least .* GiB "
          r"\(weights and Adam state .*, logits .*\), more than the host's memory / 1 rank\(s\) on this node holds"),
+    # On a host without a GPU, validate_only checks the GPU the config is for (h100 unless set).
     Case("model_beyond_memory", ["--job.validate_only", "--model.flavor", "405B"],
-         r"model llama3 405B on 2 shard\(s\): one rank needs at least [\d,.]+ GiB .*; shard over more ranks",
-         env={"WORLD_SIZE": "2"}),
+         r"model llama3 405B on 2 shard\(s\): one rank needs at least [\d,.]+ GiB .*, more than the h100 of "
+         r"job\.validate_hardware holds \(80\.0 GiB\); shard over more ranks", env={"WORLD_SIZE": "2", "CUDA_VISIBLE_DEVICES": ""}),
+    Case("validate_hardware_unknown", ["--job.validate_only", "--job.validate_hardware", "h1000"],
+         r"job\.validate_hardware 'h1000' is not known \(choose from h100, .*, cpu\); did you mean 'h100'\?"),
     # Data and tokenizer.
     Case("text_dataset_without_path", ["--training.dataset", "text"], r"training\.dataset_path must be set when training\.dataset is 'text'"),
     Case("dataset_path_missing", ["--training.dataset", "text", "--training.dataset_path", f"{T}/corpus"],

@@ -4,14 +4,16 @@ trainer's floor under TP, and "does not fit" as an answer."""
 
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from tests.helpers import TINY
+from tests.helpers import TINY, tiny_args
 from tests.multiprocess import Job, run_jobs_in_fewest_launches
+from titanlite import train
 from titanlite.config import ConfigError, parse_args
 from titanlite.estimate import (
     EstimateError,
@@ -344,3 +346,24 @@ def test_floor_under_context_parallelism_is_a_cp_rank_s(monkeypatch):
     assert cp_floor["logits"] == 131072 // 4 * plan.model_args.vocab_size * (2 + 4)  # bf16 logits, fp32 loss
     with pytest.raises(ConfigError, match=r"model llama3 8B on 8 shard\(s\)"):  # dp_shard 2 x cp 4
         check_memory_floor(parse_args(short + cp), plan_run(parse_args(short + cp), 8))
+
+
+def test_validate_only_without_a_gpu_checks_the_gpu_the_config_is_for(monkeypatch, capsys, tmp_path):
+    """On a host without a GPU (a login node) validate_only compares the floor with the GPU of
+    job.validate_hardware: Llama 3 8B in float32 on one rank needs about 90 GiB, which a b200
+    (180 GiB) holds and the default h100 (80 GiB) does not."""
+    for name in ("RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(tmp_path)  # job.dump_folder "./outputs" holds no other run's checkpoint
+    argv = [*tiny_args({"model.flavor": "8B"}), "--job.validate_only"]
+    assert train.main([*argv, "--job.validate_hardware", "b200"]) == 0
+    ok_line = capsys.readouterr().out.splitlines()[-1]
+    assert re.search(
+        r", memory floor (8\d|9\d)\.\d GiB a rank, within 180\.0 GiB: the b200 of job\.validate_hardware$", ok_line
+    )
+    assert train.main(argv) == 2
+    error = capsys.readouterr().err
+    assert "model llama3 8B on 1 shard(s): one rank needs at least " in error
+    assert "more than the h100 of job.validate_hardware holds (80.0 GiB)" in error

@@ -13,7 +13,7 @@ import torch
 from titanlite import train
 from titanlite.config import parse_args
 from titanlite.config.model import MOE_KEYS
-from titanlite.estimate import floor
+from titanlite.estimate import check_memory_floor, floor
 from titanlite.models.attention import attend
 from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
 from titanlite.models.llama.model import apply_rope, rope_frequencies, rope_tables
@@ -116,9 +116,9 @@ def launch_of(path: Path) -> Launch:
 # `or [None]`: an empty folder must fail below, not turn into a skipped parametrization.
 @pytest.mark.parametrize("path", TRAIN_CONFIGS or [None], ids=[p.name for p in TRAIN_CONFIGS] or ["empty"])
 def test_train_config_validates_at_its_own_gpu_count(path, monkeypatch, capsys, tmp_path):
-    """Every shipped config passes the real --job.validate_only (layout, memory floor of an
-    80 GiB GPU or of this host, tokenizer, data) at the world size its launch command starts,
-    and plans the flavor's model and the batch it says."""
+    """Every shipped config passes the real --job.validate_only (layout, memory floor of the GPU
+    of job.validate_hardware, an 80 GiB h100, or of this host's GPU, tokenizer, data) at the
+    world size its launch command starts, and plans the flavor's model and the batch it says."""
     assert path is not None, f"no *.toml files in {REPO_ROOT / 'train_configs'}"
     launch = launch_of(path)
     monkeypatch.setenv("WORLD_SIZE", str(launch.world_size))
@@ -130,10 +130,10 @@ def test_train_config_validates_at_its_own_gpu_count(path, monkeypatch, capsys, 
     status = train.main(["--job.config_file", str(path), "--job.validate_only"])
     printed = capsys.readouterr()
     assert status == 0, printed.err
-    job_config = parse_args(["--job.config_file", str(path)])
+    job_config = parse_args(["--job.config_file", str(path), "--job.validate_only"])
     plan = plan_run(job_config, launch.world_size)
     ok_line = printed.out.splitlines()[-1]
-    assert ok_line == config_ok_line(plan)
+    assert ok_line == config_ok_line(plan, check_memory_floor(job_config, plan))
     assert f" over {launch.world_size} rank(s)" in ok_line, ok_line
 
     name, flavor = job_config.model.name, job_config.model.flavor

@@ -79,7 +79,7 @@ class Trainer(Stateful):
         training = job_config.training
 
         # 1. Decide and validate everything before creating a process group or tensor.
-        self.plan, self.tokenizer, windows = check_run(job_config)
+        self.plan, self.tokenizer, windows, _ = check_run(job_config)
         model_spec = get_model_spec(job_config.model.name)
 
         # 2. Devices and processes.
@@ -406,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(f"titanlite: config error: {error}", 2, rank0)
     try:
         if job_config.job.validate_only:
-            print(config_ok_line(check_run(job_config)[0]))
+            plan, *_, memory = check_run(job_config)
+            print(config_ok_line(plan, memory))
             return 0
         trainer = Trainer(job_config)
     except (ConfigError, CheckpointError) as error:

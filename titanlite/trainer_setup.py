@@ -48,10 +48,10 @@ from titanlite.validation import Validator, build_validator
 logger = logging.getLogger("titanlite")
 
 
-def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
-    """(plan, tokenizer, training windows): every check made before a process group or tensor
-    exists (layout, float8's needs, memory floor, the model of the checkpoint to start from,
-    tokenizer, data).
+def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object, str]:
+    """(plan, tokenizer, training windows, the memory floor's verdict): every check made before
+    a process group or tensor exists (layout, float8's needs, memory floor, the model of the
+    checkpoint to start from, tokenizer, data).
     A problem is a ConfigError (a CheckpointError for that checkpoint); a key this layout
     ignores, a warning line. The trainer starts with it; job.validate_only runs it alone."""
     plan = plan_run(job_config, world_size_from_env())
@@ -61,18 +61,18 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object]:
     if plan.pipeline is not None and microbatch_warning(plan.pipeline) is not None:
         warnings.append(microbatch_warning(plan.pipeline))
     show_config_warnings(warnings)
-    check_memory_floor(job_config, plan)
+    memory = check_memory_floor(job_config, plan)
     if "RANK" not in os.environ:
         # The launchers' preflight, or a run of one process. Ranks leave it to the checkpoint
         # manager, where rank 0 alone reads the shared folder and tells the others.
         description = ModelDescription.of_run(job_config.model, plan.model_args, plan.tokenizer_vocab_size)
         refuse_start_from_other_model(job_config.checkpoint, job_config.job.dump_folder, description)
     tokenizer, windows = load_tokenizer_and_data(job_config, plan)
-    return plan, tokenizer, windows
+    return plan, tokenizer, windows, memory
 
 
-def config_ok_line(plan: RunPlan) -> str:
-    """What job.validate_only prints when every check passed."""
+def config_ok_line(plan: RunPlan, memory: str) -> str:
+    """What job.validate_only prints when every check passed; ``memory``: check_memory_floor's verdict."""
     pipeline = plan.pipeline
     stages = (
         ""
@@ -85,7 +85,8 @@ def config_ok_line(plan: RunPlan) -> str:
     )
     return (
         f"titanlite: config ok: {dims.strategy} over {dims.world_size} rank(s){stages}{experts}, "
-        f"global batch {plan.global_batch_size}{groups_text(plan)}, {plan.grad_accum_steps} accumulation step(s)"
+        f"global batch {plan.global_batch_size}{groups_text(plan)}, {plan.grad_accum_steps} accumulation step(s), "
+        f"{memory}"
     )
 
 

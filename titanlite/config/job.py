@@ -20,6 +20,12 @@ class Job:
     validate_only: bool = False
     """Check the config, model, parallel layout, tokenizer and dataset, print the plan and exit without training."""
 
+    validate_hardware: str = "h100"
+    """The GPU the config is written for, by the estimator's names (h100, h200, a100, b200, mi300x, l40s), or cpu.
+    On a host without a GPU (a login node) validate_only compares each rank's memory floor with this GPU's memory;
+    cpu compares it with the host's, split between LOCAL_WORLD_SIZE ranks. A run that starts, and validate_only on a
+    GPU host, compare it with the device they find."""
+
     print_config: bool = False
     """Print the whole resolved config at start-up. Either way rank 0 saves it as resolved_config.toml in dump_folder
     (a file --job.config_file reads back) and the console gets its path."""

@@ -12,7 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.config import ConfigError, JobConfig
 from titanlite.dtypes import DTYPES
+from titanlite.errors import unknown_name
 from titanlite.estimate.compiled import CompiledParts
+from titanlite.estimate.hardware import HARDWARE, get_hardware
 from titanlite.models.moe import MoE
 from titanlite.parallel.parallel_dims import MESH_DIMS, ep_shard_ranks
 from titanlite.parallel.pipeline import prune_to_stage
@@ -126,6 +128,21 @@ def device_memory_bytes(device_type: str, ranks_per_node: int) -> tuple[int, str
         return properties.total_memory, f"the GPU ({properties.name})"  # cuda-only
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return host // max(ranks_per_node, 1), f"the host's memory / {ranks_per_node} rank(s) on this node"
+
+
+def memory_to_check(job_config: JobConfig, ranks_per_node: int) -> tuple[int, str]:
+    """(bytes one rank can use, what they are) for the floor check: the device this process
+    finds (device_memory_bytes), except for job.validate_only on a host without a GPU, which
+    checks the GPU the config is for (job.validate_hardware; cpu: the host's memory)."""
+    key = job_config.job.validate_hardware
+    try:
+        hardware = None if key == "cpu" else get_hardware(key)
+    except ValueError:
+        raise ConfigError(unknown_name("job.validate_hardware", key, [*HARDWARE, "cpu"])) from None
+    gpu_here = torch.cuda.is_available()
+    if hardware is None or gpu_here or not job_config.job.validate_only:
+        return device_memory_bytes("cuda" if gpu_here else "cpu", ranks_per_node)
+    return hardware.memory_bytes, f"the {hardware.name} of job.validate_hardware"
 
 
 def step_floor_bytes(
@@ -257,18 +274,19 @@ def fullest_floor(job_config: JobConfig, plan: RunPlan, model: nn.Module | None 
     return max(_floors(job_config, plan, compute_bytes, model), key=lambda entry: sum(entry[1].values()))
 
 
-def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> None:
+def check_memory_floor(job_config: JobConfig, plan: RunPlan) -> str:
     """Refuse a run whose rank surely cannot fit in this machine's device (the host's memory
-    on CPU): told in one line before start-up, instead of by the out-of-memory killer. With
-    pipeline parallelism every pp rank is checked (its stages only); the fullest must fit."""
+    on CPU; under validate_only on a host without a GPU, the config's: memory_to_check): told
+    in one line before start-up, instead of by the out-of-memory killer. With pipeline
+    parallelism every pp rank is checked (its stages only); the fullest must fit. Returns
+    what was checked against what, for the config-ok line."""
     training, parallel_dims = job_config.training, plan.parallel_dims
     whose, floor = fullest_floor(job_config, plan)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", parallel_dims.world_size))
-    available, what = device_memory_bytes(device_type, ranks_per_node)
+    available, what = memory_to_check(job_config, ranks_per_node)
     needed = sum(floor.values())
     if needed <= available:
-        return
+        return f"memory floor {_gib(needed)} a rank, within {_gib(available)}: {what}"
     parts = ", ".join(f"{name} {_gib(size)}" for name, size in floor.items())
     pipelined = parallel_dims.pp > 1
     if floor["logits"] >= floor["weights and Adam state"]:

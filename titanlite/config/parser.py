@@ -9,9 +9,11 @@ does not define go to torchtitan_compat; the merged config goes through validati
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import math
 import os
+import re
 import sys
 import textwrap
 import typing
@@ -165,7 +167,38 @@ def _load_toml_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid UTF-8 text") from None
     except tomllib.TOMLDecodeError as error:
         # The parser's message ends with "(at line N, column M)".
-        raise ConfigError(f"invalid TOML in {path}: {error}") from None
+        raise ConfigError(f"invalid TOML in {path}: {_named_twice(path, str(error)) or error}") from None
+
+
+_AT_LINE = re.compile(r"\(at line (\d+), column \d+\)$")
+_DECLARED_TWICE = re.compile(r"^Cannot declare \((.*)\) twice")
+_TABLE_HEADER = re.compile(r"^\s*\[\[?\s*([^\]]+?)\s*\]\]?\s*(#.*)?$")
+_KEY_LINE = re.compile(r"^\s*([A-Za-z0-9_\-\.\s\"']+?)\s*=")
+
+
+def _named_twice(path: str, message: str) -> str | None:
+    """tomllib's "Cannot overwrite a value (at line N, ...)" as the key the file sets twice
+    ("training.steps is set twice (line N)", read from line N and the table above it), and
+    its "Cannot declare ('training',) twice" as the table; None for any other error."""
+    at_line = _AT_LINE.search(message)
+    if at_line is None:
+        return None
+    line_number = int(at_line.group(1))
+    declared = _DECLARED_TWICE.match(message)
+    if declared:
+        table = ".".join(ast.literal_eval(f"({declared.group(1)})"))
+        return f"[{table}] is declared twice (line {line_number}); give each table once"
+    if not message.startswith("Cannot overwrite a value"):
+        return None
+    with open(path, encoding="utf-8") as toml_file:
+        lines = toml_file.read().splitlines()[:line_number]
+    key = _KEY_LINE.match(lines[-1]) if lines else None
+    if key is None:
+        return None
+    headers = (_TABLE_HEADER.match(line) for line in reversed(lines[:-1]))
+    table = next((header.group(1) for header in headers if header), None)
+    dotted = ".".join(part.strip().strip("\"'") for part in key.group(1).split("."))
+    return f"{table + '.' if table else ''}{dotted} is set twice (line {line_number}); set each key once"
 
 
 def _flatten(prefix: str, table: dict[str, Any]) -> Iterator[tuple[str, Any]]:

@@ -1,5 +1,5 @@
 """Export a titanlite checkpoint (a step-N folder) as a Hugging Face folder of its model's
-class: LlamaForCausalLM (llama2, llama3), Qwen3ForCausalLM or Qwen3MoeForCausalLM (qwen3).
+class (--help lists each model's).
 
     python scripts/convert_dcp_to_hf.py CHECKPOINT_DIR OUTPUT_DIR [--dtype bfloat16]
         [--max-shard-size 5GB] [--ema] [--tokenizer PATH] [--push-to-hub REPO_ID]
@@ -24,8 +24,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 PROG = "convert_dcp_to_hf"
 
 
+def classes_by_model() -> str:
+    """'LlamaForCausalLM (llama2, llama3), ...': the classes the registry's models export as."""
+    from titanlite.checkpoint.hf_export import exported_classes
+
+    models: dict[str, list[str]] = {}
+    for name, classes in exported_classes().items():
+        models.setdefault(" or ".join(classes), []).append(name)
+    return ", ".join(f"{classes} ({', '.join(names)})" for classes, names in models.items())
+
+
 def build_parser() -> argparse.ArgumentParser:
-    summary = " ".join(__doc__.split("\n\n")[0].split())  # the first paragraph, as --help rewraps it anyway
+    summary = (
+        "Export a titanlite checkpoint (a step-N folder) as a Hugging Face folder of its model's class: "
+        f"{classes_by_model()}."
+    )
     parser = argparse.ArgumentParser(prog=PROG, description=summary)
     parser.add_argument("checkpoint_dir", help="a step-N checkpoint folder")
     parser.add_argument("output_dir", help="the Hugging Face folder to create (must not exist or be empty)")

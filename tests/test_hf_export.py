@@ -6,6 +6,7 @@ own model_args is refused, and the fast reader writes what dcp.load would.
 import dataclasses
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -32,6 +33,7 @@ from titanlite.checkpoint.tensor_reader import CheckpointReader
 from titanlite.data.tokenizer import HFTokenizer, build_tokenizer
 from titanlite.models.generate import generate
 from titanlite.models.llama import LlamaArgs, Transformer
+from titanlite.registry import MODELS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 EXPORT = REPO_ROOT / "scripts" / "convert_dcp_to_hf.py"
@@ -203,10 +205,15 @@ def test_a_byte_tokenizer_run_exports_the_byte_tokenizer(tmp_path):
     assert loaded.decode([256, *byte_ids, 257], skip_special_tokens=True) == BYTE_TEXT
 
 
-def test_the_help_names_every_class_the_export_writes():
-    text = load_script(EXPORT).build_parser().format_help()
-    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+def test_the_help_names_every_model_and_class_the_export_writes():
+    """The classes, and every registered model beside its class (read from the registry, so a
+    model added there is listed without a change to the script)."""
+    text = " ".join(load_script(EXPORT).build_parser().format_help().split())
+    for name in ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"):
         assert name in text
+    assert "DeepseekV3ForCausalLM (deepseek_v3)" in text
+    for model in MODELS:
+        assert re.search(rf"ForCausalLM \([^)]*\b{model}\b", text), model
 
 
 def test_without_the_tokenizers_package_the_export_refuses_before_writing(tmp_path):

@@ -1,5 +1,5 @@
-"""Export a titanlite step-N checkpoint as a Hugging Face folder (LlamaForCausalLM,
-Qwen3ForCausalLM or Qwen3MoeForCausalLM, as the checkpoint records).
+"""Export a titanlite step-N checkpoint as a Hugging Face folder of its model's class, as
+the checkpoint records (exported_classes lists them).
 
 Everything is decided before anything is written: the weights present and their shapes
 against the model the saved model_args build (on the meta device), the tokenizer, and
@@ -30,7 +30,7 @@ from titanlite.checkpoint.hf import EMA_PREFIX
 from titanlite.checkpoint.tensor_reader import CheckpointReader, buffer_bytes
 from titanlite.dtypes import DTYPES
 from titanlite.files import BackgroundSyncer
-from titanlite.registry import get_model_spec
+from titanlite.registry import MODELS, get_model_spec
 
 logger = logging.getLogger("titanlite")
 
@@ -46,6 +46,22 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+
+
+def exported_classes() -> dict[str, list[str]]:
+    """Each registered model's Hugging Face classes, as its flavors' config.json files name
+    them (a flavor Hugging Face has no config for, a ValueError, names none)."""
+    classes = {}
+    for name, spec in MODELS.items():
+        named = []
+        for args in spec.flavors.values():
+            try:
+                architectures = spec.state_dict_adapter(args).hf_config()["architectures"]
+            except ValueError:
+                continue
+            named += [cls for cls in architectures if cls not in named]
+        classes[name] = named
+    return classes
 
 
 def parse_size(size: str | int) -> int:
@@ -182,8 +198,8 @@ def export_to_hf(
     use_ema: bool = False,
     tokenizer: str | Path | None = None,
 ) -> Path:
-    """Write a Hugging Face folder (LlamaForCausalLM, Qwen3ForCausalLM or
-    Qwen3MoeForCausalLM, as the checkpoint records) from a titanlite step-N checkpoint.
+    """Write a Hugging Face folder of the model's class (exported_classes), as the checkpoint
+    records, from a titanlite step-N checkpoint.
 
     dtype is the dtype of the written weights; max_shard_size (e.g. "5GB") splits them
     into model-0000i-of-0000n.safetensors files and an index when they do not fit one;

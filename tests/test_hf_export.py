@@ -216,6 +216,25 @@ def test_the_help_names_every_model_and_class_the_export_writes():
         assert re.search(rf"ForCausalLM \([^)]*\b{model}\b", text), model
 
 
+def test_the_exports_console_holds_its_own_lines_only(tmp_path):
+    """A fresh interpreter (the fork server's imports would hide the export's own): the export
+    imports neither transformers nor torchao, whose import logs on a CPU host that CUDA
+    kernels (_C_mxfp8, _C_cutlass_90a) failed to load, and its console holds only its lines."""
+    step = save_checkpoint(tmp_path / "step-1", tiny_weights(), TINY)
+    out = tmp_path / "hf"
+    command = [sys.executable, "-X", "importtime", str(EXPORT), str(step), str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    imports = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rpartition("|")[2].strip().split(".")[0] for line in imports}
+    assert "torch" in imported and not imported & {"transformers", "torchao"}
+    assert [line for line in result.stderr.splitlines() if line not in imports] == []
+    assert result.stdout.splitlines() == [
+        "convert_dcp_to_hf: exported the byte tokenizer as tokenizer.json",
+        f"convert_dcp_to_hf: wrote {out}",
+    ]
+
+
 def test_without_the_tokenizers_package_the_export_refuses_before_writing(tmp_path):
     """tokenizers is a dependency of titanlite; an environment that lacks it anyway (here the
     import is blocked) gets one line, exit 2 and no folder, never a folder without a tokenizer."""

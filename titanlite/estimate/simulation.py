@@ -24,6 +24,7 @@ from titanlite.estimate.floor import TP_DIM, ModelStateBytes, exact_model_state_
 from titanlite.estimate.tracker import (
     CATEGORIES,
     Compiled,
+    StepRecipe,
     fold_step,
     prime_optimizer,
     tracked_stage_step,
@@ -189,16 +190,15 @@ def simulate(job_config: JobConfig, plan, mesh, stage_modules: tuple[str, ...] |
         microbatch = job_config.parallelism.pipeline_parallel_microbatch_size
         sequences = training.local_batch_size if stage_modules is None else microbatch
         compiled = _stand_ins(model, job_config, compiled_parts, parallel_dims, sequences * local_seq)
+        recipe = StepRecipe(global_tokens, training.max_norm, context, losses, compiled)
         if stage_modules is None:
             batch = _fake_batch(plan, training.local_batch_size, local_seq, has_first=True, has_last=True)
-            step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses, compiled)
+            step = tracked_step(model, optimizer, batch, recipe)
         else:
             microbatches = [
                 _stage_batch(job_config, plan, stage_modules) for _ in range(min(2, plan.pipeline.microbatches))
             ]
-            step = tracked_stage_step(
-                model, optimizer, microbatches, global_tokens, training.max_norm, context, losses, compiled
-            )
+            step = tracked_stage_step(model, optimizer, microbatches, recipe)
     # The gradients as the step leaves them, in their parameters' layout. The tracker's own
     # figure is their peak, which under TP alone holds the vocabulary-split embedding's
     # gradient whole (DTensor's embedding backward has no vocabulary-split rule) until
@@ -349,7 +349,7 @@ def measure_real_memory(job_config: JobConfig) -> dict[str, int]:
     )
     context = compute_context(plan.parallel_dims, training.mixed_precision_param, "cpu")
     losses = partial(loss_context, plan.parallel_dims, job_config)
-    step = tracked_step(model, optimizer, batch, global_tokens, training.max_norm, context, losses)
+    step = tracked_step(model, optimizer, batch, StepRecipe(global_tokens, training.max_norm, context, losses))
     peak, _, activations = fold_step(step)
     params = list(model.parameters())
     return {

@@ -10,7 +10,7 @@ import contextlib
 import copy
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -196,9 +196,6 @@ class Compiled:
             self.savings.compute_context_exited()
 
 
-EAGER = Compiled()  # nothing compiled: the step as it runs eagerly
-
-
 @contextlib.contextmanager
 def _tracking(model, optimizer, inputs, savings=None):
     """The memory tracker over ``model`` and ``optimizer`` (``inputs`` filed as inputs), with
@@ -235,42 +232,42 @@ def _activations_now(tracker, at_start: dict[str, int]) -> int:
     return _category_sum(now, "activations") - _category_sum(at_start, "activations") - saving
 
 
-def tracked_step(
-    model,
-    optimizer,
-    batch,
-    global_tokens: int,
-    max_norm: float,
-    context,
-    loss_context=contextlib.nullcontext,
-    compiled: Compiled = EAGER,
-) -> StepMemory:
-    """One training step as the trainer runs it, under the memory tracker. ``context`` is the
-    compute context (autocast or none), ``loss_context()`` what the loss and its backward run
-    under (loss parallel under TP), ``compiled`` what stands in for compiled parts. The
-    gradients are left in place so that the caller can look at them."""
+@dataclass(frozen=True)
+class StepRecipe:
+    """How a tracked step runs, beside its model, optimizer and inputs: as the trainer runs it."""
+
+    global_tokens: int
+    """The global batch's tokens, which the summed loss is divided by."""
+    max_norm: float
+    """The gradient clipping's norm."""
+    context: object = contextlib.nullcontext()
+    """The compute context the forward runs in (autocast or none), entered once per forward."""
+    loss_context: Callable = contextlib.nullcontext
+    """Makes what the loss and its backward run under (loss parallel under TP)."""
+    compiled: Compiled = field(default_factory=Compiled)
+    """What stands in for the compiled parts (default: nothing compiled, the eager step)."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.compiled.loss_fn(logits, labels) / self.global_tokens
+
+
+def tracked_step(model, optimizer, batch, recipe: StepRecipe) -> StepMemory:
+    """One training step as the trainer runs it, under the memory tracker. The gradients are
+    left in place so that the caller can look at them."""
     inputs, labels = batch
+    compiled = recipe.compiled
     with _tracking(model, optimizer, batch, compiled.savings) as (tracker, at_start):
-        with loss_context():
-            with context:
+        with recipe.loss_context():
+            with recipe.context:
                 logits = model(inputs)
-                loss = compiled.loss_fn(logits, labels) / global_tokens
+                loss = recipe.loss(logits, labels)
             compiled.context_exited()
             del logits
             loss.backward()
-        return _finish(tracker, at_start, model, optimizer, max_norm)
+        return _finish(tracker, at_start, model, optimizer, recipe.max_norm)
 
 
-def tracked_stage_step(
-    model,
-    optimizer,
-    microbatches,
-    global_tokens: int,
-    max_norm: float,
-    context,
-    loss_context=contextlib.nullcontext,
-    compiled: Compiled = EAGER,
-) -> StepMemory:
+def tracked_stage_step(model, optimizer, microbatches, recipe: StepRecipe) -> StepMemory:
     """One pipeline stage's step under the memory tracker: ``microbatches`` is a list of
     (inputs, labels), the inputs tokens for the first stage and the previous stage's output
     (requiring grad) for the others, the labels None except on the last stage, whose loss
@@ -279,6 +276,7 @@ def tracked_stage_step(
     parameters gathered and accumulates unsharded gradients without reducing them; the last
     reduces (the schedule reduces after the last backward). Also records what the first
     micro-batch holds between its forward and its backward (StepMemory.held_activations)."""
+    compiled = recipe.compiled
     held = None
     with _tracking(model, optimizer, microbatches, compiled.savings) as (tracker, at_start):
         for index, (inputs, labels) in enumerate(microbatches):
@@ -289,17 +287,17 @@ def tracked_stage_step(
                 model.set_is_last_backward(last)
                 model.set_reshard_after_backward(last)
                 model.set_requires_gradient_sync(last)
-            with loss_context():
-                with context:
+            with recipe.loss_context():
+                with recipe.context:
                     output = model(inputs)
                     if labels is not None:  # the last stage: the loss, its logits freed
-                        output = compiled.loss_fn(output, labels) / global_tokens
+                        output = recipe.loss(output, labels)
                 compiled.context_exited()
                 if held is None:
                     held = _activations_now(tracker, at_start)
                 output.backward(None if labels is not None else torch.ones_like(output))
             del output
-        return _finish(tracker, at_start, model, optimizer, max_norm, held)
+        return _finish(tracker, at_start, model, optimizer, recipe.max_norm, held)
 
 
 def tracked_call(model, optimizer, step) -> StepMemory:

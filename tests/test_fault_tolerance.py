@@ -312,6 +312,46 @@ def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_pat
     assert after < 3 * before + 0.2, (before, after, times)
 
 
+def _last_error_line(group: Group) -> str:
+    return group.log().strip().splitlines()[-1]
+
+
+def test_groups_of_different_layouts_stop_at_their_first_quorum_with_one_line(tmp_path, lighthouse):
+    """2 ranks against 1 (FSDP 2 against one process): each group names the degree that
+    differs and both values, exit status 2 on every rank, in well under a minute; nothing
+    is trained and no step is retried."""
+    started = time.monotonic()
+    groups = [
+        Group(f"g{g}", tmp_path, ft_args(tmp_path / "dump", 4, g), ranks, {"TORCHFT_LIGHTHOUSE": lighthouse})
+        for g, ranks in ((0, 2), (1, 1))
+    ]
+    statuses = [group.wait(timeout=60) for group in groups]
+    assert time.monotonic() - started < 60
+    assert statuses == [[2, 2], [2]], groups[0].log() + groups[1].log()
+    for group, (mine, theirs, other) in zip(groups, ((2, 1, 1), (1, 2, 0)), strict=True):
+        expected = (
+            "titanlite: config error: replica groups disagree on parallelism.data_parallel_shard_degree: "
+            f"{mine} here, {theirs} in group {other}"
+        )
+        log = group.log()
+        assert _last_error_line(group).startswith(expected), log
+        assert log.count("disagree") == 1 and "Traceback" not in log and "not committed" not in log, log
+        assert not re.search(r"step: +1 ", log), log
+    assert "disagree" not in groups[0].logs[1].read_text()  # rank 1 stops without a line of its own
+
+
+def test_a_step_that_never_commits_stops_the_run_with_one_line(tmp_path, lighthouse):
+    """min_replica_size 2 with one group alive: every try of step 1 fails to commit; after
+    comm.init_timeout_seconds of tries the group stops with one line, exit status 1."""
+    overrides = {"fault_tolerance.min_replica_size": 2, "comm.init_timeout_seconds": 3}
+    group = Group("alone", tmp_path, ft_args(tmp_path / "dump", 4, 0, overrides), 1, {"TORCHFT_LIGHTHOUSE": lighthouse})
+    assert group.wait(timeout=60) == [1], group.log()
+    line = _last_error_line(group)
+    assert line.startswith("titanlite: fault tolerance: step 1 not committed in "), group.log()
+    assert "fewer than min_replica_size 2" in line and "comm.init_timeout_seconds (3 s)" in line, line
+    assert group.log().count("not committed (try ") < 5, group.log()  # not a line per try
+
+
 @pytest.mark.parametrize(
     "setting, lighthouse_address, expected",
     [

@@ -10,7 +10,11 @@ groups together play the part of the dp_replicate dimension. Every step:
    the other groups of the quorum. Every group reads the same number of tokens per step, so
    the plain mean is the token-weighted one.
 4. ``commit``: the step is applied only if every participant got this far without an error;
-   otherwise it is thrown away and retried with the groups still alive.
+   otherwise it is thrown away and retried with the groups still alive, for at most
+   ``retry_seconds`` in a row.
+
+Until its first step a group also checks that the groups in its quorum run the same layout,
+model, batch and data (titanlite/parallel/group_agreement.py): a ConfigError otherwise.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch.distributed import ReduceOp
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from titanlite.config import ConfigError
 from titanlite.config.fault_tolerance import FaultTolerance
+from titanlite.parallel.group_agreement import DISAGREE, GroupAgreement, checked_process_group, first_line
 
 logger = logging.getLogger("titanlite")
 
@@ -71,9 +77,10 @@ _TORCHFT_LOGGERS = ("torchft.manager", "torchft.process_group", "torchft.checkpo
 
 
 def _one_line(record: logging.LogRecord) -> bool:
-    record.msg, record.args = _first_line(record.getMessage()), None
+    record.msg, record.args = first_line(record.getMessage()), None
     record.exc_info = record.exc_text = None
-    return True
+    # A mismatch is the trainer's own error line; the recorder is NCCL's, reset or not on gloo.
+    return DISAGREE not in record.msg and "Unable to reset NCCL flight recorder" not in record.msg
 
 
 def backend_problem(section: FaultTolerance) -> str | None:
@@ -114,7 +121,9 @@ class ReplicaGroups(Stateful):
 
     ``send_states()`` gives this rank's states for a healing peer (local tensors);
     ``receive_states(sent)`` loads a peer's. ``windows_per_group_step``: windows one group
-    reads in a step, to count what an absent group's share of a step skipped."""
+    reads in a step, to count what an absent group's share of a step skipped.
+    ``fingerprint``: what every group must run alike, as (name, value) pairs.
+    ``retry_seconds``: how long one step may go on failing to commit before the run stops."""
 
     def __init__(
         self,
@@ -123,6 +132,8 @@ class ReplicaGroups(Stateful):
         receive_states: Callable[[dict], None],
         windows_per_group_step: int,
         quorum_timeout_seconds: float,
+        fingerprint: list[tuple[str, str]],
+        retry_seconds: float,
     ):
         _quiet_torchft()
         from torchft import Manager
@@ -135,10 +146,13 @@ class ReplicaGroups(Stateful):
         rank = dist.get_rank() if dist.is_initialized() else 0
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         store_addr, store_port = _group_store()
+        self.agreement = GroupAgreement(
+            fingerprint, section.replica_id, (store_addr, store_port), timeout=quorum_timeout_seconds
+        )
         self.states_for_peer, self._received = send_states, receive_states
         self.healed_now = False  # set by a heal inside start_step
         self.manager = Manager(
-            pg=backend(timeout=timeout),
+            pg=checked_process_group(backend, self.agreement, timeout=timeout),
             load_state_dict=self._heal_from,
             state_dict=send_states,
             min_replica_size=section.min_replica_size,
@@ -161,6 +175,9 @@ class ReplicaGroups(Stateful):
         self.heals = 0  # times this group received a peer's states
         self.skipped_windows = 0  # windows of the global order no group trained on (absent groups' shares)
         self.participants = 0  # groups in the last step's quorum
+        self.retry_seconds = retry_seconds
+        self._failed_tries = 0  # of the step now being tried, in a row
+        self._failing_since = 0.0  # time.monotonic() of its first failed try
 
     # --- every step -----------------------------------------------------------------------
 
@@ -175,8 +192,10 @@ class ReplicaGroups(Stateful):
         try:
             self.manager.start_quorum()
         except Exception as error:  # noqa: BLE001 - torchft raises whatever its RPC layer gives
-            why = lighthouse_problem(self.section.process_group_timeout_ms / 1000) or _first_line(error)
+            why = lighthouse_problem(self.section.process_group_timeout_ms / 1000) or first_line(error)
             raise FaultToleranceError(f"no quorum before step {step + 1}: {why}") from error
+        if self.agreement.disagreement is not None:
+            raise ConfigError(self.agreement.disagreement)
         self.participants = self.manager.num_participants()
         if self.healed_now:
             self.heals += 1
@@ -208,6 +227,7 @@ class ReplicaGroups(Stateful):
                         self.section.group_size,
                     )
                 self._quorum_ready = True
+                self.agreement.checking = False  # a group joining later checks itself against this one
                 return healed
             time.sleep(0.2)
 
@@ -237,19 +257,37 @@ class ReplicaGroups(Stateful):
 
     def commit(self) -> bool:
         """Whether every group in the quorum finished the step; if so it counts as done and
-        the absent groups' shares of it as skipped."""
+        the absent groups' shares of it as skipped. A step that has failed to commit for
+        ``retry_seconds`` raises FaultToleranceError instead of being tried again."""
         committed = self.manager.should_commit()
         if committed:
             self.skipped_windows += (self.section.group_size - self.participants) * self.windows_per_group_step
-        else:
-            logger.warning(
-                "fault tolerance: step %d not committed (%d group(s) in the quorum, min_replica_size %d, "
-                "or a group failed during it); trying it again",
-                self.manager.current_step() + 1,
-                self.participants,
-                self.section.min_replica_size,
+            self._failed_tries = 0
+            return True
+        self._failed_tries += 1
+        if self._failed_tries == 1:
+            self._failing_since = time.monotonic()
+        failing_for = time.monotonic() - self._failing_since
+        step = self.manager.current_step() + 1
+        why = (
+            f"{self.participants} group(s) in the quorum, fewer than min_replica_size {self.section.min_replica_size}"
+            if self.participants < self.section.min_replica_size
+            else f"{self.participants} group(s) in the quorum; a collective across groups failed"
+        )
+        if failing_for >= self.retry_seconds and self._failed_tries > 1:
+            raise FaultToleranceError(
+                f"step {step} not committed in {self._failed_tries} tries over {failing_for:.0f} s ({why}); "
+                f"stopping after comm.init_timeout_seconds ({self.retry_seconds:g} s) of retries"
             )
-        return committed
+        if self._failed_tries == 1 or self._failed_tries % 10 == 0:  # not a line per try
+            logger.warning(
+                "fault tolerance: step %d not committed (try %d: %s); trying it again for up to %g s",
+                step,
+                self._failed_tries,
+                why,
+                self.retry_seconds,
+            )
+        return False
 
     def first_participant(self) -> bool:
         """Whether this group is the first of the quorum: the one that saves checkpoints."""
@@ -299,8 +337,3 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         buckets[-1].append(t)
         size += t.numel() * t.element_size()
     return buckets
-
-
-def _first_line(error: object) -> str:
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0][:300]

@@ -46,6 +46,15 @@ MUST_MATCH_SETTINGS = (
 )
 
 
+# --pin-kernels: the CPU kernels every rank of both sides runs, on any x86 host with AVX2.
+# ATen's vector kernels, MKL's GEMMs (its conditional numerical reproducibility branch) and
+# oneDNN's each pick their code by the CPU, and another pick sums in another order: the same
+# run differed in the last bit between an AVX-512 Intel host and an AVX-512 AMD one
+# (tests/reference_losses/README.md). This is the one place the pin lives; the reference test
+# pins its ranks with it too.
+PINNED_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 class InputError(Exception):
     """Bad input or a side that failed: one line, exit status 2."""
 
@@ -70,6 +79,12 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
         )
     parser.add_argument(
         "--threads", type=int, default=1, help="OMP_NUM_THREADS of every rank (1): results must not follow the cores"
+    )
+    parser.add_argument(
+        "--pin-kernels",
+        action="store_true",
+        help="run every rank on AVX2 kernels (ATen, MKL, oneDNN) whatever the x86 CPU: the last bits then follow "
+        "the run, not the host (needs a CPU with AVX2)",
     )
     parser.add_argument("--out", help="output folder, new or empty (default: outputs/loss_compare/<time>)")
     parser.add_argument("--no-seed-checkpoint", action="store_true", help="let each side initialise its weights itself")
@@ -213,14 +228,30 @@ def config_name(config: str, repo: Path) -> str:
     return str(path.relative_to(repo.resolve())) if path.is_relative_to(repo.resolve()) else str(path)
 
 
-def device_name() -> str:
-    """The device, and on a CPU the vector instructions torch's kernels use ("cpu (AVX512)"):
-    with other kernels the same run sums in another order (tests/reference_losses/README.md)."""
+def device_name(pinned: bool = False) -> str:
+    """The device, and on a CPU the vector instructions torch's kernels use ("cpu (AVX512)",
+    "cpu (AVX2, pinned)" under --pin-kernels): with other kernels the same run sums in another
+    order (tests/reference_losses/README.md)."""
     import torch
 
     if torch.cuda.is_available():
         return f"cuda ({torch.cuda.get_device_name()})"
+    if pinned:
+        return f"cpu ({PINNED_KERNELS['ATEN_CPU_CAPABILITY'].upper()}, pinned)"
     return f"cpu ({torch.backends.cpu.get_cpu_capability()})"
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor (GenuineIntel, AuthenticAMD), as the kernel reports it: MKL promises its
+    pinned branch's bits on Intel CPUs only, so a loss file says which vendor wrote it."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
 
 
 def last_line(text: str) -> str:
@@ -239,7 +270,7 @@ def trainer_error_line(log_text: str) -> str:
     return raised[-1] if raised else last_line(log_text)
 
 
-def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int):
+def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int, pin_kernels: bool):
     """Run the trainer for ``side`` as users do (torchrun, the trainer module of ``tree``);
     the series its metrics.jsonl holds."""
     from titanlite.metrics.compare import series_from_jsonl
@@ -268,6 +299,8 @@ def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int):
     # On CUDA, debug.deterministic (torch.use_deterministic_algorithms) refuses cuBLAS
     # matmuls unless cuBLAS is given a fixed workspace; PyTorch documents this value.
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if pin_kernels:
+        env.update(PINNED_KERNELS)
     log_path = out / side.name / "train.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     where = f"commit {side.commit[:10]}" if side.commit else "this checkout"
@@ -300,7 +333,7 @@ def run_side(side: Side, args, out: Path, seed_checkpoint: Path | None, settings
         tree = stack.enter_context(commit_worktree(repo, side.commit)) if side.commit else REPO_ROOT
         config = side.config_path(args.config, repo, tree)
         argv = trainer_arguments(args, config, side.overrides) + comparison_settings(out, side.name, seed_checkpoint)
-        series = launch(side, tree, argv, out, args.threads)
+        series = launch(side, tree, argv, out, args.threads, args.pin_kernels)
     series.source = {
         "config": config_name(args.config, repo),
         "overrides": split_overrides(args.common, "--common") + side.overrides,
@@ -311,7 +344,9 @@ def run_side(side: Side, args, out: Path, seed_checkpoint: Path | None, settings
         "commit": side.commit or checkout_description(repo),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": device_name(),
+        "device": device_name(args.pin_kernels),
+        "cpu_vendor": cpu_vendor(),
+        "pinned_kernels": PINNED_KERNELS if args.pin_kernels else None,
     }
     return series
 

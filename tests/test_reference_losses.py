@@ -9,6 +9,7 @@ changed loss function, initialisation and data order, 3 steps each), then FSDP o
 
 import importlib.util
 import json
+import os
 import shlex
 import tempfile
 from pathlib import Path
@@ -50,7 +51,7 @@ class Reference:
         self.path = REFERENCE_DIR / f"{name}.json"
         sides = shlex.join(overrides)
         self.script_args = (
-            ["--steps", str(STEPS), "--no-seed-checkpoint", "--threads", "1"]
+            ["--steps", str(STEPS), "--no-seed-checkpoint", "--threads", "1", "--pin-kernels"]
             + ["--a-ranks", str(ranks), "--b-ranks", str(ranks), f"--a={sides}", f"--b={sides}", "--assert-equal"]
             + ["--export", str(self.path.relative_to(REPO_ROOT))]
         )
@@ -69,6 +70,7 @@ class Reference:
             "ranks": script.a_ranks,
             "threads": script.threads,
             "seed_checkpoint": not script.no_seed_checkpoint,
+            "pinned_kernels": LOSS_COMPARE.PINNED_KERNELS,
         }
 
     def trainer_arguments(self, out: str, steps: int = STEPS) -> list[str]:
@@ -102,6 +104,8 @@ def train(name: str, steps: int = STEPS) -> dict:
     if dist.is_initialized():
         dist.destroy_process_group()
     return {
+        # ATen reads ATEN_CPU_CAPABILITY at its first kernel: what this rank really ran
+        "capability": torch.backends.cpu.get_cpu_capability(),
         "steps": [r.step for r in records],
         "loss": [r.loss for r in records],
         "grad_norm": [r.grad_norm for r in records],
@@ -172,7 +176,12 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list]:
-    return run_jobs_on_ranks(2, RUNS)
+    # The ranks run on the kernels loss_compare.py --pin-kernels gives its ranks. They fork from
+    # a server that has imported torch and titanlite but run no kernel, and take this
+    # environment before their first one (tests/multiprocess.py), so the pin takes: every
+    # run reports the capability it ran with, and test_the_ranks_ran_the_pinned_kernels checks it.
+    with mock.patch.dict(os.environ, LOSS_COMPARE.PINNED_KERNELS):
+        return run_jobs_on_ranks(2, RUNS)
 
 
 # --- the checks ------------------------------------------------------------------------
@@ -204,22 +213,32 @@ def read_reference(reference: Reference) -> LossSeries:
     return series
 
 
-# With another torch or other CPU kernels (vector instructions, BLAS blocking) the same run
-# sums in another order. Measured (README.md): AVX2 or plain kernels instead of AVX-512 move
-# the loss by <= 1.4e-7 and the grad norm by <= 1.1e-6 (relative) over 30 steps; another
-# order of the sums (FSDP's reduce-scatter instead of one process's sums) by <= 1.2e-7 and
-# <= 1.3e-6. This tolerance covers the largest of them about 8-fold; the perturbed runs below
-# show that it still catches a changed loss, initialisation or data order at step 1.
+# The ranks run pinned kernels (loss_compare.py's PINNED_KERNELS: AVX2 in ATen, MKL and
+# oneDNN), which give the same bits on every x86 host with AVX2 that MKL's pinned branch
+# covers: its promise is for Intel CPUs, and this machine's Intel AVX-512 host reproduced the
+# files bit for bit under the pin (README.md). On another torch, without the pin or on
+# another vendor's CPU the sums may run in another order. Measured (README.md): unpinned
+# AVX2 or plain kernels instead of AVX-512 moved the loss by <= 1.4e-7 and the grad norm by
+# <= 1.1e-6 (relative) over 30 steps; Intel against AMD hosts (both AVX-512) by <= 1.3e-7 and
+# 1.3e-7 over 10; another order of the sums (FSDP's reduce-scatter instead of one process's
+# sums) by <= 1.2e-7 and <= 1.3e-6. This tolerance covers the largest of them about 8-fold;
+# the perturbed runs below show that it still catches a changed loss, initialisation or data
+# order at step 1.
 OTHER_KERNELS_RTOL = 1e-5
 
 
 def kernels() -> dict:
     """What decides the order of a run's sums, as scripts/loss_compare.py records it."""
-    return {"torch": torch.__version__, "device": LOSS_COMPARE.device_name()}
+    return {
+        "torch": torch.__version__,
+        "device": LOSS_COMPARE.device_name(pinned=True),
+        "cpu_vendor": LOSS_COMPARE.cpu_vendor(),
+    }
 
 
 def tolerance(reference: LossSeries) -> float:
-    """0 (bit-exact) on the torch and CPU kernels the file was recorded with; else OTHER_KERNELS_RTOL."""
+    """0 (bit-exact) on the torch, pinned kernels and CPU vendor the file was recorded with; else
+    OTHER_KERNELS_RTOL."""
     recorded = {key: reference.source.get(key) for key in kernels()}
     return 0.0 if recorded == kernels() else OTHER_KERNELS_RTOL
 
@@ -229,6 +248,12 @@ def check(run: dict, reference: LossSeries, rtol: float):
     first = slice(0, len(run["steps"]))
     expected = LossSeries(reference.steps[first], reference.loss[first], reference.grad_norm[first])
     return compare(expected, LossSeries(run["steps"], run["loss"], run["grad_norm"]), rtol=rtol)
+
+
+def test_the_ranks_ran_the_pinned_kernels(runs):
+    pinned = LOSS_COMPARE.PINNED_KERNELS["ATEN_CPU_CAPABILITY"].upper()
+    ran = {run["capability"] for rank_runs in runs.values() for run in rank_runs}
+    assert ran == {pinned}, f"the reference runs ran {ran}, not the pinned {pinned}: the pin did not take"
 
 
 @pytest.mark.parametrize("name", REFERENCES)
@@ -260,6 +285,7 @@ def test_the_kernels_decide_the_tolerance():
     assert tolerance(recorded_with(**kernels())) == 0.0
     assert tolerance(recorded_with(**{**kernels(), "device": "cpu (SOME_OTHER_ISA)"})) == OTHER_KERNELS_RTOL
     assert tolerance(recorded_with(**{**kernels(), "torch": "1.0.0"})) == OTHER_KERNELS_RTOL
+    assert tolerance(recorded_with(**{**kernels(), "cpu_vendor": "SomeOtherVendor"})) == OTHER_KERNELS_RTOL
     assert tolerance(recorded_with()) == OTHER_KERNELS_RTOL
 
 

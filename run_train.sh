@@ -81,6 +81,11 @@ if (( ft_groups > 0 )); then
         exit 2
     fi
     group_ranks=$(( NGPU / ft_groups ))
+    # torchft brings the lighthouse and the groups' manager; without it nothing below runs.
+    if ! "$PYTHON" -c "import torchft" >/dev/null 2>&1; then
+        echo "run_train.sh: FT_GROUPS needs torchft, which $PYTHON cannot import; install it with pip install 'titanlite[ft]'" >&2
+        exit 2
+    fi
     ft_flags=(--fault_tolerance.enable --fault_tolerance.group_size "$ft_groups")
     if [[ -z "${TORCHFT_LIGHTHOUSE:-}" ]]; then
         port="${FT_LIGHTHOUSE_PORT:-29510}"
@@ -135,7 +140,10 @@ if (( ft_groups == 0 )); then
     exec torchrun "${torchrun_args[@]}" "$@"
 fi
 
-# One torchrun per replica group, each on its own GPUs; a SIGTERM reaches every group.
+# One torchrun per replica group, each on its own GPUs; a SIGTERM reaches every group. To stop
+# one group, signal its torchrun (printed below): SIGTERM lets it stop its ranks. torchrun
+# starts each rank in a session of its own, so a SIGKILL of torchrun (or of its process
+# group) leaves the ranks training; docs/reliability.md shows how to kill a group outright.
 group_pids=()
 for (( group = 0; group < ft_groups; group++ )); do
     [[ -n "${FT_GROUP:-}" && "$group" != "$FT_GROUP" ]] && continue
@@ -144,6 +152,7 @@ for (( group = 0; group < ft_groups; group++ )); do
     fi
     torchrun "${torchrun_args[@]}" "$@" "${ft_flags[@]}" --fault_tolerance.replica_id "$group" &
     group_pids+=($!)
+    echo "run_train.sh: replica group $group: torchrun pid $! (stop this group alone with kill -TERM $!)"
 done
 trap 'kill -TERM "${group_pids[@]}" 2>/dev/null || true' TERM INT
 status=0

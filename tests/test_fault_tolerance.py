@@ -381,6 +381,30 @@ def test_torchft_missing_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "dump").exists()
 
 
+def test_run_train_with_ft_groups_and_no_torchft_is_one_line_and_exit_2(tmp_path):
+    """FT_GROUPS without torchft: the launcher names the ft extra before it starts anything
+    (a torchft package that fails to import stands in for a missing one)."""
+    shadow = tmp_path / "shadow" / "torchft"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('No module named torchft')\n")
+    env = {key: value for key, value in os.environ.items() if key not in ("TORCHFT_LIGHTHOUSE", "NGPU")}
+    env |= {"FT_GROUPS": "2", "NGPU": "2", "PYTHONPATH": str(tmp_path / "shadow"), "PYTHON": sys.executable}
+    result = subprocess.run(
+        [str(Path(__file__).resolve().parent.parent / "run_train.sh"), "--training.steps", "1"],
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "FT_GROUPS needs torchft" in lines[0], result.stderr
+    assert "pip install 'titanlite[ft]'" in lines[0], lines
+    assert "lighthouse" not in result.stdout, result.stdout
+
+
 def _closed_port() -> int:
     """A port nothing listens on (bound, then released)."""
     import socket

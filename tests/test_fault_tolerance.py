@@ -128,11 +128,57 @@ class Group:
     def log(self) -> str:
         return self.logs[0].read_text()
 
+    def running(self) -> bool:
+        return all(process.exitcode is None for process in self.processes)
+
     def wait_for_step(self, step: int, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
         while not re.search(rf"step: +{step} ", self.log()):
-            assert time.monotonic() < deadline and all(p.exitcode is None for p in self.processes), self.log()
+            assert time.monotonic() < deadline and self.running(), self.log()
             time.sleep(0.05)
+
+
+# docs/reliability.md's way to kill one replica group outright: torchrun starts every rank in
+# a session of its own, so its ranks are listed first, then torchrun and each rank's process
+# group (a rank's own children, an asynchronous checkpoint writer, are in it) are SIGKILLed.
+KILL_ONE_GROUP = 'ranks=$(pgrep -P "$PID"); kill -KILL "$PID"; for rank in $ranks; do kill -KILL -- "-$rank"; done'
+
+
+class TorchrunGroup(Group):
+    """A replica group as run_train.sh starts one: torchrun and the ranks it starts."""
+
+    def __init__(self, name: str, folder: Path, args: list[str], ranks: int, env: dict[str, str]):
+        self.name, self.folder = name, folder
+        self.logs = [folder / f"{name}.log"]  # torchrun's and rank 0's lines (LOG_RANK 0)
+        launcher = folder / f"{name}_launcher.py"
+        launcher.write_text(LAUNCHER)
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}"]
+        command += ["--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:0", str(launcher), *args]
+        with self.logs[0].open("w") as out:
+            self.torchrun = subprocess.Popen(
+                command, env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stdout=out, stderr=subprocess.STDOUT
+            )
+
+    def running(self) -> bool:
+        return self.torchrun.poll() is None
+
+    def kill(self) -> None:
+        ranks = subprocess.run(["pgrep", "-P", str(self.torchrun.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        subprocess.run(["bash", "-c", KILL_ONE_GROUP], env={**os.environ, "PID": str(self.torchrun.pid)}, check=True)
+        self.torchrun.wait()
+        deadline = time.monotonic() + 30
+        for rank in map(int, ranks):  # gone, not merely orphaned (the init process reaps them)
+            while Path(f"/proc/{rank}").exists() and "Z" not in _process_state(rank):
+                assert time.monotonic() < deadline, f"rank {rank} of {self.name} outlived the kill"
+                time.sleep(0.05)
+
+
+def _process_state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return "Z"
 
 
 def run_args(dump_folder: Path, steps: int, overrides: dict | None = None) -> list[str]:
@@ -248,8 +294,9 @@ def _states_equal(a, b, where: str = "") -> None:
 
 
 def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_path):
-    """One launch, three faults in turn: group 1 SIGKILLed (group 0 trains on alone), group 1
-    restarted (it heals from group 0), then the lighthouse SIGKILLed (both stop with one line)."""
+    """One launch, three faults in turn: group 1, a torchrun of two ranks, killed outright as
+    docs/reliability.md shows (group 0 trains on alone), group 1 restarted (it heals from
+    group 0), then the lighthouse SIGKILLed (both stop with one line)."""
     process, lighthouse = start_lighthouse(tmp_path)
     dumps = tmp_path / "dumps"
     dumps.mkdir()
@@ -257,7 +304,9 @@ def test_a_killed_group_drops_out_heals_and_a_dead_lighthouse_stops_both(tmp_pat
     overrides = {"ema.enable": True, "checkpoint.interval": 5, "comm.train_timeout_seconds": 10}
     env = {"FT_TEST_PAUSE": "0.15", "FT_TEST_DUMP": str(dumps)}
     try:
-        survivor, doomed = start_groups(tmp_path, lighthouse, steps=1000, overrides=overrides, env=env)
+        group_env = {"TORCHFT_LIGHTHOUSE": lighthouse, **env}
+        survivor = Group("run-g0", tmp_path, ft_args(tmp_path / "dump", 1000, 0, overrides), 2, group_env)
+        doomed = TorchrunGroup("run-g1", tmp_path, ft_args(tmp_path / "dump", 1000, 1, overrides), 2, group_env)
         doomed.wait_for_step(6)
         doomed.kill()
         killed_after = int(re.findall(r"step: +(\d+) ", survivor.log())[-1])

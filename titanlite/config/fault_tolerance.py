@@ -24,7 +24,8 @@ class FaultTolerance:
     the batch of all of them together; each group reads its share of it."""
 
     min_replica_size: int = ranged(at_least(1), default=1)
-    """Fewest live groups that may commit a step; with fewer, the step is retried until more join."""
+    """Fewest live groups that may commit a step; with fewer, the step is retried until more join, for at most
+    comm.init_timeout_seconds."""
 
     process_group: Literal["gloo", "nccl"] = "gloo"
     """Backend of the gradient all-reduce across groups: gloo (any device) or nccl (CUDA)."""

@@ -1,7 +1,9 @@
 """What every model family's hyper-parameters dataclass gives the shared code (the registry,
-the trainer's planning, the FLOP count), beside the fields docs/model.md lists."""
+the trainer's planning, the FLOP count), beside the fields docs/model.md lists; and the fields
+the newer families declare once here: a decoder's sizes (DecoderArgs) and an MoE router's
+options and load balancing (MoERoutingArgs)."""
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 
 class ModelArgs:
@@ -31,3 +33,66 @@ class ModelArgs:
         FLOP count measures (on the meta device). Each family imports it inside the method, as
         its model.py imports its args.py."""
         raise NotImplementedError(f"{cls.__name__} names no model class")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderArgs(ModelArgs):
+    """The fields Qwen3's and DeepSeek-V3's args share (Llama's predate it). The sizes have no
+    default: each flavor (and each config.json import) gives them."""
+
+    dim: int
+    """Width of the residual stream (hidden_size)."""
+    n_layers: int
+    """Number of transformer blocks."""
+    n_heads: int
+    """Query heads per block (kv_heads says how many key/value heads)."""
+    vocab_size: int
+    """Rows of the token embedding and of the output projection."""
+    ffn_hidden_dim: int
+    """Hidden size of a dense block's SwiGLU feed-forward (intermediate_size), given as it is."""
+    norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm (rms_norm_eps)."""
+    max_seq_len: int = 4096
+    """Length of the precomputed RoPE tables."""
+
+
+@dataclass(frozen=True)
+class MoERoutingArgs:
+    """The router and load-balancing fields of a family whose feed-forward may be a mixture of
+    experts (moe_args_of turns them into MoEArgs); [model] keys of the same names override
+    them (moe_norm_topk_prob for norm_topk_prob). The defaults are Qwen3-MoE's: a family with
+    other ones declares those again."""
+
+    moe_score_func: str = "softmax"
+    """How the router turns its logits into scores: "softmax" over the experts (Qwen3-MoE's,
+    the only one its Hugging Face model has) or "sigmoid", one per expert (DeepSeek-V3's, the
+    only one its Hugging Face model has)."""
+    norm_topk_prob: bool = True
+    """Rescale each token's top_k router scores to sum to 1."""
+    moe_route_scale: float = 1.0
+    """Factor on the chosen experts' weights after the rescaling (DeepSeek-V3's
+    routed_scaling_factor; 1, none, in Qwen3-MoE, the only value its export takes)."""
+    moe_n_groups: int = 1
+    """Group-limited routing: the experts form this many groups of consecutive experts and a
+    token chooses among those of its moe_topk_groups best groups (DeepSeek-V3's n_group); 1:
+    no groups (Qwen3-MoE, the only value its export takes)."""
+    moe_topk_groups: int = 1
+    """Groups a token chooses its experts from under group-limited routing (DeepSeek-V3's
+    topk_group), ranked by the sum of each group's two highest scores."""
+    moe_aux_loss_coef: float = 0.0
+    """Weight of transformers' auxiliary load-balancing loss, pooled over the layers, in the
+    training loss (router_aux_loss_coef, exported as such for Qwen3-MoE); 0: no such loss, as
+    transformers trains by default (output_router_logits off)."""
+    moe_load_balance_coef: float = 0.0
+    """Weight of the per-layer load-balancing loss (Megatron's: each layer's n_experts x
+    sum_i f_i x P_i, summed over the layers); 0: off."""
+    moe_seq_balance_coef: float = 0.0
+    """Weight of DeepSeek-V3's sequence-wise balance loss, summed over the layers; 0: off."""
+    moe_z_loss_coef: float = 0.0
+    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2, summed over the
+    layers; 1e-3 in ST-MoE); 0: off."""
+    moe_bias_update_rate: float = 0.0
+    """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step; 0: the
+    bias stays as it is (0, or as loaded). DeepSeek-V3's export carries the bias
+    (e_score_correction_bias); Qwen3-MoE has none, so a Qwen3 model trained with it routes in
+    a way transformers' Qwen3MoeForCausalLM cannot reproduce from the exported weights."""

@@ -3,7 +3,7 @@ DeepSeek-V2-Lite's shape, and a debug model."""
 
 from dataclasses import asdict, dataclass, replace
 
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import DecoderArgs, MoERoutingArgs
 from titanlite.models.moe import MODEL_BALANCING_FIELDS, MoEArgs, moe_args_of
 
 
@@ -28,17 +28,9 @@ class YarnScaling:
 
 
 @dataclass(frozen=True)
-class DeepSeekV3Args(ModelArgs):
-    dim: int = 7168
-    """Width of the residual stream (hidden_size)."""
-    n_layers: int = 61
-    """Number of transformer blocks."""
-    n_heads: int = 128
-    """Attention heads per block (queries, keys and values alike: latent attention has no GQA)."""
-    vocab_size: int = 129280
-    """Rows of the token embedding and of the output projection."""
-    norm_eps: float = 1e-6
-    """Epsilon of the blocks' and the final RMSNorm (rms_norm_eps)."""
+class DeepSeekV3Args(DecoderArgs, MoERoutingArgs):
+    # n_heads: queries, keys and values alike (latent attention has no GQA); ffn_hidden_dim:
+    # the SwiGLU of the first first_k_dense_replace blocks, the dense ones.
     q_lora_rank: int = 1536
     """Width of the queries' low-rank bottleneck (dim -> q_lora_rank -> heads); 0: one plain
     projection dim -> heads (the 16B shape; transformers' q_lora_rank None)."""
@@ -54,10 +46,6 @@ class DeepSeekV3Args(ModelArgs):
     """RoPE base of the rope part: pair i turns by position * rope_theta^(-2i/qk_rope_head_dim)."""
     rope_scaling: YarnScaling | None = None
     """YaRN scaling of the RoPE frequencies and the softmax scale; None: plain RoPE."""
-    max_seq_len: int = 4096
-    """Length of the precomputed RoPE tables."""
-    ffn_hidden_dim: int = 18432
-    """Hidden size of the dense SwiGLU of the first first_k_dense_replace blocks (intermediate_size)."""
     first_k_dense_replace: int = 3
     """Blocks, from the first, whose feed-forward is dense; all later ones are MoE."""
     n_experts: int = 256
@@ -69,30 +57,16 @@ class DeepSeekV3Args(ModelArgs):
     """Routed experts each token is sent to (num_experts_per_tok)."""
     moe_hidden_dim: int = 2048
     """Hidden size of each routed expert's SwiGLU (moe_intermediate_size)."""
+    # The router's and the balancing's defaults that differ from MoERoutingArgs' (docstrings
+    # there): DeepSeek-V3's sigmoid scores scaled by 2.5 in 4 of 8 groups, and what docs/model.md
+    # "Training an MoE" measured best for a sigmoid router, the auxiliary-loss-free bias at 1e-2
+    # with a sequence-wise loss of 1e-3 (the bias exports as e_score_correction_bias).
     moe_score_func: str = "sigmoid"
-    """How the router turns logits into scores: "sigmoid" (DeepSeek-V3's, the only one that
-    exports) or "softmax" (DeepSeek-V2's). [model] moe_score_func overrides it."""
-    norm_topk_prob: bool = True
-    """Rescale each token's top_k scores to sum to 1. [model] moe_norm_topk_prob overrides it."""
     moe_route_scale: float = 2.5
-    """Factor on the chosen experts' weights (routed_scaling_factor). [model] moe_route_scale."""
     moe_n_groups: int = 8
-    """Group-limited routing over this many groups of consecutive experts (n_group)."""
     moe_topk_groups: int = 4
-    """Groups a token chooses its experts from (topk_group)."""
-    # Balancing: what docs/model.md "Training an MoE" measured best for a sigmoid router,
-    # the auxiliary-loss-free bias at 1e-2 with a sequence-wise loss of 1e-3.
-    moe_aux_loss_coef: float = 0.0
-    """Weight of transformers' pooled load-balancing loss; 0: off. [model] key of the same name."""
-    moe_load_balance_coef: float = 0.0
-    """Weight of the per-layer load-balancing loss (Megatron's); 0: off. [model] key of the same name."""
     moe_seq_balance_coef: float = 1e-3
-    """Weight of DeepSeek-V3's sequence-wise balance loss, summed over the layers. [model] key."""
-    moe_z_loss_coef: float = 0.0
-    """Weight of the router z-loss; 0: off. [model] key of the same name."""
     moe_bias_update_rate: float = 1e-2
-    """Step of the auxiliary-loss-free expert bias after each optimizer step (DeepSeek-V3's
-    e_score_correction_bias, which exports); 0: the bias stays as loaded. [model] key."""
 
     def with_rope_scaling(self, factor: float, original_seq_len: int | None):
         """YaRN (YarnScaling: the flavor's betas and magnitudes when it has them) by ``factor``
@@ -174,70 +148,37 @@ _V3_YARN = YarnScaling(factor=40.0, original_max_position_embeddings=4096, mscal
 # DeepSeek-V2-Lite's: the same stretch, its magnitudes weighted 0.707.
 _V2_LITE_YARN = replace(_V3_YARN, mscale=0.707, mscale_all_dim=0.707)
 
+# Each flavor a line per concern: the sizes, the latent attention, its RoPE, the feed-forwards
+# and their router (left as written: one field a line hides the shape).
 DEEPSEEK_V3_FLAVORS = {
     # Small enough to train on one CPU core, with what makes DeepSeek-V3 itself: a query
     # bottleneck, 1 dense block before the MoE ones, 8 experts in 4 groups (2 chosen of
     # them), a shared expert, sigmoid scores scaled by 2.5, YaRN. Its vocabulary is the byte
     # tokenizer's (256 bytes + BOS + EOS).
     "debugmodel": DeepSeekV3Args(
-        dim=256,
-        n_layers=4,
-        n_heads=8,
-        vocab_size=258,
-        q_lora_rank=64,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
+        dim=256, n_layers=4, n_heads=8, vocab_size=258, ffn_hidden_dim=512,
+        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
         rope_scaling=replace(_V3_YARN, factor=4.0, original_max_position_embeddings=256),
-        ffn_hidden_dim=512,
-        first_k_dense_replace=1,
-        n_experts=8,
-        top_k=2,
-        moe_hidden_dim=128,
-        moe_n_groups=4,
-        moe_topk_groups=2,
+        first_k_dense_replace=1, n_experts=8, top_k=2, moe_hidden_dim=128, moe_n_groups=4, moe_topk_groups=2,
     ),
     # torchtitan's 16B (DeepSeek-V2-Lite's shape): no query bottleneck, 64 experts of which
     # each token meets 6 plus 2 shared, softmax scores, no groups, no renormalisation.
     "16B": DeepSeekV3Args(
-        dim=2048,
-        n_layers=27,
-        n_heads=16,
-        vocab_size=102400,
-        q_lora_rank=0,
-        rope_scaling=_V2_LITE_YARN,
-        max_seq_len=4096,
-        ffn_hidden_dim=10944,
-        first_k_dense_replace=1,
-        n_experts=64,
-        n_shared_experts=2,
-        top_k=6,
-        moe_hidden_dim=1408,
-        moe_score_func="softmax",
-        norm_topk_prob=False,
-        moe_route_scale=1.0,
-        moe_n_groups=1,
-        moe_topk_groups=1,
+        dim=2048, n_layers=27, n_heads=16, vocab_size=102400, ffn_hidden_dim=10944, max_seq_len=4096,
+        q_lora_rank=0, rope_scaling=_V2_LITE_YARN,
+        first_k_dense_replace=1, n_experts=64, n_shared_experts=2, top_k=6, moe_hidden_dim=1408,
+        moe_score_func="softmax", norm_topk_prob=False, moe_route_scale=1.0, moe_n_groups=1, moe_topk_groups=1,
     ),
-    # DeepSeek-V3 (its config.json; the class defaults are its shape).
-    "671B": DeepSeekV3Args(rope_scaling=_V3_YARN),
-}
+    # DeepSeek-V3 (its config.json; the class defaults are the rest of its shape).
+    "671B": DeepSeekV3Args(
+        dim=7168, n_layers=61, n_heads=128, vocab_size=129280, ffn_hidden_dim=18432, rope_scaling=_V3_YARN
+    ),
+}  # fmt: skip
 
 # The test suite's model: tiny's widths, 3 blocks (1 dense), 4 experts in 2 groups.
 DEEPSEEK_V3_FLAVORS["tiny"] = replace(
     DEEPSEEK_V3_FLAVORS["debugmodel"],
-    dim=64,
-    n_layers=3,
-    n_heads=4,
-    q_lora_rank=32,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=8,
-    v_head_dim=16,
-    ffn_hidden_dim=96,
-    n_experts=4,
-    moe_hidden_dim=32,
-    moe_n_groups=2,
-    moe_topk_groups=1,
-)
+    dim=64, n_layers=3, n_heads=4, ffn_hidden_dim=96,
+    q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=16,
+    n_experts=4, moe_hidden_dim=32, moe_n_groups=2, moe_topk_groups=1,
+)  # fmt: skip

@@ -2,33 +2,19 @@
 
 from dataclasses import asdict, dataclass, replace
 
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import DecoderArgs, MoERoutingArgs
 from titanlite.models.moe import MODEL_BALANCING_FIELDS, MoEArgs, moe_args_of
 
 
 @dataclass(frozen=True)
-class Qwen3Args(ModelArgs):
-    dim: int = 4096
-    """Width of the residual stream (hidden_size)."""
-    n_layers: int = 36
-    """Number of transformer blocks."""
-    n_heads: int = 32
-    """Query heads per block."""
+class Qwen3Args(DecoderArgs, MoERoutingArgs):
     n_kv_heads: int = 8
     """Key/value heads per block; each is shared by n_heads / n_kv_heads query heads."""
     head_dim: int = 128
     """Width of one head. Unlike Llama's it is not dim / n_heads: Qwen3 0.6B has 16 heads of
     128 in a 1024-wide stream, so attention is wider than the stream."""
-    ffn_hidden_dim: int = 12288
-    """Hidden size of the SwiGLU feed-forward (intermediate_size), given as it is."""
-    vocab_size: int = 151936
-    """Rows of the token embedding (and of the output projection)."""
-    norm_eps: float = 1e-6
-    """Epsilon of every RMSNorm, the per-head query/key norms included."""
     rope_theta: float = 1_000_000.0
     """RoPE base: pair i of a head turns by position * rope_theta^(-2i/head_dim)."""
-    max_seq_len: int = 4096
-    """Length of the precomputed RoPE tables."""
     tie_word_embeddings: bool = False
     """Whether the output projection is the token embedding (one matrix, one parameter)."""
     n_experts: int = 0
@@ -39,45 +25,6 @@ class Qwen3Args(ModelArgs):
     """Experts each token is sent to (num_experts_per_tok); used when n_experts is set."""
     moe_hidden_dim: int = 0
     """Hidden size of each expert's SwiGLU (moe_intermediate_size); used when n_experts is set."""
-    moe_score_func: str = "softmax"
-    """How the router turns its logits into scores: "softmax" over the experts (Qwen3-MoE's)
-    or "sigmoid", one per expert (DeepSeek-V3's; not exported: transformers' Qwen3-MoE has
-    only the softmax). Used when n_experts is set; [model] moe_score_func overrides it."""
-    norm_topk_prob: bool = True
-    """Rescale each token's top_k router scores to sum to 1 (Qwen3-MoE does). Used when
-    n_experts is set; [model] moe_norm_topk_prob overrides it."""
-    moe_route_scale: float = 1.0
-    """Factor on the chosen experts' weights after the rescaling (DeepSeek-V3's
-    routed_scaling_factor; 1, none, in Qwen3-MoE, the only value that exports). Used when
-    n_experts is set; [model] moe_route_scale overrides it."""
-    moe_n_groups: int = 1
-    """Group-limited routing: the experts form this many groups of consecutive experts and a
-    token chooses among those of its moe_topk_groups best groups (DeepSeek-V3's n_group); 1:
-    no groups (Qwen3-MoE, the only value that exports). [model] moe_n_groups overrides it."""
-    moe_topk_groups: int = 1
-    """Groups a token chooses its experts from under group-limited routing (DeepSeek-V3's
-    topk_group), ranked by the sum of each group's two highest scores. [model]
-    moe_topk_groups overrides it."""
-    moe_aux_loss_coef: float = 0.0
-    """Weight of transformers' auxiliary load-balancing loss, pooled over the layers, in the
-    training loss (router_aux_loss_coef, exported as such); 0: no such loss, as transformers
-    trains by default (output_router_logits off). Used when n_experts is set; a run sets it
-    with the key of the same name in [model]."""
-    moe_load_balance_coef: float = 0.0
-    """Weight of the per-layer load-balancing loss (Megatron's: each layer's n_experts x
-    sum_i f_i x P_i, summed over the layers); 0: off. [model] key of the same name."""
-    moe_seq_balance_coef: float = 0.0
-    """Weight of DeepSeek-V3's sequence-wise balance loss, summed over the layers (1e-4 in
-    DeepSeek-V3); 0: off. [model] key of the same name."""
-    moe_z_loss_coef: float = 0.0
-    """Weight of the router z-loss (mean over tokens of logsumexp(logits)^2, summed over the
-    layers; 1e-3 in ST-MoE); 0: off. [model] key of the same name."""
-    moe_bias_update_rate: float = 0.0
-    """Step of DeepSeek-V3's auxiliary-loss-free expert bias after each optimizer step (1e-3 in
-    DeepSeek-V3); 0: the bias stays 0. Off by default: Qwen3-MoE has no such bias, so a model
-    trained with it routes in a way transformers' Qwen3MoeForCausalLM cannot reproduce from
-    the exported weights. Used when n_experts is set; a run sets it with the key of the same
-    name in [model]."""
 
     def __post_init__(self):
         if not self.n_experts:
@@ -135,14 +82,8 @@ QWEN3_FLAVORS = {
     # wider than dim / n_heads (8 x 64 in a 256-wide stream), per-head query/key norms and
     # tied embeddings. Its vocabulary is the built-in byte tokenizer's (256 bytes + BOS + EOS).
     "debugmodel": Qwen3Args(
-        dim=256,
-        n_layers=6,
-        n_heads=8,
-        n_kv_heads=4,
-        head_dim=64,
-        ffn_hidden_dim=768,
-        vocab_size=258,
-        tie_word_embeddings=True,
+        dim=256, n_layers=6, n_heads=8, vocab_size=258, ffn_hidden_dim=768,
+        n_kv_heads=4, head_dim=64, tie_word_embeddings=True,
     ),
     # The test suite's models: 3 blocks, grouped-query attention, heads wider than
     # dim / n_heads; untied (which pipeline parallelism can split) and tied like the published
@@ -155,7 +96,7 @@ QWEN3_FLAVORS = {
     "8B": Qwen3Args(dim=4096, n_layers=36, n_heads=32, ffn_hidden_dim=12288, **_PUBLISHED),
     "14B": Qwen3Args(dim=5120, n_layers=40, n_heads=40, ffn_hidden_dim=17408, **_PUBLISHED),
     "32B": Qwen3Args(dim=5120, n_layers=64, n_heads=64, ffn_hidden_dim=25600, **_PUBLISHED),
-}
+}  # fmt: skip
 
 # What the published Qwen3-MoE sizes share besides _PUBLISHED (their config.json files): 4
 # key/value heads, 128 experts of which each token meets 8, renormalised top-8 weights,

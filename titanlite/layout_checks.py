@@ -4,15 +4,17 @@ parallelism, MoE routing under TP and context parallelism cut into equal pieces,
 document masking needs. plan.py runs them before any process group or tensor exists."""
 
 import torch
+from torch import nn
 
-from titanlite.config import ConfigError, JobConfig
+from titanlite.config import ConfigError, JobConfig, Model
 from titanlite.parallel import ParallelDims
-from titanlite.registry import get_model_spec
+from titanlite.registry import ModelSpec
 
 
-def check_tensor_parallel(job_config: JobConfig, model_args, tp: int) -> None:
-    """The TP degree against the model's shapes, and async TP against what it needs."""
-    problem = get_model_spec(job_config.model.name).tensor_parallel_problem(model_args, tp)
+def check_tensor_parallel(job_config: JobConfig, spec: ModelSpec, model_args, tp: int) -> None:
+    """The TP degree against the model's shapes (by its registry ``spec``'s rule), and async TP
+    against what it needs."""
+    problem = spec.tensor_parallel_problem(model_args, tp)
     if problem is not None:
         raise ConfigError(f"{problem} ({job_config.model.name} {job_config.model.flavor})")
     sequence_parallel = job_config.parallelism.enable_sequence_parallel
@@ -53,14 +55,13 @@ def _checked_seq_lens(job_config: JobConfig) -> dict[str, int]:
     return lengths
 
 
-def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
+def check_context_parallel(job_config: JobConfig, model_cls: type[nn.Module], model_args, dims: ParallelDims) -> None:
     """Every sequence must cut into the cp ranks' equal chunks (2 x cp of them for headtail), each
     then split evenly over the TP ranks where sequence parallelism or an MoE layer splits it; and
     the model's attention must have the kernel module context parallelism replaces."""
     if dims.cp == 1:
         return
     parallelism = job_config.parallelism
-    model_cls = get_model_spec(job_config.model.name).model_cls
     if getattr(model_cls.block_cls.attention_cls, "kernel_name", None) is None:
         raise ConfigError(
             f"parallelism.context_parallel_degree ({dims.cp}): {job_config.model.name}'s attention has no kernel "
@@ -80,12 +81,12 @@ def check_context_parallel(job_config: JobConfig, model_args, dims: ParallelDims
             raise ConfigError(f"{key} ({seq_len}) must be a multiple of {why}")
 
 
-def check_document_mask(job_config: JobConfig, tokenizer) -> None:
+def check_document_mask(model: Model, tokenizer) -> None:
     """block_causal needs the tokenizer's end-of-document token."""
-    if job_config.model.attn_mask_type != "block_causal":
+    if model.attn_mask_type != "block_causal":
         return
     if tokenizer.eos_id is None:
         raise ConfigError(
             'model.attn_mask_type = "block_causal" needs an end-of-document token, and the tokenizer of '
-            f"model.hf_assets_path ({job_config.model.hf_assets_path}) names no eos_token"
+            f"model.hf_assets_path ({model.hf_assets_path}) names no eos_token"
         )

@@ -26,3 +26,9 @@ def global_loss(loss_share: torch.Tensor, ranks_per_dp_rank: int = 1, stages: in
     dist.all_gather(shares, loss_share)
     shares = torch.stack(shares).view(stages, -1).sum(0)[::ranks_per_dp_rank]
     return shares.sum().item(), (shares.max() * len(shares)).item()
+
+
+def training_loss(compiled: bool):
+    """The loss a run trains with: cross_entropy_sum, through torch.compile where ``compiled``
+    (compile.enable with "loss" in compile.components)."""
+    return torch.compile(cross_entropy_sum) if compiled else cross_entropy_sum

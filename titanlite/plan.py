@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from titanlite.config import ConfigError, JobConfig, value_text
+from titanlite.config import ConfigError, JobConfig, Model, Training, Validation, value_text
 from titanlite.config.model import MOE_KEYS
 from titanlite.config.parallelism import SPLIT_BACKWARD_SCHEDULES
 from titanlite.data import ByteTokenizer, build_tokenizer, open_windows
@@ -21,7 +21,7 @@ from titanlite.parallel import ParallelDims
 from titanlite.parallel.parallelize import moe_layers
 from titanlite.parallel.pipeline import PipelinePlan, plan_pipeline, prune_to_stage
 from titanlite.quantize import convert_to_float8
-from titanlite.registry import get_model_args, get_model_spec, padded_vocab_size
+from titanlite.registry import ModelSpec, get_model_args, get_model_spec, padded_vocab_size
 from titanlite.validation import open_held_out
 
 logger = logging.getLogger("titanlite")
@@ -32,6 +32,7 @@ class RunPlan:
     """Everything decided from the config before any process group or tensor exists."""
 
     parallel_dims: ParallelDims
+    model_spec: ModelSpec  # model.name's entry of the registry, looked up once
     model_args: object  # the flavor's, its vocabulary sized for the tokenizer (model_vocab_size)
     global_batch_size: int
     grad_accum_steps: int
@@ -49,6 +50,10 @@ class RunPlan:
         """The ids that are tokens when the vocabulary was sized from the tokenizer (the rows
         past them are padding); None with the byte tokenizer, whose model keeps the flavor's rows."""
         return None if isinstance(self.tokenizer, ByteTokenizer) else self.tokenizer.vocab_size
+
+    def meta_model(self) -> nn.Module:
+        """The run's model on the meta device: every parameter's shape and dtype, no memory."""
+        return _on_meta(self.model_spec.model_cls, self.model_args)
 
 
 def model_vocab_size(job_config: JobConfig, flavor_vocab_size: int, tokenizer) -> int:
@@ -138,6 +143,7 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
     training, parallelism = job_config.training, job_config.parallelism
     tokenizer = tokenizer or load_tokenizer(job_config)
     model_args = run_model_args(job_config, tokenizer)
+    spec = get_model_spec(job_config.model.name)
     try:
         parallel_dims = ParallelDims.resolve(
             parallelism.data_parallel_replicate_degree,
@@ -150,18 +156,17 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         )
         pipeline = None
         if parallel_dims.pp > 1:
-            model_cls = get_model_spec(job_config.model.name).model_cls
             costs = block_flops_per_token(model_args, training.seq_len)
-            pipeline = plan_pipeline(parallelism, model_cls, model_args, training.local_batch_size, costs)
+            pipeline = plan_pipeline(parallelism, spec.model_cls, model_args, training.local_batch_size, costs)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if pipeline is not None:
-        check_pipeline_validation(job_config)
+        check_pipeline_validation(job_config.validation, training)
     if parallel_dims.ep > 1:
-        check_expert_parallel(job_config, model_args, parallel_dims)
-    check_tensor_parallel(job_config, model_args, parallel_dims.tp)
-    check_context_parallel(job_config, model_args, parallel_dims)
-    check_document_mask(job_config, tokenizer)
+        check_expert_parallel(job_config.model, spec.model_cls, model_args, parallel_dims)
+    check_tensor_parallel(job_config, spec, model_args, parallel_dims.tp)
+    check_context_parallel(job_config, spec.model_cls, model_args, parallel_dims)
+    check_document_mask(job_config.model, tokenizer)
     if pipeline is not None:
         check_split_backward(job_config, pipeline.schedule, parallel_dims)
     if training.enable_cpu_offload and not parallel_dims.fsdp_applied:
@@ -174,14 +179,13 @@ def plan_run(job_config: JobConfig, world_size: int, tokenizer=None) -> RunPlan:
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunPlan(parallel_dims, model_args, global_batch, accumulation, tokenizer, pipeline, groups)
+    return RunPlan(parallel_dims, spec, model_args, global_batch, accumulation, tokenizer, pipeline, groups)
 
 
-def check_pipeline_validation(job_config: JobConfig) -> None:
+def check_pipeline_validation(validation: Validation, training: Training) -> None:
     """Under pipeline parallelism the held-out batches go through the training pipeline, whose
     stages hold buffers of the training micro-batches' shape: the validation batch must be the
     training one (-1, or the same numbers)."""
-    validation, training = job_config.validation, job_config.training
     if not validation.enable:
         return
     for key, size in (("local_batch_size", training.local_batch_size), ("seq_len", training.seq_len)):
@@ -227,15 +231,14 @@ def unused_layout_keys(job_config: JobConfig, parallel_dims: ParallelDims) -> li
     ]
 
 
-def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims) -> None:
+def check_expert_parallel(model: Model, model_cls: type[nn.Module], model_args, dims: ParallelDims) -> None:
     """Expert parallelism against the model's MoE layers, read from the model itself (built
     on the meta device, so no model's args are named here): it needs experts, as many on
     each ep rank, and expert rows that FSDP splits evenly over the ranks EP leaves
     (data_parallel_shard_degree / (expert_parallel_degree / tensor_parallel_degree)): an ep
     group takes all the TP ranks first (ParallelDims.ep_shard)."""
-    key, ep, model = "parallelism.expert_parallel_degree", dims.ep, job_config.model
-    which = f"{model.name} {model.flavor}"
-    moe_args = _first_moe_args(job_config.model.name, model_args)
+    key, ep, which = "parallelism.expert_parallel_degree", dims.ep, f"{model.name} {model.flavor}"
+    moe_args = _first_moe_args(model_cls, model_args)
     if moe_args is None:
         raise ConfigError(f"{key} ({ep}) needs a model with routed experts; {which} has none: set it to 1")
     n_experts = moe_args.n_experts
@@ -252,11 +255,10 @@ def check_expert_parallel(job_config: JobConfig, model_args, dims: ParallelDims)
 
 
 @functools.lru_cache(maxsize=16)
-def _first_moe_args(model_name: str, model_args):
+def _first_moe_args(model_cls: type[nn.Module], model_args):
     """The first MoE layer's args of the model, built on meta (None for a dense model); kept,
     as a sweep asks for each of its hundreds of layouts."""
-    with torch.device("meta"):
-        layers = moe_layers(get_model_spec(model_name).model_cls(model_args))
+    layers = moe_layers(_on_meta(model_cls, model_args))
     return layers[0].args if layers else None
 
 
@@ -338,9 +340,13 @@ def load_tokenizer_and_data(job_config: JobConfig, plan: RunPlan):
 
 
 def meta_model(job_config: JobConfig, model_args) -> nn.Module:
-    """The config's model on the meta device: every parameter's shape and dtype, no memory."""
+    """The config's model on the meta device, before a plan exists (else RunPlan.meta_model)."""
+    return _on_meta(get_model_spec(job_config.model.name).model_cls, model_args)
+
+
+def _on_meta(model_cls: type[nn.Module], model_args) -> nn.Module:
     with torch.device("meta"):
-        return get_model_spec(job_config.model.name).model_cls(model_args)
+        return model_cls(model_args)
 
 
 def build_model(
@@ -358,7 +364,7 @@ def build_model(
     Without ``device`` it stays on meta, for a caller that materialises it its own way (e.g. as
     fake tensors). ``stage_modules``: build only the part of one pipeline stage, the modules it
     names."""
-    model = meta_model(job_config, plan.model_args)
+    model = plan.meta_model()
     if job_config.model.attn_mask_type == "block_causal":
         model.document_end_id = plan.tokenizer.eos_id  # checked by check_document_mask
     if stage_modules is not None:
@@ -366,7 +372,7 @@ def build_model(
     # Converters change the modules parallelisation wraps and splits (float8's TP styles), so they come first.
     for line in convert_to_float8(model, job_config, fsdp=plan.parallel_dims.fsdp_applied):
         logger.info(line)
-    model = get_model_spec(job_config.model.name).parallelize_fn(model, plan.parallel_dims, mesh, job_config)
+    model = plan.model_spec.parallelize_fn(model, plan.parallel_dims, mesh, job_config)
     if device is not None:
         model.to_empty(device=device)
         model.init_weights(seed=job_config.debug.seed, buffer_device=buffer_device or torch.device(device))

@@ -38,6 +38,13 @@ class StopSignal:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # a CPU tensor: no wait on the GPU
         return bool(flag.item())
 
+    def agreed(self, due: bool) -> bool:
+        """Whether any rank got one, where ``due``: the ranks compare flags (on_any_rank) at
+        the same steps only; a single process tells its own at every one."""
+        if not dist.is_initialized():
+            return self.received
+        return due and self.on_any_rank()
+
     def report_time(self, grace_seconds: int) -> None:
         """Say how much of the launchers' grace after the signal the stop used, the figure
         to size checkpoint.stop_save_seconds by."""

@@ -20,17 +20,16 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState, RNGState
+from titanlite.checkpoint import CheckpointError, ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
+from titanlite.checkpoint.layout import LAYOUT_ENTRIES_ADDED_LATER, layout_record, log_resumed_layout
 from titanlite.config import ConfigError, JobConfig, parse_args
 from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
-from titanlite.fault_tolerant_run import join_replica_groups, replica_group_metrics
-from titanlite.loss import cross_entropy_sum, global_loss
+from titanlite.fault_tolerant_run import replica_group_metrics
+from titanlite.loss import global_loss, training_loss
 from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
 from titanlite.nonfinite import SYNC_EVERY, UnreadSteps, step_unless
-from titanlite.optim import build_lr_scheduler, build_optimizer
-from titanlite.optim.ema import EMA
 from titanlite.parallel import (
     clip_grad_norm_,
     compute_context,
@@ -43,24 +42,20 @@ from titanlite.parallel import (
 )
 from titanlite.parallel.fault_tolerance import FaultToleranceError
 from titanlite.profiling import profiler_context
-from titanlite.quantize import scale_precompute_hook
-from titanlite.registry import get_model_spec
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
-    LAYOUT_ENTRIES_ADDED_LATER,
     balance_expert_load,
     build_loader,
     build_metrics,
+    build_optimizers,
     build_run_model,
     build_run_validator,
     check_run,
     config_ok_line,
-    layout_record,
     log_built_model,
-    log_resumed_layout,
     log_run_summary,
     save_resolved_config,
-    seed_weights_from_hf,
+    start_from_checkpoint,
     start_processes,
 )
 
@@ -71,7 +66,7 @@ class Trainer(Stateful):
     """Builds the run from the config and trains. It is also the checkpoint's
     "train_state": the step, the tokens seen, and the layout and global batch that wrote it."""
 
-    # train_state entries that checkpoints written before them lack (see trainer_setup).
+    # train_state entries that checkpoints written before them lack (see checkpoint.layout).
     entries_added_later = LAYOUT_ENTRIES_ADDED_LATER
 
     def __init__(self, job_config: JobConfig):
@@ -79,56 +74,42 @@ class Trainer(Stateful):
         training = job_config.training
 
         # 1. Decide and validate everything before creating a process group or tensor.
-        self.plan, self.tokenizer, windows, _ = check_run(job_config)
-        model_spec = get_model_spec(job_config.model.name)
+        plan, self.tokenizer, windows, _ = check_run(job_config)
+        self.plan = plan
 
         # 2. Devices and processes.
-        self.device, self.rank, mesh, self.flight_recorder_dump = start_processes(job_config, self.plan)
-        parallel_dims, self.mesh = self.plan.parallel_dims, mesh
+        self.device, self.rank, mesh, self.flight_recorder_dump = start_processes(job_config, plan)
+        parallel_dims, self.mesh = plan.parallel_dims, mesh
 
         # 3. Data: every data-parallel rank reads a disjoint part of each global batch (the
         # tensor-parallel ranks of one group read the same part).
-        self.loader = build_loader(job_config, self.plan, windows, mesh, self.rank, self.device)
+        self.loader = build_loader(job_config, plan, windows, mesh, self.rank, self.device)
 
         # 4. Model: built on meta, parallelised, then materialised shard by shard (under
         # pipeline parallelism: this rank's stages, each so, run by the pipeline's schedule).
         self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
         # Entered anew for each micro-batch's loss and its backward (loss parallel under TP).
         self.loss_context = partial(loss_context, parallel_dims, job_config)
-        self.loss_fn = cross_entropy_sum
-        if job_config.compile.enable and "loss" in job_config.compile.components:
-            self.loss_fn = torch.compile(cross_entropy_sum)
+        self.loss_fn = training_loss(compiled=job_config.compile.enable and "loss" in job_config.compile.components)
         # Packed windows have no padding and no ignored labels, so the group's batch always
         # holds exactly this many target tokens. Dividing every rank's summed loss by it makes
         # the summed gradients equal one big batch's, whatever the layout. (Without fault
         # tolerance the group is the whole job; with it the groups' gradients are averaged.)
-        self.group_tokens = self.plan.group_batch_size * training.seq_len
-        model, self.pipeline = build_run_model(
-            job_config,
-            self.plan,
-            mesh,
-            self.device,
-            lambda logits, labels: self.loss_fn(logits, labels) / self.group_tokens,
-        )
+        self.group_tokens = plan.group_batch_size * training.seq_len
+        model, self.pipeline = build_run_model(job_config, plan, mesh, self.device, self._group_loss_share)
         self.model = model
-        self.dtype_probe, self.phase_memory = log_built_model(
-            job_config, self.plan, model, mesh, self.rank, self.device
-        )
+        self.dtype_probe, self.phase_memory = log_built_model(job_config, plan, model, mesh, self.rank, self.device)
 
         # 5. Optimizer, schedule and the weight average.
-        self.optimizer = build_optimizer(model.parameters(), job_config.optimizer)
-        self.lr_scheduler = build_lr_scheduler(self.optimizer, job_config.lr_scheduler, training.steps)
-        precompute = scale_precompute_hook(job_config, parallel_dims.fsdp_applied, model)
-        if precompute is not None:  # float8 all-gathers' weight scales, once the weights changed
-            self.optimizer.register_step_post_hook(precompute)
-        self.ema = EMA(model, job_config.ema.decay) if job_config.ema.enable else None
-        self.step = 0
-        self.tokens_seen = 0
+        self.optimizer, self.lr_scheduler, self.ema = build_optimizers(job_config, plan, model)
+        self.step = self.tokens_seen = 0
         self.unread_steps = UnreadSteps(training.skip_nonfinite_steps)
 
-        # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model.
+        # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model
+        # (or join the replica groups, or start from Hugging Face weights).
+        description = ModelDescription.of_run(job_config.model, plan.model_args, plan.tokenizer_vocab_size)
         states = {
-            "model": ModelState(model, self.model_description()),
+            "model": ModelState(model, description),
             "optimizer": OptimizerState(model, self.optimizer),
             "lr_scheduler": self.lr_scheduler,
             "dataloader": self.loader,
@@ -137,48 +118,20 @@ class Trainer(Stateful):
         }
         if self.ema is not None:
             states["ema"] = self.ema
-        self.replicas = join_replica_groups(job_config, self.plan, states)
-        self.checkpointer = CheckpointManager(
-            states,
-            job_config.checkpoint,
-            job_config.job.dump_folder,
-            job_config.comm.init_timeout_seconds,
-            shared_by_groups=self.replicas is not None,
-        )
-        # A group joining a running job heals from a live one in its first quorum and reads
-        # no checkpoint; a fresh or fully restarted job loads as without fault tolerance.
-        healed = self.replicas is not None and self.replicas.wait_for_all_groups(
-            self.step, job_config.comm.init_timeout_seconds
-        )
-        loaded = [] if healed else self.checkpointer.load()
-        if self.replicas is not None:
-            self.replicas.resume_at(self.step)
-        if not loaded and not healed and job_config.checkpoint.initial_load_in_hf:
-            adapter, group = model_spec.state_dict_adapter, self.checkpointer.process_group
-            seed_weights_from_hf(job_config, self.plan, model, adapter, group)
-            loaded = ["model"]
-        if self.ema is not None and loaded and "ema" not in loaded:
-            self.ema.restart()  # average the loaded weights, not the random ones
+        self.checkpointer, self.replicas = start_from_checkpoint(job_config, plan, model, states)
         self.stop_signal = StopSignal()
         if job_config.checkpoint.enable:
             self.stop_signal.install()
 
         # 7. Metrics and held-out loss.
-        self.metrics = build_metrics(job_config, self.plan, self.rank, self.device)
-        self.balancer = balance_expert_load(self.plan, model, self.optimizer, self.metrics, mesh, self.group_tokens)
+        self.metrics = build_metrics(job_config, plan, self.rank, self.device)
+        self.balancer = balance_expert_load(plan, model, self.optimizer, self.metrics, mesh, self.group_tokens)
         if self.replicas is not None:
             self.metrics.add_source(partial(replica_group_metrics, self.replicas))
         self.validator = build_run_validator(
-            job_config,
-            self.plan,
-            self.tokenizer,
-            self.loss_fn,
-            self.loss_context,
-            self.compute_context,
-            mesh,
-            self.device,
+            job_config, plan, self.tokenizer, self.loss_fn, self.loss_context, self.compute_context, mesh, self.device
         )
-        log_run_summary(job_config, self.plan, model, self.device)
+        log_run_summary(job_config, plan, model, self.device)
 
     # --- one optimizer step ------------------------------------------------------------
 
@@ -227,8 +180,7 @@ class Trainer(Stateful):
         if self.ema is not None:
             self.ema.update(skip=nonfinite)
         self.step += 1
-        groups_in_step = 1 if self.replicas is None else self.replicas.participants
-        self.tokens_seen += self.group_tokens * groups_in_step
+        self.tokens_seen += self.group_tokens * (1 if self.replicas is None else self.replicas.participants)
         self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share)
         return loss_share, grad_norm
 
@@ -241,17 +193,18 @@ class Trainer(Stateful):
         with self.loss_context():
             with self.compute_context:
                 logits = self.model(inputs)
-                loss = self.loss_fn(logits, labels) / self.group_tokens
+                loss = self._group_loss_share(logits, labels)
             del logits  # the [batch, seq, vocab] logits are the largest activation
             self.phase_memory.mark("forward")
             loss.backward()
         # Under loss parallel the loss is a DTensor every TP rank holds whole.
         return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
 
-    # --- train_state, signals -----------------------------------------------------------
+    def _group_loss_share(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed loss of these logits over the group's target tokens (see group_tokens)."""
+        return self.loss_fn(logits, labels) / self.group_tokens
 
-    def model_description(self) -> ModelDescription:
-        return ModelDescription.of_run(self.job_config.model, self.plan.model_args, self.plan.tokenizer_vocab_size)
+    # --- train_state, signals -----------------------------------------------------------
 
     def state_dict(self) -> dict:
         # The layout is not loaded back: a resume compares it with its own (log_resumed_layout).
@@ -264,12 +217,8 @@ class Trainer(Stateful):
     def stop_requested(self) -> bool:
         """Whether any rank got a stop signal; all ranks must agree to save together, so
         with several ranks they compare flags every SYNC_EVERY steps and at save points."""
-        if not self.job_config.checkpoint.enable:
-            return False
-        if not dist.is_initialized():
-            return self.stop_signal.received
         due = self.step % SYNC_EVERY == 0 or self.checkpointer.should_save(self.step, self.job_config.training.steps)
-        return due and self.stop_signal.on_any_rank()
+        return self.job_config.checkpoint.enable and self.stop_signal.agreed(due)
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         # Documents are read as training goes, so a bad record far into a file shows up
@@ -342,9 +291,7 @@ class Trainer(Stateful):
         self.metrics.step_done(device_tokens / (dims.tp * dims.pp * dims.cp))
         if self.step % training.gc_freq == 0:
             gc.collect(1)
-        if self.dtype_probe is not None:
-            self.dtype_probe.report()
-            self.dtype_probe = None
+        self.dtype_probe.report()  # after the first step only
         self.phase_memory.end_step(self.step)
         # The first step of every run segment is logged, a resumed one's too.
         log_due = self.step == self.first_step + 1 or self.step % log_freq == 0 or self.step == training.steps
@@ -391,44 +338,49 @@ class Trainer(Stateful):
         return False
 
 
+# main's line after "titanlite: " for each failure it expects, its exit status (2: the config or
+# the checkpoint to start from, 1: something during training), and whether every rank meets
+# the same one (then rank 0 alone prints it).
+START_FAILURES = {
+    ConfigError: ("config error: {error}", 2, True),
+    CheckpointError: ("checkpoint error: {error}", 2, True),
+    FaultToleranceError: ("fault tolerance: {error}", 1, False),  # no quorum to join
+}
+TRAINING_FAILURES = {
+    CheckpointError: ("checkpoint error at step {step}: {error}", 1, False),
+    DataError: ("data error in step {next_step}: {error}", 1, False),
+    FaultToleranceError: ("fault tolerance: {error}", 1, False),
+    NonFiniteError: ("non-finite values at {error}", 1, True),  # every rank: the same step, the same norm
+}
+
+
+def _failure(table: dict, error: Exception, rank: int, **where) -> tuple[str, int, bool]:
+    """(line, exit status, whether this rank prints it) for ``error``, of one of ``table``'s kinds."""
+    template, status, same_on_every_rank = next(entry for kind, entry in table.items() if isinstance(error, kind))
+    return f"titanlite: {template.format(error=error, **where)}", status, rank == 0 or not same_on_every_rank
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Train; every expected failure is one stderr line and an exit status (2: the config
-    or checkpoint to start from, 1: something during training). A bare --debug adds the
-    traceback after the line."""
+    """Train; every expected failure is one stderr line and an exit status (the tables above).
+    A bare --debug adds the traceback after the line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    # A flag of the launcher, not a config key.
-    fail = partial(report_failure, show_traceback="--debug" in argv)
+    fail = partial(report_failure, show_traceback="--debug" in argv)  # a flag of the launcher, not a config key
     argv = [arg for arg in argv if arg != "--debug"]
-    rank0 = int(os.environ.get("RANK", "0")) == 0  # every rank finds the same config mistake
     try:
         job_config = parse_args(argv)
-    except ConfigError as error:
-        return fail(f"titanlite: config error: {error}", 2, rank0)
-    try:
         if job_config.job.validate_only:
             plan, *_, memory = check_run(job_config)
             print(config_ok_line(plan, memory))
             return 0
         trainer = Trainer(job_config)
-    except (ConfigError, CheckpointError) as error:
+    except tuple(START_FAILURES) as error:
         destroy_distributed()
-        kind = "config" if isinstance(error, ConfigError) else "checkpoint"
-        return fail(f"titanlite: {kind} error: {error}", 2, rank0)
-    except FaultToleranceError as error:  # no quorum to join
-        destroy_distributed()
-        return fail(f"titanlite: fault tolerance: {error}", 1)
+        return fail(*_failure(START_FAILURES, error, int(os.environ.get("RANK", "0"))))
     try:
         save_resolved_config(job_config, trainer.rank)
         trainer.train()
-    except CheckpointError as error:
-        return fail(f"titanlite: checkpoint error at step {trainer.step}: {error}", 1)
-    except DataError as error:
-        return fail(f"titanlite: data error in step {trainer.step + 1}: {error}", 1)
-    except FaultToleranceError as error:
-        return fail(f"titanlite: fault tolerance: {error}", 1)
-    except NonFiniteError as error:
-        # Every rank stops at the same step with the same norm: one line is enough.
-        return fail(f"titanlite: non-finite values at {error}", 1, trainer.rank == 0)
+    except tuple(TRAINING_FAILURES) as error:
+        return fail(*_failure(TRAINING_FAILURES, error, trainer.rank, step=trainer.step, next_step=trainer.step + 1))
     except (dist.DistError, RuntimeError) as error:
         if not is_collective_failure(error):
             raise

@@ -14,21 +14,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint import CheckpointError, ModelDescription
+from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription
 from titanlite.checkpoint.hf import seed_from_hf
+from titanlite.checkpoint.layout import layout_text
 from titanlite.checkpoint.steps import refuse_start_from_other_model
-from titanlite.config import ConfigError, JobConfig, show_config_warnings, to_toml
+from titanlite.config import ConfigError, Data, JobConfig, Parallelism, show_config_warnings, to_toml
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
-from titanlite.fault_tolerant_run import check_fault_tolerance_run, groups_text
+from titanlite.fault_tolerant_run import check_fault_tolerance_run, groups_text, join_replica_groups
 from titanlite.files import write_text_atomically
 from titanlite.logs import setup_logging
 from titanlite.metrics import MemoryMonitor, build_loggers, default_run_name, flops_per_token, resolve_peak_flops
-from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, local_trainable_mib, log_startup
+from titanlite.metrics.diagnostics import ComputeDtypeProbe, PhaseMemory, log_stages, log_startup
 from titanlite.metrics.flops import param_counts
 from titanlite.metrics.moe import CollapseWatch, moe_load_metrics
 from titanlite.metrics.processor import MetricsProcessor
+from titanlite.optim import build_lr_scheduler, build_optimizer
+from titanlite.optim.ema import EMA
 from titanlite.parallel import (
     first_error_on_any_rank,
     init_distributed,
@@ -38,11 +41,11 @@ from titanlite.parallel import (
 )
 from titanlite.parallel.context_parallel import kv_gather_line, sequence_split
 from titanlite.parallel.expert_parallel import expert_parallel_summary
+from titanlite.parallel.fault_tolerance import ReplicaGroups
 from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
-from titanlite.quantize import check_float8_run
-from titanlite.registry import get_model_spec
+from titanlite.quantize import check_float8_run, scale_precompute_hook
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -116,10 +119,10 @@ def start_processes(job_config: JobConfig, plan: RunPlan) -> tuple[torch.device,
     return device, rank, mesh, flight_recorder_dump
 
 
-def check_prepared_files(job_config: JobConfig, windows) -> None:
+def check_prepared_files(data: Data, windows) -> None:
     """With data.verify_checksums, the ranks agree that the prepared files of ``windows`` are
     intact; the work is split over all ranks, each checking its own share of the files."""
-    if not job_config.data.verify_checksums:
+    if not data.verify_checksums:
         return
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     error = first_error_on_any_rank(verify_share(windows, rank, world_size))
@@ -127,10 +130,10 @@ def check_prepared_files(job_config: JobConfig, windows) -> None:
         raise ConfigError(error)
 
 
-def sequence_columns(job_config: JobConfig, dims, mesh):
+def sequence_columns(parallelism: Parallelism, dims, mesh):
     """What this rank keeps of every batch row: under context parallelism its chunks of each
     sequence (the cp ranks of a data-parallel rank read the same rows), else None (all)."""
-    split = sequence_split(dims, mesh, job_config.parallelism.context_parallel_load_balancer)
+    split = sequence_split(dims, mesh, parallelism.context_parallel_load_balancer)
     return None if split is None else split.columns
 
 
@@ -138,7 +141,7 @@ def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int,
     """The loader over ``windows``, once the ranks agree the prepared files are intact. It
     reads the part of each batch of this rank's data-parallel index, its place in the mesh."""
     data, dims = job_config.data, plan.parallel_dims
-    check_prepared_files(job_config, windows)
+    check_prepared_files(data, windows)
     # Replica group g of G reads the data-parallel ranks [g*dp, (g+1)*dp) of a G*dp layout.
     group = job_config.fault_tolerance.replica_id if plan.replica_groups > 1 else 0
     dp_degree = dims.dp_degree * plan.replica_groups
@@ -153,7 +156,7 @@ def build_loader(job_config: JobConfig, plan: RunPlan, windows, mesh, rank: int,
         prefetch=data.prefetch,
         pin_memory=device.type == "cuda",
         allow_changed_data=data.allow_changed_data,
-        columns=sequence_columns(job_config, dims, mesh),
+        columns=sequence_columns(job_config.parallelism, dims, mesh),
     )
 
 
@@ -191,29 +194,13 @@ def log_built_model(
     if experts is not None:
         logger.info("rank %d: %s", rank, experts)
     if dims.cp > 1 and rank == 0:
-        attention = get_model_spec(job_config.model.name).model_cls.block_cls.attention_cls
+        attention = plan.model_spec.model_cls.block_cls.attention_cls
         batch, dtype_bytes = training.local_batch_size, DTYPES[training.mixed_precision_param].itemsize
         logger.info(kv_gather_line(plan.model_args, attention, batch, training.seq_len, dims.tp, dims.cp, dtype_bytes))
     if pipeline is not None:
         log_stages(plan.pipeline, pipeline.stage_indices, parts, rank)
     dtype_probe = ComputeDtypeProbe(parts, DTYPES[training.mixed_precision_param])
     return dtype_probe, PhaseMemory(MemoryMonitor(device), interleaved=pipeline is not None)
-
-
-def log_stages(pipeline_plan, stage_indices: list[int], parts: list[nn.Module], rank: int) -> None:
-    """Which modules each pipeline stage on this rank holds, its parameters (whole) and the
-    MiB of them this rank keeps (its shards under FSDP or TP)."""
-    for index, part in zip(stage_indices, parts, strict=True):
-        modules = pipeline_plan.stage_modules[index]
-        logger.info(
-            "rank %d: pipeline stage %d of %d holds %s (%.2f M params, local %.2f MiB)",
-            rank,
-            index,
-            pipeline_plan.num_stages,
-            ", ".join(modules),
-            sum(param.numel() for param in part.parameters()) / 1e6,
-            local_trainable_mib(part),
-        )
 
 
 def build_run_model(
@@ -311,12 +298,12 @@ def build_run_validator(
             dp_rank=dims.dp_rank(mesh),
             dp_degree=dims.dp_degree,
             ranks_per_dp_rank=dims.tp,
-            columns=sequence_columns(job_config, dims, mesh),
+            columns=sequence_columns(job_config.parallelism, dims, mesh),
             forward_loss=pipeline_loss if plan.pipeline is not None else None,
         )
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    check_prepared_files(job_config, validator.held_out)
+    check_prepared_files(job_config.data, validator.held_out)
     warning = stream_warning(validator.held_out, job_config.validation.dataset, dims.dp_degree, section="validation")
     if warning is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.warning(warning)
@@ -332,14 +319,6 @@ def params_text(plan: RunPlan, model: nn.Module) -> str:
     # The whole model's count from its shapes alone (built on meta, as the FLOPs count is).
     total = param_counts(plan.model_args).total / 1e6
     return f"{total:.2f} M params, {here:.2f} M of them in this rank's stages {list(model.pipeline.stage_indices)}"
-
-
-def layout_text(world_size: int, replicate: int, shard: int, tp: int, pp: int, show_pp: bool, cp: int = 1) -> str:
-    """A layout as the start-up and resume lines name it, in the mesh's order; the pp degree
-    where ``show_pp`` (a layout with pipeline parallelism is involved), the cp degree where above 1."""
-    pipeline = f"pp {pp} x " if show_pp else ""
-    context = f"cp {cp} x " if cp > 1 else ""
-    return f"{world_size} rank(s) ({pipeline}replicate {replicate} x shard {shard} x {context}tp {tp})"
 
 
 def log_run_summary(job_config: JobConfig, plan: RunPlan, model: nn.Module, device: torch.device) -> None:
@@ -381,69 +360,47 @@ def save_resolved_config(job_config: JobConfig, rank: int) -> None:
         logger.info("resolved config:\n%s", text)
 
 
-def seed_weights_from_hf(job_config: JobConfig, plan: RunPlan, model: nn.Module, adapter, process_group) -> None:
-    """Start from a Hugging Face folder's weights; the RoPE tables (not in the folder)
-    were set by init_weights."""
-    path = job_config.checkpoint.initial_load_path
+def build_optimizers(job_config: JobConfig, plan: RunPlan, model: nn.Module) -> tuple[object, object, EMA | None]:
+    """(optimizer, learning-rate schedule, weight average or None) of ``model``; under FSDP
+    with float8 all-gathers the optimizer's step also precomputes the weights' scales."""
+    optimizer = build_optimizer(model.parameters(), job_config.optimizer)
+    lr_scheduler = build_lr_scheduler(optimizer, job_config.lr_scheduler, job_config.training.steps)
+    precompute = scale_precompute_hook(job_config, plan.parallel_dims.fsdp_applied, model)
+    if precompute is not None:  # float8 all-gathers' weight scales, once the weights changed
+        optimizer.register_step_post_hook(precompute)
+    return optimizer, lr_scheduler, EMA(model, job_config.ema.decay) if job_config.ema.enable else None
+
+
+def start_from_checkpoint(
+    job_config: JobConfig, plan: RunPlan, model: nn.Module, states: dict
+) -> tuple[CheckpointManager, ReplicaGroups | None]:
+    """(checkpointer, replica groups or None) of ``states``, the run's states by name, loaded
+    from where the run starts: a group joining a running job heals from a live one in its first
+    quorum and reads no checkpoint; a fresh or fully restarted job loads the checkpoint as
+    without fault tolerance, or, finding none, with checkpoint.initial_load_in_hf seeds the
+    model from Hugging Face weights. The weight average restarts from weights loaded without it."""
+    replicas = join_replica_groups(job_config, plan, states)
+    timeout, train_state, ema = job_config.comm.init_timeout_seconds, states["train_state"], states.get("ema")
+    checkpointer = CheckpointManager(
+        states, job_config.checkpoint, job_config.job.dump_folder, timeout, shared_by_groups=replicas is not None
+    )
+    healed = replicas is not None and replicas.wait_for_all_groups(train_state.step, timeout)
+    loaded = [] if healed else checkpointer.load()
+    if replicas is not None:
+        replicas.resume_at(train_state.step)
+    if not loaded and not healed and job_config.checkpoint.initial_load_in_hf:
+        seed_weights_from_hf(job_config.checkpoint.initial_load_path, plan, model, checkpointer.process_group)
+        loaded = ["model"]
+    if ema is not None and loaded and "ema" not in loaded:
+        ema.restart()  # average the loaded weights, not the random ones
+    return checkpointer, replicas
+
+
+def seed_weights_from_hf(path: str, plan: RunPlan, model: nn.Module, process_group) -> None:
+    """Start from the Hugging Face folder at ``path`` (checkpoint.initial_load_path); the RoPE
+    tables (not in the folder) were set by init_weights."""
     try:
-        fingerprint = seed_from_hf(path, model, plan.model_args, adapter, process_group)
+        fingerprint = seed_from_hf(path, model, plan.model_args, plan.model_spec.state_dict_adapter, process_group)
     except ValueError as error:
         raise CheckpointError(f"checkpoint.initial_load_path {error}") from error
     logger.info("seeded the weights from the Hugging Face folder %s (fingerprint %s)", path, fingerprint)
-
-
-def layout_record(plan: RunPlan) -> dict:
-    """The layout and global batch a checkpoint's train_state records beside the step, for
-    log_resumed_layout to compare when the checkpoint is resumed."""
-    dims = plan.parallel_dims
-    return {
-        "world_size": dims.world_size,
-        "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard,
-        "tp": dims.tp,
-        "pp": dims.pp,
-        "cp": dims.cp,
-        "global_batch_size": plan.global_batch_size,
-    }
-
-
-# The train_state entries that checkpoints written before them lack (the checkpoint manager
-# then leaves them out of the load), each then meaning 1: "tp" and "pp", absent where no
-# layout had tensor, pipeline or context parallelism, and "global_batch_size".
-LAYOUT_ENTRIES_ADDED_LATER = ("tp", "pp", "cp", "global_batch_size")
-
-
-def log_resumed_layout(step: int, plan: RunPlan, train_state: dict, rank: int) -> None:
-    """Say so when the checkpoint being resumed was written by another layout, and warn when
-    the global batch changed with it (a global_batch_size of -1 follows the number of ranks)."""
-    dims = plan.parallel_dims
-    # Checkpoints written before tensor (pipeline) parallelism existed have no "tp" ("pp"): they had none.
-    saved = (
-        train_state["world_size"],
-        train_state["dp_replicate"],
-        train_state["dp_shard"],
-        train_state.get("tp", 1),
-        train_state.get("pp", 1),
-    )
-    ours = (dims.world_size, dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp)
-    saved_cp = train_state.get("cp", 1)
-    if saved != ours or saved_cp != dims.cp:
-        show_pp = max(saved[-1], dims.pp) > 1
-        logger.info(
-            "resuming at step %d on %s from a checkpoint written by %s: model, optimizer and data position are "
-            "resharded",
-            step,
-            layout_text(*ours, show_pp, dims.cp),
-            layout_text(*saved, show_pp, saved_cp),
-        )
-    # Checkpoints written before it was recorded have no "global_batch_size": nothing to compare.
-    saved_batch = train_state.get("global_batch_size", plan.global_batch_size)
-    if saved_batch != plan.global_batch_size and rank == 0:
-        logger.warning(
-            "resuming at step %d with a global batch of %d sequences where the checkpoint's run used %d; "
-            "set training.global_batch_size = %d to keep it",
-            step,
-            plan.global_batch_size,
-            saved_batch,
-            saved_batch,
-        )

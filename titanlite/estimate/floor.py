@@ -18,7 +18,7 @@ from titanlite.estimate.hardware import HARDWARE, get_hardware
 from titanlite.models.moe import MoE
 from titanlite.parallel.parallel_dims import MESH_DIMS, ep_shard_ranks
 from titanlite.parallel.pipeline import prune_to_stage
-from titanlite.plan import RunPlan, meta_model
+from titanlite.plan import RunPlan
 
 # The mesh dimension tensor parallelism splits layers over (the last: its ranks are consecutive).
 TP_DIM = MESH_DIMS[-1]
@@ -210,7 +210,7 @@ def _floors(
     and, on the rank with the last stage, one micro-batch's logits. ``model``: the whole
     model on meta, when the caller has one (else it is built here)."""
     training, parallel_dims, model_args = job_config.training, plan.parallel_dims, plan.model_args
-    model = meta_model(job_config, model_args) if model is None else model
+    model = plan.meta_model() if model is None else model
 
     def floor(model: nn.Module, batch_size: int) -> dict[str, int]:
         # Under context parallelism FSDP shards over dp_shard x cp, and each rank holds the

@@ -109,6 +109,22 @@ def log_startup(
     return units
 
 
+def log_stages(pipeline_plan, stage_indices: list[int], parts: list[nn.Module], rank: int) -> None:
+    """Which modules each pipeline stage on this rank holds, its parameters (whole) and the
+    MiB of them this rank keeps (its shards under FSDP or TP)."""
+    for index, part in zip(stage_indices, parts, strict=True):
+        modules = pipeline_plan.stage_modules[index]
+        logger.info(
+            "rank %d: pipeline stage %d of %d holds %s (%.2f M params, local %.2f MiB)",
+            rank,
+            index,
+            pipeline_plan.num_stages,
+            ", ".join(modules),
+            sum(param.numel() for param in part.parameters()) / 1e6,
+            local_trainable_mib(part),
+        )
+
+
 class ComputeDtypeProbe:
     """Records the dtype of the model's output (the logits, from its last matmul) in the
     first forward: what mixed precision really computes in, whatever the config says.

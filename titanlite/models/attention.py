@@ -14,12 +14,24 @@ kernels through one shared ``Documents``. Which kernel runs it: on CPU, SDPA wit
 [batch, 1, q, kv] mask (FlexAttention's backward refuses CPU in torch 2.13), which costs a
 mask of q x kv booleans per sequence and SDPA's math path (the [q, kv] scores of every head);
 on CUDA, FlexAttention with a block mask, which skips the blocks no token of a pair of
-documents reads (a mask of (q / 128) x (kv / 128) blocks).
+documents reads (a mask of (q / 128) x (kv / 128) blocks). Its mask function and block mask
+(``document_mask_mod``, ``document_block_mask``) are plain functions: tests/test_flex_attention.py
+runs the CUDA path's forward, compiled, on the CPU against the SDPA mask, and
+benchmarks/gpu_check.py trains with it on a GPU against the SDPA mask.
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+# Whether document masking runs FlexAttention on CUDA (True) or the CPU's SDPA mask (False: the
+# reference benchmarks/gpu_check.py's block_causal rows train against). Set it before a model
+# first runs: a compiled block keeps the kernel it traced.
+FLEX_ON_CUDA = True
+FLEX_BLOCK = 128  # the block mask's tiles are FLEX_BLOCK x FLEX_BLOCK (torch's default)
 
 
 def attend(
@@ -73,27 +85,76 @@ def attend_documents(
     q_documents: torch.Tensor,
     kv_documents: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention where query i sees key j when ``allowed`` [q, kv] (causality by position) and
-    both are in the same document (``q_documents`` [batch, q], ``kv_documents`` [batch, kv])."""
-    if q.device.type == "cuda":  # cuda-only: FlexAttention trains on GPUs only
-        return _flex_attend(q, k, v, scale, q_positions, kv_positions, q_documents, kv_documents)
-    same_document = q_documents.unsqueeze(2) == kv_documents.unsqueeze(1)  # [batch, q, kv]
-    return attend(q, k, v, mask=(allowed & same_document).unsqueeze(1), scale=scale)
+    """Attention where query i sees key j when ``allowed`` [q, kv] (causality by position: key j
+    at ``kv_positions`` [kv] at or before query i at ``q_positions`` [q]) and both are in the
+    same document (``q_documents`` [batch, q], ``kv_documents`` [batch, kv])."""
+    seen = document_mask(allowed, q_documents, kv_documents)
+    if q.device.type == "cuda" and FLEX_ON_CUDA:
+        block_mask = document_block_mask(seen, q_positions, kv_positions, q_documents, kv_documents)  # cuda-only
+        return flex_attend(q, k, v, block_mask, scale)  # cuda-only
+    return attend(q, k, v, mask=seen.unsqueeze(1), scale=scale)
 
 
-def _flex_attend(q, k, v, scale, q_positions, kv_positions, q_documents, kv_documents):  # cuda-only
-    """FlexAttention with a block mask of the same rule as attend_documents' boolean one."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # cuda-only
+def document_mask(allowed: torch.Tensor, q_documents: torch.Tensor, kv_documents: torch.Tensor) -> torch.Tensor:
+    """[batch, q, kv] booleans: ``allowed`` [q, kv] where query and key share a document."""
+    return allowed & (q_documents.unsqueeze(2) == kv_documents.unsqueeze(1))
 
-    def mask_mod(batch, head, q_index, kv_index):  # cuda-only
-        causal = kv_positions[kv_index] <= q_positions[q_index]  # cuda-only
-        return causal & (q_documents[batch, q_index] == kv_documents[batch, kv_index])  # cuda-only
 
-    block_mask = create_block_mask(  # cuda-only
-        mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device
+def document_mask_mod(q_positions, kv_positions, q_documents, kv_documents):
+    """FlexAttention's mask function of document_mask's rule, for one (batch row, head, query
+    index, key index): the key at or before the query, in the same document."""
+
+    def same_document_at_or_before(batch, head, q_index, kv_index):
+        causal = kv_positions[kv_index] <= q_positions[q_index]
+        return causal & (q_documents[batch, q_index] == kv_documents[batch, kv_index])
+
+    return same_document_at_or_before
+
+
+def document_block_mask(seen, q_positions, kv_positions, q_documents, kv_documents) -> BlockMask:
+    """FlexAttention's block mask of ``seen`` (document_mask's [batch, q, kv]): each FLEX_BLOCK x
+    FLEX_BLOCK tile of a row skipped (no pair seen), full (every pair seen: the kernel does not
+    call the mask function there) or partial (document_mask_mod decides). Built from the dense
+    mask with plain tensor ops rather than create_block_mask, whose vmap of the mask function
+    runs under a torch-function mode that torch 2.13's compiler refuses inside an activation-
+    checkpointed block ("Mutating a variable from outside the scope of this HOP"); the tests
+    check it equals create_block_mask's. Tiles past the end hold no pair, as torch pads them."""
+    q_len, kv_len = seen.shape[1:]
+    padded = F.pad(seen, (0, -kv_len % FLEX_BLOCK, 0, -q_len % FLEX_BLOCK))
+    tiles = padded.unflatten(2, (-1, FLEX_BLOCK)).unflatten(1, (-1, FLEX_BLOCK)).sum((2, 4), dtype=torch.int32)
+    full = tiles == FLEX_BLOCK * FLEX_BLOCK
+    partial = (tiles > 0) & ~full
+    return BlockMask.from_kv_blocks(
+        *_tile_lists(partial),
+        *_tile_lists(full),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=document_mask_mod(q_positions, kv_positions, q_documents, kv_documents),
+        seq_lengths=(q_len, kv_len),
     )
-    grouped = k.shape[1] != q.shape[1]  # cuda-only
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=grouped)  # cuda-only
+
+
+def _tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, q tiles, kv tiles] booleans as FlexAttention lists them, one head for all: how
+    many kv tiles each q tile row holds [batch, 1, q tiles], and their indices first, in order
+    [batch, 1, q tiles, kv tiles]."""
+    tiles = tiles.unsqueeze(1).to(torch.int32)
+    return tiles.sum(-1, dtype=torch.int32), tiles.argsort(dim=-1, descending=True, stable=True).to(torch.int32)
+
+
+def flex_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float | None
+) -> torch.Tensor:
+    """FlexAttention of q over k and v (as ``attend`` takes them) under ``block_mask``, compiled:
+    inside a compiled model the model's compile takes the call in; outside one it runs torch's
+    compiled flex_attention, since uncompiled it is a dense reference that holds the [q, kv]
+    scores of every head."""
+    kernel = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
+    return kernel(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)  # made on first use: torch.compile itself takes 2 s
 
 
 class AttentionKernel(nn.Module):

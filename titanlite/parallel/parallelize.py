@@ -47,21 +47,28 @@ from titanlite.parallel.tensor_parallel import apply_tensor_parallel, enable_asy
 # MoE experts, and float8's scaled ones) and the attention kernels, which are most of the
 # FLOPs; and float8's per-tensor amax (max.default, one number), which would otherwise read
 # a whole activation again. Everything else (norms, RoPE, SwiGLU's gate) is cheap
-# elementwise work and is recomputed in backward.
+# elementwise work and is recomputed in backward. FlexAttention (block_causal on CUDA) is a
+# higher-order op that reaches the policy as itself where a compiled block traces it; in an
+# eager block it runs as torch's compiled flex_attention, which the policy does not see (it is
+# recomputed there).
 _aten = torch.ops.aten
-_SAVED_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.max.default} | {
-    getattr(_aten, name).default
-    for name in (
-        "_grouped_mm",
-        "_scaled_mm",
-        "_scaled_grouped_mm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-    )
-    if hasattr(_aten, name)
-}
+_SAVED_OPS = (
+    {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.max.default}
+    | {torch.ops.higher_order.flex_attention}
+    | {
+        getattr(_aten, name).default
+        for name in (
+            "_grouped_mm",
+            "_scaled_mm",
+            "_scaled_grouped_mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+            "_scaled_dot_product_flash_attention_for_cpu",
+        )
+        if hasattr(_aten, name)
+    }
+)
 
 
 # --- Expert parallelism ----------------------------------------------------------------

@@ -140,12 +140,12 @@ def train_perturbed(change: str) -> dict:
     """The single-process reference run for PERTURBED_STEPS steps with `change` made to the
     code, as a commit could make it."""
     import titanlite.data.loader
+    import titanlite.loss
     import titanlite.models.llama.model
-    import titanlite.train
 
     patches = {
-        # the trainer's loss function
-        "loss function": mock.patch.object(titanlite.train, "cross_entropy_sum", smoothed_cross_entropy_sum),
+        # the loss function the trainer trains with (titanlite.loss.training_loss)
+        "loss function": mock.patch.object(titanlite.loss, "cross_entropy_sum", smoothed_cross_entropy_sum),
         # the initialisation of every linear layer: 1 % wider
         "initialisation": mock.patch.object(
             titanlite.models.llama.model,

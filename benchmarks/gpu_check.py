@@ -45,6 +45,16 @@ Otherwise it prints one table row per check and exits 1 if any check failed:
   against bf16 on 16 blocks of Llama 3 8B's shape, seq 8192, compiled, per-op AC, 25 steps
   each in a process of its own (benchmarks/gpu_float8.py's runs): step-time ratio, target
   >= 1.2x, with both runs' max active memory; the loss gap after the 25 steps is reported.
+* Document masking (block_causal): FlexAttention, its kernel on CUDA, which CI can run only
+  forward on a CPU (tests/test_flex_attention.py). Its forward (the block mask and mask
+  function titanlite/models/attention.py builds, compiled) against the SDPA mask, float32,
+  two rows of several documents at seq FLEX_CHECK_LEN with the run's heads: target within
+  FLEX_FORWARD_TOLERANCE. Then two compiled trainings of the same model and data with per-op
+  AC, DOCUMENT_STEPS steps each in a process of its own, one with FlexAttention and one with
+  the SDPA mask (attention.FLEX_ON_CUDA off): every step's loss within bf16's tolerance
+  (torch.testing's rtol for bfloat16), and not bit-identical on CUDA (the same bits would mean
+  one kernel ran both). The CPU dry run trains both with the SDPA mask (FlexAttention's
+  backward refuses the CPU).
 * Disk: the checkpoint bytes are estimated before anything runs (printed; the check refuses
   to start above DISK_LIMIT_BYTES on disk at once) and the largest checkpoint measured on
   disk must match the estimate within 10%.
@@ -52,12 +62,18 @@ Otherwise it prints one table row per check and exits 1 if any check failed:
 --cpu-dry-run runs every line of the same code on the CPU with debug sizes (the tiny
 model, seq 128, no compile: tests/test_parity.py covers compile), except the lines that
 end with the CUDA_ONLY marker below; tests/test_gpu_check.py runs it under coverage and
-fails on any other line left unexecuted. Its numbers mean nothing and its MFU, memory and
-sync targets are not enforced; the SDPA, checkpoint and disk rows are.
+fails on any other line left unexecuted (of titanlite/models/attention.py too). Its numbers
+mean nothing and its MFU, memory and sync targets are not enforced; the SDPA, FlexAttention
+forward, block_causal loss, checkpoint and disk rows are.
+
+A run whose process fails (an error, or killed: out of memory, say) becomes one failed row
+saying why, and the other rows are still printed; without torchao the float8 rows say
+"skipped". The last line names every failed check with its result.
 """
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -70,6 +86,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -106,13 +123,16 @@ class Sizes:
     compile: bool
     log_freq: int  # steps per measured window
     peak_tflops: float  # 0: the trainer's table for the GPU
+    flex_check_len: int  # the FlexAttention forward row's sequence: several 128-token tiles
 
 
 GPU_SIZES = Sizes(
-    "check1b", 8192, LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=512), True, 4, 0.0
+    "check1b", 8192, LlamaArgs(dim=2048, n_layers=1, n_heads=32, n_kv_heads=8, vocab_size=512), True, 4, 0.0, 8192
 )
+# flex_check_len 320: the shapes of tests/test_flex_attention.py's check, whose compiled kernel
+# the dry run then finds in inductor's cache (a CPU compile of it takes 15 to 25 s here).
 DRY_RUN_SIZES = Sizes(
-    "tiny", 128, LlamaArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=512), False, 2, 1.0
+    "tiny", 128, LlamaArgs(dim=256, n_layers=1, n_heads=16, n_kv_heads=4, vocab_size=512), False, 2, 1.0, 320
 )
 WINDOWS = 5  # measured windows per run, after one warm-up window: an odd count has a middle one
 MFU_TARGET, MEMORY_TOLERANCE, DISK_TOLERANCE = 45.0, 0.10, 0.10
@@ -123,7 +143,14 @@ DISK_LIMIT_BYTES = 20 * 10**9
 DISK_SLACK_BYTES = 10**6
 MFU_RUN, SAVE_RUN = "run 1 (EMA, compiled on CUDA)", "run 2 (eager, async saves)"
 NO_EMA_RUN = "run 1b (no EMA, compiled on CUDA)"  # run 1 without the EMA: what the EMA costs
-RUNS = (MFU_RUN, NO_EMA_RUN, SAVE_RUN)
+TRAINING_RUNS = (MFU_RUN, NO_EMA_RUN, SAVE_RUN)
+FLEX_RUN = "block_causal run, FlexAttention (compiled on CUDA)"
+SDPA_MASK_RUN = "block_causal run, SDPA mask (compiled on CUDA)"
+DOCUMENT_RUNS = (FLEX_RUN, SDPA_MASK_RUN)
+RUNS = TRAINING_RUNS + DOCUMENT_RUNS
+DOCUMENT_STEPS = 6
+BF16_RTOL = 1.6e-2  # torch.testing's relative tolerance for bfloat16
+FLEX_FORWARD_TOLERANCE = 1e-5
 
 
 def register_flavors(sizes: Sizes) -> None:
@@ -150,11 +177,14 @@ def trainer_argv(sizes: Sizes, dump: str, run: str) -> list[str]:
         *("--training.local_batch_size", "1", "--training.mixed_precision_param", "bfloat16"),
         *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"),
         *("--lr_scheduler.warmup_steps", "2"),
-        *("--metrics.log_freq", str(sizes.log_freq)),
         *(("--metrics.peak_tflops", str(sizes.peak_tflops)) if sizes.peak_tflops else ()),
     ]
+    compiled = ("--compile.enable", "--compile.components", "model,loss") if sizes.compile else ()
+    if run in DOCUMENT_RUNS:  # every step logged: its loss is compared
+        steps = ("--training.steps", str(DOCUMENT_STEPS), "--metrics.log_freq", "1")
+        return argv + ["--model.attn_mask_type", "block_causal", *steps, *compiled]
+    argv += ["--metrics.log_freq", str(sizes.log_freq)]
     if run in (MFU_RUN, NO_EMA_RUN):
-        compiled = ("--compile.enable", "--compile.components", "model,loss") if sizes.compile else ()
         ema = ("--ema.enable",) if run == MFU_RUN else ()
         return argv + ["--training.steps", str(measured_steps(sizes)), *ema, *compiled]
     return argv + [
@@ -483,6 +513,49 @@ def disk_row(sizes: Sizes, measured: int) -> dict:
     }
 
 
+def flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
+    """FlexAttention's forward as block_causal runs it on CUDA (attention.py's block mask and
+    mask function, flex_attention compiled) against the SDPA mask, float32, with the run's
+    heads (grouped-query) on two rows of flex_check_len tokens: five documents, and two. The
+    block mask must also equal the one torch's create_block_mask makes of the mask function."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from titanlite.models.attention import attend, document_block_mask, document_mask, flex_attend
+
+    args, seq = LLAMA3_FLAVORS[sizes.flavor], sizes.flex_check_len
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, args.n_heads, seq, args.head_dim, generator=generator).to(device)
+    k, v = (torch.randn(2, args.kv_heads, seq, args.head_dim, generator=generator).to(device) for _ in range(2))
+    positions = torch.arange(seq, device=device)
+    ids = torch.stack([positions * 5 // seq, (positions >= 3 * seq // 4).long()])
+    seen = document_mask(positions.unsqueeze(0) <= positions.unsqueeze(1), ids, ids)
+    block_mask = document_block_mask(seen, positions, positions, ids, ids)
+    flex = flex_attend(q, k, v, block_mask, None)
+    difference = (flex - attend(q, k, v, mask=seen.unsqueeze(1))).abs().max().item()
+    torchs = create_block_mask(block_mask.mask_mod, 2, None, seq, seq, device=device)
+    lists = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    same = all(torch.equal(getattr(block_mask, name), getattr(torchs, name)) for name in lists)
+    return {
+        "check": f"block_causal: FlexAttention forward vs the SDPA mask, fp32, seq {seq}, 7 documents",
+        "result": f"max difference {difference:.2e}; block mask {'equal to' if same else 'UNLIKE'} create_block_mask's",
+        "target": f"<= {FLEX_FORWARD_TOLERANCE:.0e}, equal",
+        "ok": difference <= FLEX_FORWARD_TOLERANCE and same,
+    }
+
+
+def document_run(sizes: Sizes, run: str, dump: str, device: torch.device) -> dict:
+    """One of the two block_causal trainings (FlexAttention on CUDA, or the SDPA mask): every
+    step's loss; the FlexAttention run checks the kernel's forward first."""
+    from titanlite.config import parse_args
+    from titanlite.models import attention
+    from titanlite.train import Trainer
+
+    attention.FLEX_ON_CUDA = run == FLEX_RUN
+    rows = [flex_forward_row(sizes, device)] if run == FLEX_RUN else []
+    Trainer(parse_args(trainer_argv(sizes, dump, run))).train()
+    return {"rows": rows, "losses": [record[tags.LOSS] for record in _read_metrics(Path(dump))]}
+
+
 def _read_metrics(dump: Path) -> list[dict]:
     files = sorted(dump.glob("metrics/*/metrics.jsonl"))
     lines = files[-1].read_text().splitlines() if files else []
@@ -490,12 +563,15 @@ def _read_metrics(dump: Path) -> list[dict]:
 
 
 def _worker(_, port: int, dry_run: bool, run: str, out: str) -> None:
-    """One training run (the first also takes the SDPA rows) in a process of its own: what
+    """One training run (the first also takes the SDPA rows, the FlexAttention one its forward
+    row) in a process of its own: what
     one run leaves on the device (a compiled model kept alive by the compiler's caches
     holds its weights, moments and EMA, 22.4 GiB for check1b) must not count as the next
     run's peak, as it did when both ran in one process (run 2 read 60.8 GiB for 38.4)."""
     from titanlite.parallel import pick_device
 
+    if run not in RUNS:
+        raise ValueError(f"gpu_check: no run named {run!r}")
     torchrun_environment(0, 1, port, LOG_RANK="")
     if dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -503,10 +579,14 @@ def _worker(_, port: int, dry_run: bool, run: str, out: str) -> None:
     register_flavors(sizes)
     quiet_every_rank_lines()
     device = pick_device()
-    rows = sdpa_rows(sizes, device) if run == MFU_RUN else []
     with tempfile.TemporaryDirectory(prefix="titanlite-gpu-check-") as dump:
-        more, figures = training_rows(sizes, run, dump, device)
-    Path(out).write_text(json.dumps({"rows": rows + more, **figures, "device": device.type}))
+        if run in DOCUMENT_RUNS:
+            result = document_run(sizes, run, dump, device)
+        else:
+            rows = sdpa_rows(sizes, device) if run == MFU_RUN else []
+            more, figures = training_rows(sizes, run, dump, device)
+            result = {"rows": rows + more, **figures}
+    Path(out).write_text(json.dumps({**result, "device": device.type}))
 
 
 # --------------------------------------------------------------------------- in the parent
@@ -546,28 +626,84 @@ def memory_rows(sizes: Sizes, run: str, measured: dict) -> list[dict]:
     return rows
 
 
+def document_loss_row(flex: dict, sdpa: dict) -> dict:
+    """The two block_causal trainings' losses, step by step: FlexAttention's against the SDPA
+    mask's within bf16's tolerance; on CUDA, not the same bits (one kernel would have run both)."""
+    pairs = list(zip(flex["losses"], sdpa["losses"], strict=False))
+    gap = max((abs(a - b) / abs(b) for a, b in pairs), default=float("nan"))
+    on_gpu = flex["device"] == "cuda"
+    identical = all(a == b for a, b in pairs)
+    last = f"; last step {pairs[-1][0]:.4f} vs {pairs[-1][1]:.4f}" if pairs else ""
+    where = "" if on_gpu else " (CPU: both train with the SDPA mask; FlexAttention's backward refuses the CPU)"
+    return {
+        "check": f"block_causal loss, FlexAttention vs the SDPA mask, {DOCUMENT_STEPS} steps, per-op AC",
+        "result": f"largest relative gap {gap:.2e} over {len(pairs)} steps{last}{where}",
+        "target": f"every step within {BF16_RTOL} (bf16), not bit-identical on CUDA",
+        "ok": len(pairs) == DOCUMENT_STEPS and gap <= BF16_RTOL and not (on_gpu and identical),
+    }
+
+
+def run_in_worker(run: str, dry_run: bool, scratch: str) -> dict:
+    """``run`` in a process of its own: its rows and figures, or one failed row saying why."""
+    out = f"{scratch}/rows.json"
+    args = (free_port(), dry_run, run, out)
+    _, failure = in_processes(run, lambda: mp.start_processes(_worker, args=args, nprocs=1, start_method="spawn"))
+    return {"rows": [failure], "failed": True} if failure else json.loads(Path(out).read_text())
+
+
+def in_processes(check: str, work) -> tuple:
+    """(``work()``, None), or, where a process it started failed (an error, or killed: out of
+    memory, say), (None, a failed row for ``check`` saying why): the child's exception line (the
+    message torch.multiprocessing raises ends with the child's traceback and an empty line) or
+    how the process ended."""
+    try:
+        return work(), None
+    except ProcessException as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        reason = lines[-1][:200] if lines else type(error).__name__
+        return None, {"check": check, "result": f"its process failed: {reason}", "target": "finishes", "ok": False}
+
+
+FLOAT8_SPEED_CHECK = "float8 tensorwise vs bf16 step time, the trainer's model.converters = ['float8']"
+FLOAT8_LOSS_CHECK = "float8 loss against bf16"
+
+
 def float8_rows(dry_run: bool) -> list[dict]:
     """Float8 against bf16 through the trainer's keys (--model.converters float8, tensorwise):
     benchmarks/gpu_float8.py's two runs, each a process of its own, on FLOAT8_LAYERS blocks of
-    Llama 3 8B's shape, seq 8192, compiled, per-op AC (the dry run: the tiny model, emulated)."""
+    Llama 3 8B's shape, seq 8192, compiled, per-op AC (the dry run: the tiny model, emulated).
+    Without torchao both rows say so and pass: the rest of the check stands without them."""
     import gpu_float8
 
+    from titanlite.quantize.float8 import INSTALL_HINT
+
+    if importlib.util.find_spec("torchao") is None:
+        skipped = {"result": f"skipped: torchao missing ({INSTALL_HINT})", "target": "(needs torchao)", "ok": True}
+        return [{"check": FLOAT8_SPEED_CHECK, **skipped}, {"check": FLOAT8_LOSS_CHECK, **skipped}]
     options = argparse.Namespace(layers=FLOAT8_LAYERS, seq_len=8192, steps=FLOAT8_STEPS, warmup=5)
     options = gpu_float8.dry_run_sized(argparse.Namespace(**vars(options), cpu_dry_run=dry_run))
-    bf16, float8 = (gpu_float8.measure(options, recipe) for recipe in ("bf16", "tensorwise"))
+    recipes = ("bf16", "tensorwise")
+    runs, failure = in_processes(FLOAT8_SPEED_CHECK, lambda: [gpu_float8.measure(options, r) for r in recipes])
+    return [failure] if failure else float8_comparison(options, *runs)
+
+
+def float8_comparison(options: argparse.Namespace, bf16: dict, float8: dict) -> list[dict]:
+    import gpu_float8
+
+    dry_run = options.cpu_dry_run
     speedup = bf16["step_s"] / float8["step_s"]
     shape = f"{options.layers} blocks of 8B, seq {options.seq_len}, compiled"
     shape = f"the tiny model, seq {options.seq_len}, eager, emulated" if dry_run else shape
     memory = "" if dry_run else f"; max active {bf16['max_active_gib']:.1f} and {float8['max_active_gib']:.1f} GiB"
     return [
         {
-            "check": f"float8 tensorwise vs bf16 step time, {shape}",
+            "check": f"{FLOAT8_SPEED_CHECK}, {shape}",
             "result": f"{speedup:.2f}x ({bf16['step_s']:.4f} -> {float8['step_s']:.4f} s a step{memory})",
             "target": f">= {FLOAT8_TARGET}x",
             "ok": speedup >= FLOAT8_TARGET or dry_run,
         },
         {
-            "check": f"float8 loss against bf16 after {options.steps} steps (mean of the last {gpu_float8.LOSS_STEPS})",
+            "check": f"{FLOAT8_LOSS_CHECK} after {options.steps} steps (mean of the last {gpu_float8.LOSS_STEPS})",
             "result": f"{float8['loss']:.4f} vs {bf16['loss']:.4f} ({100 * (float8['loss'] / bf16['loss'] - 1):+.2f}%)",
             "target": "(reported: a short run's gap is noise, not accuracy)",
             "ok": True,
@@ -596,25 +732,29 @@ def main(argv: list[str] | None = None) -> int:
     sizes = DRY_RUN_SIZES if options.cpu_dry_run else GPU_SIZES
     register_flavors(sizes)
     plan_disk(sizes)
-    results = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for run in RUNS:
-            out = f"{scratch}/rows.json"
-            worker_args = (free_port(), options.cpu_dry_run, run, out)
-            mp.start_processes(_worker, args=worker_args, nprocs=1, start_method="spawn", join=True)
-            results[run] = json.loads(Path(out).read_text())
+        results = {run: run_in_worker(run, options.cpu_dry_run, scratch) for run in RUNS}
     rows = [row for result in results.values() for row in result["rows"]]
-    rows.append(ema_cost_row(sizes, results[MFU_RUN]["mfu"], results[NO_EMA_RUN]["mfu"]))
-    rows += [row for run, result in results.items() for row in memory_rows(sizes, run, result)]
+    rows.append(ema_cost_row(sizes, results[MFU_RUN].get("mfu"), results[NO_EMA_RUN].get("mfu")))
+    finished = [run for run in TRAINING_RUNS if not results[run].get("failed")]
+    rows += [row for run in finished for row in memory_rows(sizes, run, results[run])]
+    if not any(results[run].get("failed") for run in DOCUMENT_RUNS):
+        rows.append(document_loss_row(results[FLEX_RUN], results[SDPA_MASK_RUN]))
     rows += float8_rows(options.cpu_dry_run)
     device_name = "CPU (dry run)" if options.cpu_dry_run else torch.cuda.get_device_name(0)
-    print(f"titanlite GPU check on {device_name}, torch {torch.__version__}")
+    return print_table(f"titanlite GPU check on {device_name}, torch {torch.__version__}", rows)
+
+
+def print_table(title: str, rows: list[dict]) -> int:
+    """The table, then one last line: how many checks passed and each failed one with its
+    result, which says why. Returns the exit status: 1 if any failed."""
+    print(title)
     print("| check | result | target | ok |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['check']} | {row['result']} | {row['target']} | {'yes' if row['ok'] else 'NO'} |")
-    failed = [row["check"] for row in rows if not row["ok"]]
+    failed = [f"{row['check']} ({row['result']})" for row in rows if not row["ok"]]
     print(
-        f"{len(rows) - len(failed)} of {len(rows)} checks passed" + (f"; failed: {', '.join(failed)}" if failed else "")
+        f"{len(rows) - len(failed)} of {len(rows)} checks passed" + (f"; failed: {'; '.join(failed)}" if failed else "")
     )
     return 1 if failed else 0
 

@@ -2,7 +2,8 @@
 GPU scripts (benchmarks/gpu_check.py, gpu_mfu.py, gpu_memory.py, gpu_float8.py,
 checkpoint_stall.py), their "no GPU" exits, and each refusal they make, with its message
 checked. Run with no CUDA device visible (CUDA_VISIBLE_DEVICES=""). Any failed expectation
-raises, so the exit status says whether everything held; coverage then says what ran."""
+raises, so the exit status says whether everything held, and the last line printed says why
+(which part failed, and the error's last line); coverage then says what ran."""
 
 import contextlib
 import functools
@@ -10,6 +11,7 @@ import io
 import multiprocessing
 import sys
 import tempfile
+import traceback
 from dataclasses import replace
 from pathlib import Path
 
@@ -77,10 +79,39 @@ def raised(call, error: type, words: str) -> None:
     raise AssertionError(f"expected {error.__name__} saying {words!r}")
 
 
-def main() -> None:
-    multiprocessing.set_forkserver_preload([*SCRIPT_MODULES, "tests.gc_frozen"])
-    mp.start_processes = start_from_the_fork_server(mp.start_processes)
-    # --- gpu_check ---------------------------------------------------------------------------
+def printed_table(rows: list[dict]) -> tuple[int, list[str]]:
+    """gpu_check's exit status for ``rows``, and the lines of its table."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = gpu_check.print_table("title", rows)
+    return status, out.getvalue().splitlines()
+
+
+def passed_row(lines: list[str], check: str) -> None:
+    """The table in ``lines`` has a row starting with ``check`` that passed."""
+    assert any(line.startswith(f"| {check}") and line.endswith("| yes |") for line in lines), (check, lines)
+
+
+def last_line_says_why(part: str, error: BaseException) -> str:
+    """The line a failed dry run ends with: the part that failed and the error's last line
+    (an assertion's message ends with the script's own last line, which names what failed)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"gpu_dry_runs failed in {part}: {type(error).__name__}: {lines[-1][-400:] if lines else '(no message)'}"
+
+
+def run_parts(parts: dict) -> None:
+    """Each of ``parts`` (name -> callable) in order; on a failure the traceback, then one last
+    line saying why, and exit status 1."""
+    for name, part in parts.items():
+        try:
+            part()
+        except BaseException as error:  # whatever it is, the last line names it
+            traceback.print_exc()
+            print(last_line_says_why(name, error), file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+
+
+def check_gpu_check() -> None:
     assert printed(gpu_check.main, []) == ["no GPU: skipped"]
     lines = printed(gpu_check.main, ["--cpu-dry-run"])
     assert lines[-1].endswith("checks passed"), lines
@@ -88,9 +119,32 @@ def main() -> None:
     for dtype in ("bf16", "fp32"):  # the SDPA rows ran here, on the CPU's fused kernel
         assert f"| SDPA kernel, {dtype} | aten::_scaled_dot_product_flash_attention_for_cpu |" in table, lines
     assert any("vs its stream-ordered clone |" in line and line.endswith("| yes |") for line in lines), lines
+    passed_row(lines, "block_causal: FlexAttention forward vs the SDPA mask")
+    passed_row(lines, "block_causal loss, FlexAttention vs the SDPA mask")
     refused(lambda: gpu_check.plan_disk(replace(gpu_check.GPU_SIZES, flavor="8B")), "would need")
+    # A run whose process fails is one failed row saying why; the table's last line repeats it.
+    with tempfile.TemporaryDirectory() as scratch:
+        failed = gpu_check.run_in_worker("no such run", True, scratch)
+    assert failed["failed"] and failed["rows"][0]["result"].endswith(
+        "ValueError: gpu_check: no run named 'no such run'"
+    )
+    status, lines = printed_table(failed["rows"])
+    assert status == 1 and lines[-1] == f"0 of 1 checks passed; failed: no such run ({failed['rows'][0]['result']})"
+    # Without torchao the float8 rows say so, and pass.
+    hidden, sys.modules["torchao"] = sys.modules.get("torchao"), None  # None: import raises, as when missing
+    try:
+        rows = gpu_check.float8_rows(dry_run=True)
+    finally:
+        sys.modules["torchao"] = hidden
+        if hidden is None:
+            del sys.modules["torchao"]
+    status, lines = printed_table(rows)
+    skipped = "| skipped: torchao missing (pip install titanlite[float8]) | (needs torchao) | yes |"
+    assert status == 0 and len(lines) == 6 and all(line.endswith(skipped) for line in lines[3:5]), lines
+    assert lines[-1] == "2 of 2 checks passed", lines
 
-    # --- gpu_mfu -----------------------------------------------------------------------------
+
+def check_gpu_mfu() -> None:
     assert printed(gpu_mfu.main, []) == ["no GPU: skipped"]
     lines = printed(gpu_mfu.main, ["--cpu-dry-run"])
     assert lines[-1].startswith("MFU = ") and lines[-2].startswith("MFU counting whole attention"), lines
@@ -101,7 +155,8 @@ def main() -> None:
     assert gpu_mfu.estimate([], "a CPU")[1] == "the estimator has no hardware row for a CPU"
     assert gpu_mfu.estimate(["--training.steps", "x"], "NVIDIA H100 80GB HBM3")[1].startswith("estimator failed")
 
-    # --- gpu_memory --------------------------------------------------------------------------
+
+def check_gpu_memory() -> None:
     assert printed(gpu_memory.main, []) == ["no GPU: skipped"]
     with tempfile.TemporaryDirectory() as scratch:
         argv = ["--cpu-dry-run", "--modes", "eager", "--snapshots", f"{scratch}/snaps", "--json", f"{scratch}/m.json"]
@@ -127,16 +182,32 @@ def main() -> None:
     lines = printed(lambda _: gpu_memory.print_live(live, {"parameters": 2**30}), [])
     assert "0.00 GiB before it (parameters 1.00)" in lines[0] and len(lines) == 3, lines
 
-    # --- gpu_float8 --------------------------------------------------------------------------
+
+def check_gpu_float8() -> None:
     assert printed(gpu_float8.main, []) == ["no GPU: skipped"]
     lines = printed(gpu_float8.main, ["--cpu-dry-run", "--recipes", "tensorwise"])
     assert lines[-2].startswith("| bf16 | ") and lines[-1].startswith("| tensorwise | "), lines
 
-    # --- checkpoint_stall --------------------------------------------------------------------
+
+def check_checkpoint_stall() -> None:
     lines = printed(checkpoint_stall.main, ["--cpu-dry-run"])
     assert lines[-1].startswith("step slowdown async_with_pinned_mem/sync save = "), lines
     refused(lambda: checkpoint_stall.main(["--repeats", "1"]), "--repeats must be at least 2")
     refused(lambda: checkpoint_stall.main(["--world-size", "1"]), "--world-size must be at least 2")
+
+
+def main() -> None:
+    multiprocessing.set_forkserver_preload([*SCRIPT_MODULES, "tests.gc_frozen"])
+    mp.start_processes = start_from_the_fork_server(mp.start_processes)
+    run_parts(
+        {
+            "gpu_check": check_gpu_check,
+            "gpu_mfu": check_gpu_mfu,
+            "gpu_memory": check_gpu_memory,
+            "gpu_float8": check_gpu_float8,
+            "checkpoint_stall": check_checkpoint_stall,
+        }
+    )
 
 
 # The ranks each script spawns import this module again: only the first process runs it.

@@ -25,6 +25,7 @@ The model must still be on the meta device; the caller materialises it afterward
 """
 
 import contextlib
+import os
 from functools import partial
 
 import torch
@@ -124,6 +125,21 @@ def keep_compiled_graphs_per_rank() -> None:
     import torch._functorch.config as functorch_config  # not loaded by `import torch`
 
     functorch_config.enable_autograd_cache = False
+
+
+def keep_compiled_code_per_cpu_isa() -> None:
+    """Give inductor a cache folder per CPU vector ISA (under the user's TORCHINDUCTOR_CACHE_DIR
+    or torch's default). torch 2.13's FX graph cache key leaves the ISA out, so a graph whose
+    C++ was generated for AVX-512 (16 floats a vector) is served to a process that picked AVX2
+    (ATEN_CPU_CAPABILITY=avx2, or another host sharing the folder) and compiled with 8-float
+    vectors: every vector loop then skips half its elements, and an indexing kernel failed
+    with "index out of bounds" (reproduction in docs/performance.md)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = f"isa-{type(pick_vec_isa()).__name__}"  # VecAVX2, VecAVX512, VecAMX, InvalidVecISA ...
+    if os.path.basename(cache_dir()) != folder:  # cache_dir() reads and sets TORCHINDUCTOR_CACHE_DIR
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache_dir(), folder)
 
 
 def apply_compile(layers: nn.ModuleDict, tp: bool, recomputes_blocks: bool) -> None:
@@ -236,6 +252,8 @@ def parallelize_decoder(
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
     # 4. Compile, per block. Process-wide, so for the compiled loss too.
+    if job_config.compile.enable:
+        keep_compiled_code_per_cpu_isa()
     if job_config.compile.enable and tp_mesh is not None:
         keep_compiled_graphs_per_rank()
     if job_config.compile.enable and "model" in job_config.compile.components:

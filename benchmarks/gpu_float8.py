@@ -78,7 +78,11 @@ def _worker(_, argv: list[str], port: int, dry_run: bool, layers: int) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     register_flavor(layers)
     quiet_every_rank_lines()
-    Trainer(parse_args(argv)).train()
+    trainer = Trainer(parse_args(argv))
+    # What is timed is the trainer's own conversion (model.converters), never a swap of ours.
+    converted = sum(type(module).__name__.endswith("Float8Linear") for module in trainer.model.modules())
+    assert ("--model.converters" in argv) == (converted > 0), f"gpu_float8: {converted} layers converted for {argv}"
+    trainer.train()
 
 
 def print_float8_layers(argv: list[str], layers: int) -> None:

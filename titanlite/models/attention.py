@@ -139,7 +139,8 @@ def _tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     [batch, 1, q tiles, kv tiles]."""
     tiles = tiles.unsqueeze(1).to(torch.int32)
     # Sorted as torch 2.13 sorts its own block masks' lists (flex_attention._dense_to_ordered):
-    # by aten's kernel, which the compiler is told to call rather than generate its own.
+    # by aten's kernel, which the compiler is told to call rather than generate a Triton sort
+    # (whose compile takes minutes at some sizes, pytorch#182060).
     with torch.fx.traceback.annotate({"fallback_to_eager": True}):
         order = tiles.argsort(dim=-1, descending=True, stable=True)
     return tiles.sum(-1, dtype=torch.int32), order.to(torch.int32)

@@ -1,4 +1,4 @@
-"""The GPU path, checked in one command on one CUDA GPU (about 5 minutes on an H100).
+"""The GPU path, checked in one command on one CUDA GPU (5 minutes on an H100 before the block_causal runs).
 
     python benchmarks/gpu_check.py                  # on a machine with a CUDA GPU
     python benchmarks/gpu_check.py --cpu-dry-run    # the same code on the CPU, debug sizes

@@ -172,6 +172,19 @@ def test_help_lists_every_section_key_and_docstring(capsys):
             assert " ".join(docs[f"{section_name}.{key}"].split()) in flat_help
 
 
+def test_help_says_once_what_each_section_holds():
+    # JobConfig's fields' docstrings, read by a plain text scan of its file (each is one line).
+    source = Path(sys.modules[JobConfig.__module__].__file__).read_text()
+    held = dict(re.findall(r'\n    (\w+): \w+ = field\(default_factory=\w+\)\n    """(.+)"""', source))
+    assert list(held) == list(vars(JobConfig()))
+    flat_help = " ".join(format_help().split())
+    for field_name, doc in held.items():
+        # [quantize] is a level of tables: its docstring stands under [quantize.linear.float8].
+        first_section = next(name for name in section_classes() if name.partition(".")[0] == field_name)
+        assert f"[{first_section}] {doc} --{first_section}." in flat_help
+        assert flat_help.count(doc) == 1
+
+
 def test_help_shows_types_and_defaults(capsys):
     with pytest.raises(SystemExit):
         parse_args(["-h"])

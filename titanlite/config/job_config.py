@@ -24,20 +24,38 @@ from titanlite.config.training import Data, Training, Validation
 @dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
+    """The run as a whole: its TOML file, output folder, description, and the validate-only check."""
     model: Model = field(default_factory=Model)
+    """The model family and flavor, tokenizer, attention mask, RoPE scaling, converters and MoE routing."""
     training: Training = field(default_factory=Training)
+    """The dataset, batch sizes, sequence length, steps, gradient clipping and mixed precision."""
     data: Data = field(default_factory=Data)
+    """How the training data is read: its shuffle and seed, prefetching, checksums, and where it is prepared."""
     optimizer: Optimizer = field(default_factory=Optimizer)
+    """The optimizer and its learning rate, betas, epsilon and weight decay."""
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    """The learning-rate schedule: linear warmup, then the decay (its share of the steps, shape and floor)."""
     parallelism: Parallelism = field(default_factory=Parallelism)
+    """The parallel layout: data (FSDP, HSDP, DDP), tensor, pipeline, context and expert parallelism."""
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    """Which activations backward recomputes instead of keeping: none, full or selective."""
     compile: Compile = field(default_factory=Compile)
-    quantize: Quantize = field(default_factory=Quantize)  # [quantize.linear.float8]: a section two levels down
+    """torch.compile: whether it runs, and on the model's blocks, the loss or both."""
+    quantize: Quantize = field(default_factory=Quantize)
+    """Quantized training; its one section, [quantize.linear.float8], trains the linear layers in float8."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Saving checkpoints, resuming from them, and the first load (a checkpoint or a Hugging Face folder)."""
     ema: EMA = field(default_factory=EMA)
+    """An exponential moving average of the weights, kept beside them and saved with checkpoints."""
     metrics: Metrics = field(default_factory=Metrics)
+    """What is logged each log_freq steps, and where: the console, TensorBoard, JSONL, Weights & Biases."""
     validation: Validation = field(default_factory=Validation)
+    """Loss on held-out data every freq steps."""
     profiling: Profiling = field(default_factory=Profiling)
+    """torch.profiler traces and CUDA memory snapshots."""
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    """Replica groups that survive each other's failures (torchft)."""
     comm: Comm = field(default_factory=Comm)
+    """Timeouts of process-group creation and collectives, and the NCCL flight recorder's dumps."""
     debug: Debug = field(default_factory=Debug)
+    """The random seed, and whether only deterministic algorithms run."""

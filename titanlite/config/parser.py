@@ -349,12 +349,17 @@ def _show_default(value: Any) -> str:
 
 
 def format_help() -> str:
-    """Usage, then every section with each key's type, default and docstring."""
+    """Usage, then every section with what it holds, and each key's type, default and docstring."""
     lines = [USAGE, "", HELP_INTRO]
+    # What each of JobConfig's fields holds, once above its first section ([quantize] is a
+    # level of tables above [quantize.linear.float8]).
+    section_docs = dict(field_docstrings(JobConfig))  # a copy (the reader caches): shown ones are popped
     for section_name, section_cls in section_classes().items():
         defaults = section_cls()
         docs = field_docstrings(section_cls)
         lines += ["", f"[{section_name}]"]
+        section_doc = section_docs.pop(section_name.partition(".")[0], "")
+        lines += textwrap.wrap(section_doc, width=88, initial_indent="  ", subsequent_indent="  ")
         for f in dataclasses.fields(section_cls):
             shown_type = type_name(key_types()[f"{section_name}.{f.name}"])
             default = _show_default(getattr(defaults, f.name))

@@ -21,47 +21,16 @@ from titanlite.parallel import parallelize_decoder, tensor_parallel_problem
 class ModelSpec:
     name: str
     flavors: dict
-    parallelize_fn: Callable
     state_dict_adapter: type
     args_cls: type  # the hyper-parameters' dataclass, which names its model class (model_cls)
     tensor_parallel_problem: Callable  # (args, tp degree) -> why the TP plan cannot split them, or None
+    # Every family here is a Llama-shaped decoder whose TP plan, FSDP, AC and compile the shared
+    # code applies; a family built otherwise would name its own.
+    parallelize_fn: Callable = parallelize_decoder
 
     @property
     def model_cls(self) -> type[nn.Module]:
         return self.args_cls.model_cls()
-
-
-_LLAMA = dict(
-    parallelize_fn=parallelize_decoder,
-    state_dict_adapter=llama.LlamaStateDictAdapter,
-    args_cls=llama.LlamaArgs,
-    tensor_parallel_problem=tensor_parallel_problem,
-)
-MODELS = {
-    "llama2": ModelSpec("llama2", flavors=llama.LLAMA2_FLAVORS, **_LLAMA),
-    "llama3": ModelSpec("llama3", flavors=llama.LLAMA3_FLAVORS, **_LLAMA),
-    # Llama's decoder with per-head query/key norms: Llama's TP plan, FSDP, AC and compile apply.
-    "qwen3": ModelSpec(
-        "qwen3",
-        flavors=qwen3.QWEN3_FLAVORS,
-        parallelize_fn=parallelize_decoder,
-        state_dict_adapter=qwen3.Qwen3StateDictAdapter,
-        args_cls=qwen3.Qwen3Args,
-        tensor_parallel_problem=lambda args, tp: _qwen3_tensor_parallel_problem(args, tp),
-    ),
-    # Llama's decoder with latent attention and DeepSeekMoE blocks; its TP plan is data in
-    # its folder (the block's tensor_parallel_plan), read by the shared parallelize code.
-    "deepseek_v3": ModelSpec(
-        "deepseek_v3",
-        flavors=deepseek_v3.DEEPSEEK_V3_FLAVORS,
-        parallelize_fn=parallelize_decoder,
-        state_dict_adapter=deepseek_v3.DeepSeekV3StateDictAdapter,
-        args_cls=deepseek_v3.DeepSeekV3Args,
-        tensor_parallel_problem=lambda args, tp: tensor_parallel_problem(
-            args, tp, split_ffn=args.first_k_dense_replace > 0
-        ),
-    ),
-}
 
 
 def _qwen3_tensor_parallel_problem(args: qwen3.Qwen3Args, tp: int) -> str | None:
@@ -69,6 +38,38 @@ def _qwen3_tensor_parallel_problem(args: qwen3.Qwen3Args, tp: int) -> str | None
     feed-forward's router and experts are held whole on every TP rank (TP splits its tokens),
     so its sizes need not divide."""
     return tensor_parallel_problem(args, tp, split_ffn=not args.is_moe)
+
+
+def _deepseek_v3_tensor_parallel_problem(args: deepseek_v3.DeepSeekV3Args, tp: int) -> str | None:
+    """The TP plan splits every block's attention, and the dense feed-forward of the first
+    first_k_dense_replace blocks (so its size must divide when there is one); an MoE block's
+    router and experts are held whole on every TP rank, as Qwen3-MoE's."""
+    return tensor_parallel_problem(args, tp, split_ffn=args.first_k_dense_replace > 0)
+
+
+_LLAMA = dict(
+    state_dict_adapter=llama.LlamaStateDictAdapter,
+    args_cls=llama.LlamaArgs,
+    tensor_parallel_problem=tensor_parallel_problem,
+)
+# Each entry: name, flavors, state-dict adapter, args class, TP check (ModelSpec's field order).
+MODELS = {
+    "llama2": ModelSpec("llama2", flavors=llama.LLAMA2_FLAVORS, **_LLAMA),
+    "llama3": ModelSpec("llama3", flavors=llama.LLAMA3_FLAVORS, **_LLAMA),
+    # Llama's decoder with per-head query/key norms.
+    "qwen3": ModelSpec(
+        "qwen3", qwen3.QWEN3_FLAVORS, qwen3.Qwen3StateDictAdapter, qwen3.Qwen3Args, _qwen3_tensor_parallel_problem
+    ),
+    # Llama's decoder with latent attention and DeepSeekMoE blocks; its TP plan is data in
+    # its folder (the block's tensor_parallel_plan), read by the shared parallelize code.
+    "deepseek_v3": ModelSpec(
+        "deepseek_v3",
+        deepseek_v3.DEEPSEEK_V3_FLAVORS,
+        deepseek_v3.DeepSeekV3StateDictAdapter,
+        deepseek_v3.DeepSeekV3Args,
+        _deepseek_v3_tensor_parallel_problem,
+    ),
+}
 
 
 # A vocabulary sized from a tokenizer is rounded up to a multiple of 128 rows (Megatron-LM's

@@ -15,7 +15,7 @@ from titanlite.config import parse_args
 from titanlite.config.model import MOE_KEYS
 from titanlite.estimate import check_memory_floor, floor
 from titanlite.models.attention import attend
-from titanlite.models.llama import LlamaArgs, LlamaStateDictAdapter, RopeScaling, Transformer
+from titanlite.models.llama import LLAMA31_ROPE_SCALING, LlamaArgs, LlamaStateDictAdapter, Transformer
 from titanlite.models.llama.model import apply_rope, rope_frequencies, rope_tables
 from titanlite.plan import plan_run
 from titanlite.registry import get_model_args, get_model_spec
@@ -193,7 +193,7 @@ def test_rope_scores_depend_only_on_position_difference():
 def test_rope_scaling_changes_only_low_frequencies():
     base = get_model_args("llama3", "8B")
     assert base.rope_scaling is None
-    scaling = RopeScaling()
+    scaling = LLAMA31_ROPE_SCALING
     scaled_args = dataclasses.replace(base, rope_scaling=scaling)
     plain, scaled = rope_frequencies(base), rope_frequencies(scaled_args)
     # Frequencies in our own words: theta^(-2i/head_dim), highest first.

@@ -126,7 +126,12 @@ def _dataclass_from_dict(cls: type, values: dict):
     fields = {}
     for key, value in values.items():
         nested = _dataclass_in(hints.get(key))
-        fields[key] = nested(**value) if nested is not None and isinstance(value, dict) else value
+        if nested is not None and isinstance(value, dict):
+            # None recorded where the run's args hold a dataclass (a short-context checkpoint
+            # under a run with RopeScaling) reads back as an empty dict: the load asks only for
+            # the entries the checkpoint holds (CheckpointManager._skip_absent_records).
+            value = nested(**value) if value else None
+        fields[key] = value
     return cls(**fields)
 
 

@@ -1,9 +1,21 @@
 """What every model family's hyper-parameters dataclass gives the shared code (the registry,
 the trainer's planning, the FLOP count), beside the fields docs/model.md lists; and the fields
-the newer families declare once here: a decoder's sizes (DecoderArgs) and an MoE router's
-options and load balancing (MoERoutingArgs)."""
+the families declare once here: what every long-context RoPE scaling holds (RopeStretch), a
+decoder's sizes (DecoderArgs) and an MoE router's options and load balancing (MoERoutingArgs)."""
 
 from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeStretch:
+    """What every family's long-context RoPE scaling holds, as transformers' rope_parameters
+    name it: how far the context is stretched, and from what length. Each family's scaling
+    (Llama 3.1's RopeScaling, DeepSeek-V3's YarnScaling) adds how its frequencies follow."""
+
+    factor: float
+    """How many times longer the context is than the one pre-training used."""
+    original_max_position_embeddings: int
+    """The pre-training context length."""
 
 
 class ModelArgs:
@@ -15,8 +27,20 @@ class ModelArgs:
 
     def with_rope_scaling(self, factor: float, original_seq_len: int | None):
         """The same model with its family's RoPE scaling for a context ``factor`` times longer
-        than ``original_seq_len`` (None: the flavor's, or max_seq_len / factor); ValueError for
-        a family without one."""
+        than ``original_seq_len`` (None: the flavor's, or max_seq_len / factor): the flavor's
+        own scaling stretched so, or the family's (new_rope_scaling) for a flavor without one;
+        ValueError for a family without one."""
+        original = self.original_seq_len(factor, original_seq_len)
+        scaling = getattr(self, "rope_scaling", None)
+        if scaling is None:
+            scaling = self.new_rope_scaling(factor, original)
+        else:
+            scaling = replace(scaling, factor=factor, original_max_position_embeddings=original)
+        return replace(self, rope_scaling=scaling)
+
+    def new_rope_scaling(self, factor: float, original_seq_len: int) -> RopeStretch:
+        """The family's long-context RoPE scaling by ``factor`` over ``original_seq_len``, with
+        the family's own settings; ValueError for a family without one."""
         raise ValueError(f"{type(self).__name__.removesuffix('Args').lower()} has no RoPE scaling in titanlite")
 
     def original_seq_len(self, factor: float, given: int | None) -> int:

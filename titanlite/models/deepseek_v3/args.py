@@ -3,18 +3,14 @@ DeepSeek-V2-Lite's shape, and a debug model."""
 
 from dataclasses import asdict, dataclass, replace
 
-from titanlite.models.args import DecoderArgs, MoERoutingArgs
+from titanlite.models.args import DecoderArgs, MoERoutingArgs, RopeStretch
 from titanlite.models.moe import MODEL_BALANCING_FIELDS, MoEArgs, moe_args_of
 
 
-@dataclass(frozen=True)
-class YarnScaling:
+@dataclass(frozen=True, kw_only=True)
+class YarnScaling(RopeStretch):
     """YaRN's long-context RoPE scaling (transformers' rope_type "yarn"), as DeepSeek-V3 uses it."""
 
-    factor: float = 40.0
-    """How much longer the context is than the one pre-training used."""
-    original_max_position_embeddings: int = 4096
-    """The pre-training context length."""
     beta_fast: float = 32.0
     """Pairs that turn more than this many times over the original context keep their speed."""
     beta_slow: float = 1.0
@@ -68,13 +64,11 @@ class DeepSeekV3Args(DecoderArgs, MoERoutingArgs):
     moe_seq_balance_coef: float = 1e-3
     moe_bias_update_rate: float = 1e-2
 
-    def with_rope_scaling(self, factor: float, original_seq_len: int | None):
-        """YaRN (YarnScaling: the flavor's betas and magnitudes when it has them) by ``factor``
-        over ``original_seq_len`` (None: the flavor's, else max_seq_len / factor)."""
-        base = self.rope_scaling or YarnScaling(mscale=1.0, mscale_all_dim=1.0)
-        original = self.original_seq_len(factor, original_seq_len)
-        scaling = replace(base, factor=factor, original_max_position_embeddings=original)
-        return replace(self, rope_scaling=scaling)
+    def new_rope_scaling(self, factor: float, original_seq_len: int) -> YarnScaling:
+        """YaRN with DeepSeek-V3's magnitudes (mscale and mscale_all_dim 1) and the default betas."""
+        return YarnScaling(
+            factor=factor, original_max_position_embeddings=original_seq_len, mscale=1.0, mscale_all_dim=1.0
+        )
 
     def __post_init__(self):
         for name in ("dim", "n_layers", "n_heads", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):

@@ -2,17 +2,22 @@
 
 from dataclasses import asdict, dataclass, replace
 
-from titanlite.models.args import ModelArgs
+from titanlite.models.args import ModelArgs, RopeStretch
 
 
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3.1's long-context RoPE frequency scaling."""
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling(RopeStretch):
+    """Llama 3.1's long-context RoPE frequency scaling (transformers' rope_type "llama3"); the
+    wavelengths between the two bounds below blend the slowed and the kept speed."""
 
-    factor: float = 8.0
     low_freq_factor: float = 1.0
+    """Wavelengths longer than original_max_position_embeddings / this are slowed down by factor."""
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    """Wavelengths shorter than original_max_position_embeddings / this keep their speed."""
+
+
+# Llama 3.1's own (its config.json): 8 x the 8,192 tokens it was pre-trained on.
+LLAMA31_ROPE_SCALING = RopeScaling(factor=8.0, original_max_position_embeddings=8192)
 
 
 @dataclass(frozen=True)
@@ -46,14 +51,9 @@ class LlamaArgs(ModelArgs):
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
 
-    def with_rope_scaling(self, factor: float, original_seq_len: int | None):
-        """Llama 3.1's scaling (RopeScaling: its low and high frequency factors, the flavor's when
-        it has them) by ``factor`` over ``original_seq_len`` (None: the flavor's, else
-        max_seq_len / factor)."""
-        base = self.rope_scaling or RopeScaling()
-        original = self.original_seq_len(factor, original_seq_len)
-        scaling = replace(base, factor=factor, original_max_position_embeddings=original)
-        return replace(self, rope_scaling=scaling)
+    def new_rope_scaling(self, factor: float, original_seq_len: int) -> RopeScaling:
+        """Llama 3.1's scaling, with its low and high frequency factors."""
+        return RopeScaling(factor=factor, original_max_position_embeddings=original_seq_len)
 
     def architecture(self) -> dict:
         """The hyper-parameters that decide what the model computes, for telling whether two
@@ -96,7 +96,7 @@ LLAMA3_FLAVORS = {
     "8B": LlamaArgs(dim=4096, n_layers=32, n_heads=32, ffn_dim_multiplier=1.3, **_LLAMA3),
     "70B": LlamaArgs(dim=8192, n_layers=80, n_heads=64, ffn_dim_multiplier=1.3, **_LLAMA3_LARGE),
     "405B": LlamaArgs(
-        dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, rope_scaling=RopeScaling(), **_LLAMA3_LARGE
+        dim=16384, n_layers=126, n_heads=128, ffn_dim_multiplier=1.2, rope_scaling=LLAMA31_ROPE_SCALING, **_LLAMA3_LARGE
     ),
     # The test suite's model, small enough for dozens of runs on a shared CPU: 3 blocks (so
     # "every 2nd block" activation checkpointing and the last-block reshard rule both show),

@@ -55,7 +55,7 @@ import math
 from dataclasses import replace
 
 from titanlite.dtypes import DTYPES
-from titanlite.estimate.communication import traffic
+from titanlite.estimate.communication import Traffic, traffic
 from titanlite.estimate.compute import (
     compute_seconds,
     compute_time,
@@ -90,6 +90,34 @@ from titanlite.parallel.pipeline import PipelinePlan
 # (attention and elementwise kernels included). Llama pretraining on H100/A100 with
 # FSDP reports roughly 40-55% MFU; 0.5 sits in that range. Override per run.
 DEFAULT_EFFICIENCY = 0.5
+
+
+# The layout's degrees by ParallelDims' names, which estimate_step_time takes as keywords (pp
+# comes with its pipeline) and StepTimeEstimate records, with the strategy's name and pp.
+_DEGREES = ("dp_replicate", "dp_shard", "world_size", "tp", "ep", "cp")
+_LAYOUT_FIELDS = ("strategy", *_DEGREES, "pp")
+# What StepTimeEstimate records of the data-parallel traffic, by DataParallelTraffic's names.
+_DATA_PARALLEL_FIELDS = (
+    "all_gather_bytes",
+    "reduce_scatter_bytes",
+    "all_reduce_bytes",
+    "all_gather_s",
+    "reduce_scatter_s",
+    "all_reduce_s",
+    "shard_link",
+    "replicate_link",
+    "expert_shard_link",
+)
+
+
+def _attributes(record, names: tuple[str, ...]) -> dict:
+    """``record``'s attributes ``names``, by name: for a result or a call that takes them as they are."""
+    return {name: getattr(record, name) for name in names}
+
+
+def _traffic_fields(prefix: str, traffic: Traffic) -> dict:
+    """One parallelism's traffic as StepTimeEstimate records it: <prefix>_bytes, _link and _s."""
+    return {f"{prefix}_bytes": traffic.sent_bytes, f"{prefix}_link": traffic.link, f"{prefix}_s": traffic.seconds}
 
 
 def estimate_step_time(
@@ -218,11 +246,12 @@ def estimate_step_time(
     device_tokens = rank_tokens / t / pp  # the tokens a device's share of the model processes
     tokens_per_s = device_tokens / step_s
     return StepTimeEstimate(
-        strategy=dims.strategy,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        world_size=dims.world_size,
-        tp=t,
+        **_attributes(dims, _LAYOUT_FIELDS),
+        **_attributes(data_parallel, _DATA_PARALLEL_FIELDS),
+        **_traffic_fields("tp", tensor),
+        **_traffic_fields("pp", sends),
+        **_traffic_fields("ep", experts),
+        **_traffic_fields("cp", context),
         hardware=hw,
         efficiency=efficiency,
         flops_per_token=model_flops,
@@ -230,18 +259,7 @@ def estimate_step_time(
         tokens_per_device_per_micro_batch=micro_tokens / t,
         tokens_per_device_per_step=device_tokens,
         compute_s=compute_s,
-        all_gather_bytes=data_parallel.all_gather_bytes,
-        reduce_scatter_bytes=data_parallel.reduce_scatter_bytes,
-        all_reduce_bytes=data_parallel.all_reduce_bytes,
-        tp_bytes=tensor.sent_bytes,
         tp_moe_gradient_bytes=moe_gradient_b,
-        shard_link=data_parallel.shard_link,
-        replicate_link=data_parallel.replicate_link,
-        tp_link=tensor.link,
-        all_gather_s=data_parallel.all_gather_s,
-        reduce_scatter_s=data_parallel.reduce_scatter_s,
-        all_reduce_s=data_parallel.all_reduce_s,
-        tp_s=tp_s,
         comm_s=comm_s,
         exposed_comm_s=exposed_s + (0.0 if async_tp else tp_s) + pp_exposed_s + ep_s + cp_s,
         overlapped=True,
@@ -249,19 +267,10 @@ def estimate_step_time(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         async_tp=async_tp,
-        pp=pp,
         schedule=None if pipeline is None else pipeline.schedule,
         microbatches=1 if pipeline is None else pipeline.microbatches,
         bubble=bubble,
-        pp_bytes=sends.sent_bytes,
-        pp_link=sends.link,
-        pp_s=sends.seconds,
         pp_exposed_s=pp_exposed_s,
-        ep=ep,
-        ep_bytes=experts.sent_bytes,
-        ep_link=experts.link,
-        ep_s=ep_s,
-        expert_shard_link=data_parallel.expert_shard_link,
         moe_flops_per_token=(work.moe_flops + work.moe_recompute_flops) / t,
         moe_tokens_per_device_per_micro_batch=micro_tokens / t if work.moe_layers else 0.0,
         # Compute-bound when the compute time exceeds the communication time.
@@ -278,10 +287,6 @@ def estimate_step_time(
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
         float8_saved_s=float8_s,
-        cp=cp,
-        cp_bytes=context.sent_bytes,
-        cp_link=context.link,
-        cp_s=cp_s,
         cp_masked_flops_per_token=masked_flops / t,
         kv_gathered_bytes=kv_gathered,
     )
@@ -338,10 +343,7 @@ def estimate_for_job_config(
         seq_len=training.seq_len,
         local_batch_size=training.local_batch_size,
         hardware=hardware,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        world_size=dims.world_size,
-        tp=dims.tp,
+        **_attributes(dims, _DEGREES),
         grad_accum_steps=accumulation,
         param_dtype=training.mixed_precision_param,
         reduce_dtype=training.mixed_precision_reduce,
@@ -354,8 +356,6 @@ def estimate_for_job_config(
         efficiency=efficiency,
         gpus_per_node=gpus_per_node,
         pipeline=pipeline,
-        ep=dims.ep,
         float8=float8_work(job_config, model_args),
-        cp=dims.cp,
         kv_features=model_cls.block_cls.attention_cls.kernel_kv_features(model_args),
     )

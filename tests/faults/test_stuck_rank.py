@@ -22,6 +22,7 @@ LAUNCHER = """
 import os, sys, time
 from pathlib import Path
 from titanlite import train
+from titanlite.checkpoint import CheckpointManager
 from titanlite.parallel import exit_process
 def hang(dump_folder):
     mark = Path(dump_folder, ".hang-started")
@@ -33,13 +34,13 @@ def hang_in_step(self):
     if os.environ["RANK"] == "1" and self.step == 2:
         hang(self.job_config.job.dump_folder)
     return step(self)
-save = train.CheckpointManager.save
+save = CheckpointManager.save
 def hang_in_save(self, step, *args, **kwargs):
     if os.environ["RANK"] == "1" and step == 2:
         hang(self.folder.parent)
     return save(self, step, *args, **kwargs)
 if os.environ["HANG_IN"] == "save":
-    train.CheckpointManager.save = hang_in_save
+    CheckpointManager.save = hang_in_save
 else:
     train.Trainer.train_step = hang_in_step
 status = train.main(sys.argv[1:])

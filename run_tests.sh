@@ -33,6 +33,16 @@ fi
 # another process needs (8% of the suite's CPU, measured in docs/performance.md).
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
+# ATEN_CPU_CAPABILITY=avx2 runs the suite as an AVX2-only host would (CI does, for the modules
+# that compare numbers). ATen and inductor follow the variable, but oneDNN and MKL pick their
+# code by the CPU itself, and on an AMX host torch 2.13 then mixes the two: ATen's AVX2 flash
+# attention is told by oneDNN that it can pack bf16 for AMX and fails ("pack_vnni2 is only
+# supported when avx512 is supported"), a pair no real AVX2 host has (docs/performance.md).
+# So the other two libraries are capped to AVX2 as well, unless set.
+if [[ "${ATEN_CPU_CAPABILITY:-}" == avx2 ]]; then
+    export ONEDNN_MAX_CPU_ISA="${ONEDNN_MAX_CPU_ISA:-AVX2}" MKL_CBWR="${MKL_CBWR:-AVX2}"
+fi
+
 # Only the plugins the suite uses: pytest loads every installed package's plugin by default
 # (hypothesis, anyio, pytest-benchmark where a machine has them), 1.2 s of CPU in each of the
 # 3 pytest processes here, and a plugin the suite does not know could change how it runs.

@@ -14,6 +14,12 @@ import pytest
 
 from tests.gc_frozen import freeze_what_is_loaded
 from tests.helpers import TinyRun, save_hf_llama, train_tiny
+from titanlite.parallel.parallelize import keep_compiled_code_per_cpu_isa
+
+# Tests compile outside the trainer too (FlexAttention, the compile-cache test): every process
+# of the suite, the fork servers included, takes inductor's cache folder of this run's vector
+# ISA from here, as the trainer gives its own (torch 2.13 would serve one ISA's code to another).
+keep_compiled_code_per_cpu_isa()
 
 # Rank processes (tests/multiprocess.py) and script runs (tests/forked_scripts.py) fork from
 # multiprocessing's fork server, which imports these once per test process instead of once

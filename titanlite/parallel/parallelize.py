@@ -252,7 +252,7 @@ def parallelize_decoder(
     ac = job_config.activation_checkpoint
     apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
     # 4. Compile, per block. Process-wide, so for the compiled loss too.
-    if job_config.compile.enable:
+    if job_config.compile.enable or job_config.model.attn_mask_type == "block_causal":  # FlexAttention compiles
         keep_compiled_code_per_cpu_isa()
     if job_config.compile.enable and tp_mesh is not None:
         keep_compiled_graphs_per_rank()

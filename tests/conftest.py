@@ -36,29 +36,32 @@ multiprocessing.set_forkserver_preload(
 # number of tests and this list does nothing), so a long module collected last would run alone at
 # the end while the other worker idles (test_gpu_check did: 30 s, one core idle for 25 s of it).
 # Longest first keeps both busy to the end. The figures are of a whole suite's run: read their order.
-LONGEST_FIRST = (  # the suite at 09e3b22 (./run_tests.sh --junitxml): seconds per module
-    "test_benchmarks_smoke.py",  # 133
-    "test_launch.py",  # 99
-    "test_expert_parallel_training.py",  # 76
-    "test_parity.py",  # 62
-    "test_estimate_cli.py",  # 56
-    "test_fault_tolerance.py",  # 55
-    "test_checkpoint_files.py",  # 39
-    "test_qwen3_moe.py",  # 37
-    "test_loss_compare.py",  # 34
-    "test_gpu_check.py",  # 33
-    "test_estimate_memory.py",  # 33
-    "test_checkpoint_resume.py",  # 32
-    "test_kill_resume.py",  # 31
-    "test_tp_checkpoint.py",  # 30
-    "test_pipeline_parity.py",  # 29
-    "test_estimate_gpu_peaks.py",  # 19
-    "test_data_prepared.py",  # 17
+# Not simply sorted by the newest figures: sorted so at 4cb4474, the two heaviest rank-launching
+# modules (expert-parallel training, parity) ran side by side and the suite took 594-600 s
+# against 500 s in this order, which pairs each with a module that mostly starts processes.
+LONGEST_FIRST = (  # the suite at 1553717 (./run_tests.sh -v --durations=0): seconds per module
+    "test_expert_parallel_training.py",  # 114
+    "test_benchmarks_smoke.py",  # 96
+    "test_qwen3_moe.py",  # 82
+    "test_parity.py",  # 82
+    "test_launch.py",  # 62
+    "test_pipeline_parity.py",  # 59
+    "test_kill_resume.py",  # 55
+    "test_estimate_cli.py",  # 51
+    "test_estimate_memory.py",  # 49
+    "test_checkpoint_resume.py",  # 47
+    "test_checkpoint_files.py",  # 37
+    "test_loss_compare.py",  # 36
+    "test_tp_checkpoint.py",  # 36
+    "test_fault_tolerance.py",  # 35
+    "test_gpu_check.py",  # 30
+    "test_pipeline_checkpoint.py",  # 20
+    "test_data_prepared.py",  # 18
+    "test_reference_losses.py",  # 17
+    "test_estimate_gpu_peaks.py",  # 17
     "test_stuck_rank.py",  # 16
-    "test_hf_export.py",  # 14
-    "test_estimate_moe.py",  # 13
-    "test_reference_losses.py",  # 13
-    "test_pipeline_checkpoint.py",  # 12
+    "test_hf_seed.py",  # 14
+    "test_estimate_moe.py",  # 14
 )
 
 

@@ -335,8 +335,9 @@ def test_the_console_shows_the_load_against_the_worst_and_each_loss():
     assert "moe_load: 4.00 of max 4.00  seq_loss: 1.2500  z_loss: 0.5000" in line
 
 
-def test_a_collapsed_router_is_warned_of_once_naming_its_layers_and_the_keys():
-    """8 experts, top 2: worst 4, collapsed from 1 + 0.9 x 3 = 3.7 on, for 3 log steps in a row."""
+def test_each_collapsed_router_is_warned_of_once_naming_its_layers_and_the_keys():
+    """8 experts, top 2: worst 4, collapsed from 1 + 0.9 x 3 = 3.7 on, for 3 log steps in a row.
+    A layer that collapses after the first warning gets one of its own; none is named twice."""
     log = capture_log_lines()
     watch = CollapseWatch(worst_load=4.0)
     watch.see({0: 3.9, 1: 1.2, 2: 3.8})
@@ -348,31 +349,55 @@ def test_a_collapsed_router_is_warned_of_once_naming_its_layers_and_the_keys():
     assert "above 3.70 for 3 log steps in a row, near the worst possible 4.00" in warning
     assert warning.endswith(
         "balance the experts with model.moe_load_balance_coef, model.moe_aux_loss_coef, model.moe_seq_balance_coef "
-        "or model.moe_bias_update_rate (docs/model.md, 'Training an MoE'). Said once."
+        "or model.moe_bias_update_rate (docs/model.md, 'Training an MoE'). Said once per layer."
     )
-    for _ in range(4):  # layers 1 and 2 collapse too: said once
-        watch.see({0: 4.0, 1: 4.0, 2: 4.0})
-    assert len(log.warnings()) == 1
+    watch.see({0: 4.0, 1: 3.8, 2: 3.8})  # layers 1 and 2: their second in a row
+    assert len(log.warnings()) == 1  # layer 0 named already
+    watch.see({0: 4.0, 1: 3.8, 2: 3.8})  # ... and third, together
+    assert log.warnings()[1].startswith("MoE routing has collapsed in layer(s) 1, 2: ")
+    watch.see({0: 1.1, 1: 4.0, 2: 4.0, 3: 3.9})
+    watch.see({0: 3.9, 1: 4.0, 2: 4.0, 3: 3.9})
+    assert len(log.warnings()) == 2  # layer 3 at 2 in a row; 1 and 2 named already
+    watch.see({0: 3.9, 1: 4.0, 2: 4.0, 3: 3.9})  # layer 3's third
+    assert log.warnings()[2].startswith("MoE routing has collapsed in layer(s) 3: ")
+    for _ in range(4):  # layer 0 collapsed again after its dip, every layer at the worst: all named before
+        watch.see({0: 4.0, 1: 4.0, 2: 4.0, 3: 4.0})
+    assert len(log.warnings()) == 3
     quiet = CollapseWatch(worst_load=1.0)  # top_k = n_experts: every load is 1, the worst too
     for _ in range(4):
         quiet.see({0: 1.0})
-    assert len(log.warnings()) == 1
+    assert len(log.warnings()) == 3
 
 
-def test_a_run_whose_routers_collapse_says_so_once(tmp_path):
-    """A bias of 100 on experts 0 and 1 sends every token there in every layer: each step
-    logs the worst load, 2 of max 2 for 4 experts and top 2, and the third log step warns."""
+def test_a_run_whose_routers_collapse_names_them_once(tmp_path):
+    """A bias of 100 on experts 0 and 1 sends every token there: layers 0 and 1 from the
+    start, layer 2 from step 3 on (its bias set after step 2's update). Each collapsed step
+    logs the worst load, 2 of max 2 for 4 experts and top 2; the third log step warns of
+    layers 0 and 1, the fifth of layer 2 alone."""
     overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "model.moe_bias_update_rate": 1e-9}
-    trainer = Trainer(parse_args(tiny_args(overrides | {"training.steps": 4}) + ["--job.dump_folder", str(tmp_path)]))
-    for layer in moe_layers(trainer.model):
+    trainer = Trainer(parse_args(tiny_args(overrides | {"training.steps": 6}) + ["--job.dump_folder", str(tmp_path)]))
+    layers = moe_layers(trainer.model)
+    for layer in layers[:2]:
         layer.expert_bias[:2] = 100.0
+
+    updates = []
+
+    def collapse_layer_2_after_step_2(*_):
+        updates.append(1)
+        if len(updates) == 2:
+            layers[2].expert_bias[:2] = 100.0
+
+    trainer.optimizer.register_step_post_hook(collapse_layer_2_after_step_2)
     log = capture_log_lines()
     trainer.train()
     step_lines = [line for line in log.lines if line.startswith("step:")]
-    assert len(step_lines) == 4 and all("moe_load: 2.00 of max 2.00" in line for line in step_lines)
-    (warning,) = log.warnings()
-    assert warning.startswith("MoE routing has collapsed in layer(s) 0, 1, 2: ")
-    assert log.lines.index(warning) == log.lines.index(step_lines[2]) - 1  # with the third step's numbers
+    assert len(step_lines) == 6 and all("moe_load: 2.00 of max 2.00" in line for line in step_lines)
+    first, second = log.warnings()
+    assert first.startswith("MoE routing has collapsed in layer(s) 0, 1: ")
+    assert second.startswith("MoE routing has collapsed in layer(s) 2: ")
+    # each with its step's numbers
+    assert log.lines.index(first) == log.lines.index(step_lines[2]) - 1
+    assert log.lines.index(second) == log.lines.index(step_lines[4]) - 1
 
 
 def test_a_resumed_run_routes_with_the_saved_bias(tmp_path):

@@ -1,5 +1,5 @@
 """An MoE model's numbers at a log step: each layer's expert load, the worst a load can be,
-the balancing losses that are on; and one warning when routers stay collapsed."""
+the balancing losses that are on; and a warning for each layer whose router stays collapsed."""
 
 import logging
 
@@ -36,25 +36,30 @@ def moe_load_metrics(loads: dict[int, float], losses: dict[str, float], worst_lo
 
 
 class CollapseWatch:
-    """Reads each log step's loads; the first time some layers have stayed near the worst
-    load for COLLAPSED_LOG_STEPS log steps in a row, logs one warning naming them and the
-    [model] keys that balance the experts. Never again after that: one line says it."""
+    """Reads each log step's loads; when some layers have stayed near the worst load for
+    COLLAPSED_LOG_STEPS log steps in a row, logs one warning naming them and the [model] keys
+    that balance the experts. Each layer is named once a run: a layer that collapses after
+    others were warned of gets a warning of its own, one already named is not named again."""
 
     def __init__(self, worst_load: float):
         self.worst_load = worst_load
         self.threshold = 1.0 + COLLAPSED_SHARE * (worst_load - 1.0)
         self.streaks: dict[int, int] = {}  # block index: log steps in a row at or above the threshold
-        self.warned = False
+        self.warned: set[int] = set()  # the layers a warning has named
 
     def see(self, loads: dict[int, float]) -> None:
         # With top_k = n_experts every load is 1, the worst too: nothing can collapse.
-        if self.warned or self.worst_load <= 1.0:
+        if self.worst_load <= 1.0:
             return
         near = [block for block, load in loads.items() if load >= self.threshold]
         self.streaks = {block: self.streaks.get(block, 0) + 1 for block in near}
-        collapsed = sorted(block for block, streak in self.streaks.items() if streak >= COLLAPSED_LOG_STEPS)
+        collapsed = sorted(
+            block
+            for block, streak in self.streaks.items()
+            if streak >= COLLAPSED_LOG_STEPS and block not in self.warned
+        )
         if collapsed:
-            self.warned = True
+            self.warned.update(collapsed)
             logger.warning("%s", self.message(collapsed))
 
     def message(self, layers: list[int]) -> str:
@@ -63,5 +68,5 @@ class CollapseWatch:
             f"MoE routing has collapsed in layer(s) {', '.join(map(str, layers))}: their max / mean expert load "
             f"stayed at or above {self.threshold:.2f} for {COLLAPSED_LOG_STEPS} log steps in a row, near the worst "
             f"possible {self.worst_load:.2f} (n_experts / top_k: every token sent to the same top_k experts); "
-            f"balance the experts with {keys} (docs/model.md, 'Training an MoE'). Said once."
+            f"balance the experts with {keys} (docs/model.md, 'Training an MoE'). Said once per layer."
         )

@@ -3,8 +3,9 @@
 args), each balancing loss against its definition written out token by token, their
 gradients against those losses by hand (whole model, and per pipeline stage), the bias
 update on a skipped step, the metrics' tags, the console's scale and the warning of a
-collapsed router, and the losses of a forward whose sequences are split over two ranks (as
-tensor parallelism splits them). The data-parallel and tensor-parallel sums and the run's
+collapsed router (every layer that collapses, once), the losses of a forward whose sequences
+are split over two ranks (as tensor parallelism splits them), and the max / mean load that
+each balancing setting holds a learning router to against none. The data-parallel and tensor-parallel sums and the run's
 metrics are checked under FSDP 2, EP 2, TP 2 (with and without sequence parallel), EP 2 over
 TP 2's ranks and PP 2 in tests/test_qwen3_moe.py, in its launch of ranks."""
 
@@ -418,21 +419,13 @@ def test_a_resumed_run_routes_with_the_saved_bias(tmp_path):
         torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6, msg=name)
 
 
-# --- the recommended setting, learning --------------------------------------------------------
-
-
-def recommended_balancing() -> dict[str, object]:
-    """The balancing keys train_configs/qwen3_30b_a3b.toml sets in [model]: the setting the
-    docs recommend for Qwen3-MoE, read from where a user finds it."""
-    import tomllib
-
-    model = tomllib.loads(Path(REPO, "train_configs", "qwen3_30b_a3b.toml").read_text())["model"]
-    return {f"model.{key}": value for key, value in model.items() if key.startswith("moe_")}
+# --- balancing, learning -----------------------------------------------------------------
 
 
 def loads_over_training(balancing: dict[str, object], steps: int) -> list[float]:
     """tiny_moe (4 experts, top 2) trained by the debug config's optimizer from the same seed on
-    the same batches: the largest max / mean load over its layers after every step."""
+    the same batches, every balancing key and the z-loss off but those of ``balancing``: the
+    largest max / mean load over its layers after every step."""
     off = {f"model.{key}": 0 for key in (*MOE_BALANCING_KEYS, "moe_z_loss_coef")}
     overrides = {"model.name": "qwen3", "model.flavor": "tiny_moe", "training.steps": steps}
     overrides |= {"training.local_batch_size": 4, "metrics.log_freq": steps} | off | balancing
@@ -445,16 +438,36 @@ def loads_over_training(balancing: dict[str, object], steps: int) -> list[float]
     return torch.stack(loads).tolist()
 
 
-def test_the_recommended_balancing_evens_out_a_learning_router():
-    """Without balancing the routers collapse within 60 steps (max / mean near 2, the worst for
-    4 experts and top 2); under the recommended setting the load's excess over even, averaged
-    over the last 10 steps, is at most half of that."""
-    balancing = recommended_balancing()
-    assert balancing, "qwen3_30b_a3b.toml recommends no balancing"
-    steps, last = 60, 10
-    excess = {}
-    for name, keys in (("none", {}), ("recommended", balancing)):
-        loads = loads_over_training(keys, steps)
-        excess[name] = sum(loads[-last:]) / last - 1
-    assert excess["none"] > 0.8, excess  # collapsed: a learning router, not an even one
-    assert excess["recommended"] <= excess["none"] / 2, excess
+BALANCE_STEPS, LAST_STEPS = 100, 20
+# Each setting's keys in full, not the flavor's or a config's defaults (those are tuned on
+# larger models): Qwen3-MoE's export-compatible softmax router with the per-layer loss, and
+# DeepSeek-V3's sigmoid router with the expert bias and its sequence-wise loss.
+BALANCINGS = {
+    "softmax_load_balance_loss": {"model.moe_score_func": "softmax", "model.moe_load_balance_coef": 0.1},
+    "sigmoid_bias_seq_loss": {
+        "model.moe_score_func": "sigmoid",
+        "model.moe_bias_update_rate": 0.01,
+        "model.moe_seq_balance_coef": 0.001,
+    },
+}
+
+
+def last_steps_load(loads: list[float]) -> float:
+    return sum(loads[-LAST_STEPS:]) / LAST_STEPS
+
+
+@pytest.fixture(scope="module")
+def unbalanced_load() -> float:
+    """The softmax router's, without balancing (the sigmoid router's collapses alike: 1.99)."""
+    return last_steps_load(loads_over_training({"model.moe_score_func": "softmax"}, BALANCE_STEPS))
+
+
+@pytest.mark.parametrize("balancing", BALANCINGS)
+def test_balancing_keeps_a_learning_routers_load_near_even(unbalanced_load, balancing):
+    """Max / mean load (4 experts, top 2: 1 is even, 2 collapsed; 128 tokens a step, so even
+    routing shows about 1.1), the mean of the last 20 of 100 steps. Unbalanced, the routers
+    collapse: 1.99 (1.81 to 1.99 over debug.seed 1 to 3). Balanced: 1.26 by the loss, 1.37 by
+    the bias (at most 1.36 and 1.39 over those seeds); the same on an AVX2 host. The bounds
+    leave the seeds' spread as margin."""
+    balanced = last_steps_load(loads_over_training(BALANCINGS[balancing], BALANCE_STEPS))
+    assert unbalanced_load >= 1.75 and balanced <= 1.45, (balanced, unbalanced_load)

@@ -4,12 +4,90 @@ estimator; and its value over the global batch, for the log."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titanlite.parallel.moe_tensor_parallel import SumOverRanks
+
+IGNORED_LABEL = -100  # cross_entropy's default ignore_index: such tokens count in neither loss
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) next-token loss; the caller divides by the global token count.
     The float32 copy of the logits is one of the step's largest activations."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+def cross_entropy_and_z_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy_sum, and the sum of logsumexp(logits)^2 over the same target tokens: the
+    output z-loss before its coefficient. Under loss parallel (logits split by vocabulary, a
+    DTensor) each rank takes the logsumexp over its slice, then over the ranks: exact, and no
+    rank gathers the logits."""
+    if isinstance(logits, DTensor):
+        return cross_entropy_sum(logits, labels).full_tensor(), _z_sum(_split_log_sum_exp(logits), labels)
+    logits = logits.float()
+    log_probs = F.log_softmax(logits, dim=-1)  # what F.cross_entropy computes first
+    cross_entropy = F.nll_loss(log_probs.flatten(0, 1), labels.flatten(), reduction="sum")
+    # Every entry of logits - log_probs is the token's logsumexp: taking the first keeps no
+    # [batch, seq, vocab] tensor for the backward beyond the one log_softmax keeps anyway.
+    return cross_entropy, _z_sum(logits[..., 0] - log_probs[..., 0], labels)
+
+
+def _z_sum(log_sum_exp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return (log_sum_exp.square() * (labels != IGNORED_LABEL)).sum()
+
+
+def _split_log_sum_exp(logits: DTensor) -> torch.Tensor:
+    """logsumexp over the last dimension of logits split along it: [batch, seq], alike on every
+    rank of the split, from one max and one sum over them. (Loss parallel's own log_softmax
+    backward assumes the nll_loss after it, so the z-loss cannot go through it.)"""
+    (split_dim,) = [dim for dim, placement in enumerate(logits.placements) if placement.is_shard()]
+    group = logits.device_mesh.get_group(split_dim)
+    local = logits.to_local().float()
+    peak = local.detach().amax(-1, keepdim=True)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    # Every rank's loss is the whole loss: the sum's gradient passes to each slice unchanged.
+    sums = SumOverRanks([group])((local - peak).exp().sum(-1))
+    return peak.squeeze(-1) + sums.log()
+
+
+class TrainingLoss:
+    """What the trainer backpropagates for a micro-batch: its summed cross-entropy, plus
+    ``z_loss_coef`` x its summed z-loss, divided by the group's target tokens (so that the
+    micro-batches' and ranks' shares add up to the global mean). The z-loss terms of the step
+    add up on the device for the log (take_z_share)."""
+
+    def __init__(self, z_loss_coef: float, group_tokens: int, compiled: bool, device: torch.device):
+        self.cross_entropy_sum = training_loss(compiled)
+        self.z_loss_coef, self.group_tokens = z_loss_coef, group_tokens
+        self.device = device
+        # Compiled only without loss parallel: the split logsumexp's collectives stay eager.
+        self.both_sums = torch.compile(cross_entropy_and_z_sums) if compiled else cross_entropy_and_z_sums
+        self.z_share = torch.zeros((), device=device)
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.z_loss_coef == 0:
+            return self.cross_entropy_sum(logits, labels) / self.group_tokens
+        both_sums = cross_entropy_and_z_sums if isinstance(logits, DTensor) else self.both_sums
+        cross_entropy, z_sum = both_sums(logits, labels)
+        z_share = self.z_loss_coef * z_sum / self.group_tokens
+        self.z_share += z_share.detach()
+        return cross_entropy / self.group_tokens + z_share
+
+    def take_z_share(self) -> torch.Tensor:
+        """This rank's share of the z-loss term of the step since the last call (0 without
+        a z-loss, or on a pipeline stage without the loss), and start the next step's."""
+        share, self.z_share = self.z_share, torch.zeros((), device=self.device)
+        return share
+
+
+def global_loss_on_device(loss_share: torch.Tensor, ranks_per_dp_rank: int = 1) -> torch.Tensor:
+    """The loss over the global batch as a tensor alike on every rank, from this rank's share
+    (see global_loss): one all-reduce, and the host does not wait for it."""
+    if not dist.is_initialized():
+        return loss_share
+    total = loss_share.detach().clone()
+    dist.all_reduce(total)
+    return total / ranks_per_dp_rank
 
 
 def global_loss(loss_share: torch.Tensor, ranks_per_dp_rank: int = 1, stages: int = 1) -> tuple[float, float]:

@@ -20,13 +20,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from titanlite.checkpoint import CheckpointError, ModelState, OptimizerState, RNGState
+from titanlite.checkpoint import ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
 from titanlite.checkpoint.layout import LAYOUT_ENTRIES_ADDED_LATER, layout_record, log_resumed_layout
-from titanlite.config import ConfigError, JobConfig, parse_args
-from titanlite.errors import DataError, NonFiniteError, collective_failure_line, report_failure
+from titanlite.config import JobConfig, parse_args
+from titanlite.errors import DataError, collective_failure_line, report_failure
+from titanlite.failures import START_FAILURES, TRAINING_FAILURES, failure
 from titanlite.fault_tolerant_run import replica_group_metrics
-from titanlite.loss import global_loss, training_loss
+from titanlite.loss import TrainingLoss, global_loss, global_loss_on_device
 from titanlite.metrics import tags
 from titanlite.metrics.processor import StepRecord
 from titanlite.nonfinite import SYNC_EVERY, UnreadSteps, step_unless
@@ -40,8 +41,8 @@ from titanlite.parallel import (
     set_gradient_all_reduce,
     use_collective_timeout,
 )
-from titanlite.parallel.fault_tolerance import FaultToleranceError
 from titanlite.profiling import profiler_context
+from titanlite.spikes import spike_window
 from titanlite.stop_signal import StopSignal
 from titanlite.trainer_setup import (
     balance_expert_load,
@@ -90,20 +91,23 @@ class Trainer(Stateful):
         self.compute_context = compute_context(parallel_dims, training.mixed_precision_param, self.device.type)
         # Entered anew for each micro-batch's loss and its backward (loss parallel under TP).
         self.loss_context = partial(loss_context, parallel_dims, job_config)
-        self.loss_fn = training_loss(compiled=job_config.compile.enable and "loss" in job_config.compile.components)
         # Packed windows have no padding and no ignored labels, so the group's batch always
         # holds exactly this many target tokens. Dividing every rank's summed loss by it makes
         # the summed gradients equal one big batch's, whatever the layout. (Without fault
         # tolerance the group is the whole job; with it the groups' gradients are averaged.)
         self.group_tokens = plan.group_batch_size * training.seq_len
-        model, self.pipeline = build_run_model(job_config, plan, mesh, self.device, self._group_loss_share)
+        compiled = job_config.compile.enable and "loss" in job_config.compile.components
+        self.objective = TrainingLoss(training.z_loss_coef, self.group_tokens, compiled, self.device)
+        self.loss_fn = self.objective.cross_entropy_sum  # the held-out loss too
+        model, self.pipeline = build_run_model(job_config, plan, mesh, self.device, self.objective)
         self.model = model
         self.dtype_probe, self.phase_memory = log_built_model(job_config, plan, model, mesh, self.rank, self.device)
 
         # 5. Optimizer, schedule and the weight average.
         self.optimizer, self.lr_scheduler, self.ema = build_optimizers(job_config, plan, model)
         self.step = self.tokens_seen = 0
-        self.unread_steps = UnreadSteps(training.skip_nonfinite_steps)
+        self.unread_steps = UnreadSteps(training.skip_nonfinite_steps, training.spike_max_in_a_row)
+        self.spikes = spike_window(training, self.device)  # None unless training.skip_spike_steps
 
         # 6. Checkpoints: everything a resume needs, by name; resume into the sharded model
         # (or join the replica groups, or start from Hugging Face weights).
@@ -116,8 +120,9 @@ class Trainer(Stateful):
             "train_state": self,
             "rng": RNGState(),
         }
-        if self.ema is not None:
-            states["ema"] = self.ema
+        for name, state in (("ema", self.ema), ("spike_window", self.spikes)):
+            if state is not None:
+                states[name] = state
         self.checkpointer, self.replicas = start_from_checkpoint(job_config, plan, model, states)
         self.stop_signal = StopSignal()
         if job_config.checkpoint.enable:
@@ -128,6 +133,10 @@ class Trainer(Stateful):
         self.balancer = balance_expert_load(plan, model, self.optimizer, self.metrics, mesh, self.group_tokens)
         if self.replicas is not None:
             self.metrics.add_source(partial(replica_group_metrics, self.replicas))
+        if self.spikes is not None:
+            self.metrics.add_source(self.spikes.metrics)
+        if training.z_loss_coef > 0:
+            self.metrics.add_source(lambda: {tags.Z_LOSS: self.global_loss(self.z_share)[0]})
         self.validator = build_run_validator(
             job_config, plan, self.tokenizer, self.loss_fn, self.loss_context, self.compute_context, mesh, self.device
         )
@@ -157,6 +166,8 @@ class Trainer(Stateful):
                 inputs, labels = (t.to(self.device, non_blocking=True) for t in self._next_batch())
             loss_share += self._forward_backward(inputs, labels)
             self.phase_memory.mark("backward")
+        self.z_share = self.objective.take_z_share()
+        loss_share -= self.z_share  # the cross-entropy's share, logged as the loss (the z-loss on its own)
 
         counts = [] if self.balancer is None else self.balancer.routed_counts()
         if self.replicas is not None and not self.replicas.average_and_commit(
@@ -170,18 +181,20 @@ class Trainer(Stateful):
         grad_norm = clip_grad_norm_(self.model.parameters(), training.max_norm, stages=dims.pp)
         # A NaN/inf anywhere reaches the global norm, which every rank holds alike after its
         # all-reduce, so all ranks skip the same steps without another collective.
-        nonfinite = ~torch.isfinite(grad_norm)
-        # An async save may still be copying the weights; they must not change under it.
+        skip = nonfinite = ~torch.isfinite(grad_norm)
+        # An async save may still be copying the weights (and the spike window); they must not change under it.
         self.checkpointer.wait_for_staging()
-        step_unless(self.optimizer, nonfinite)
+        if self.spikes is not None:  # the global loss is every rank's: they skip alike
+            skip = self.spikes.judge(global_loss_on_device(loss_share, dims.tp), grad_norm, nonfinite)
+        step_unless(self.optimizer, skip)
         self.phase_memory.mark("optimizer")
         self.optimizer.zero_grad(set_to_none=True)
         self.lr_scheduler.step()
         if self.ema is not None:
-            self.ema.update(skip=nonfinite)
+            self.ema.update(skip=skip)
         self.step += 1
         self.tokens_seen += self.group_tokens * (1 if self.replicas is None else self.replicas.participants)
-        self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share)
+        self.unread_steps.add(self.step, nonfinite, grad_norm, loss_share, getattr(self.spikes, "last", None))
         return loss_share, grad_norm
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -193,16 +206,12 @@ class Trainer(Stateful):
         with self.loss_context():
             with self.compute_context:
                 logits = self.model(inputs)
-                loss = self._group_loss_share(logits, labels)
+                loss = self.objective(logits, labels)
             del logits  # the [batch, seq, vocab] logits are the largest activation
             self.phase_memory.mark("forward")
             loss.backward()
         # Under loss parallel the loss is a DTensor every TP rank holds whole.
         return loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-
-    def _group_loss_share(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The summed loss of these logits over the group's target tokens (see group_tokens)."""
-        return self.loss_fn(logits, labels) / self.group_tokens
 
     # --- train_state, signals -----------------------------------------------------------
 
@@ -338,30 +347,8 @@ class Trainer(Stateful):
         return False
 
 
-# main's line after "titanlite: " for each failure it expects, its exit status (2: the config or
-# the checkpoint to start from, 1: something during training), and whether every rank meets
-# the same one (then rank 0 alone prints it).
-START_FAILURES = {
-    ConfigError: ("config error: {error}", 2, True),
-    CheckpointError: ("checkpoint error: {error}", 2, True),
-    FaultToleranceError: ("fault tolerance: {error}", 1, False),  # no quorum to join
-}
-TRAINING_FAILURES = {
-    CheckpointError: ("checkpoint error at step {step}: {error}", 1, False),
-    DataError: ("data error in step {next_step}: {error}", 1, False),
-    FaultToleranceError: ("fault tolerance: {error}", 1, False),
-    NonFiniteError: ("non-finite values at {error}", 1, True),  # every rank: the same step, the same norm
-}
-
-
-def _failure(table: dict, error: Exception, rank: int, **where) -> tuple[str, int, bool]:
-    """(line, exit status, whether this rank prints it) for ``error``, of one of ``table``'s kinds."""
-    template, status, same_on_every_rank = next(entry for kind, entry in table.items() if isinstance(error, kind))
-    return f"titanlite: {template.format(error=error, **where)}", status, rank == 0 or not same_on_every_rank
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Train; every expected failure is one stderr line and an exit status (the tables above).
+    """Train; every expected failure is one stderr line and an exit status (titanlite.failures' tables).
     A bare --debug adds the traceback after the line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     fail = partial(report_failure, show_traceback="--debug" in argv)  # a flag of the launcher, not a config key
@@ -375,12 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(job_config)
     except tuple(START_FAILURES) as error:
         destroy_distributed()
-        return fail(*_failure(START_FAILURES, error, int(os.environ.get("RANK", "0"))))
+        return fail(*failure(START_FAILURES, error, int(os.environ.get("RANK", "0"))))
     try:
         save_resolved_config(job_config, trainer.rank)
         trainer.train()
     except tuple(TRAINING_FAILURES) as error:
-        return fail(*_failure(TRAINING_FAILURES, error, trainer.rank, step=trainer.step, next_step=trainer.step + 1))
+        return fail(*failure(TRAINING_FAILURES, error, trainer.rank, step=trainer.step, next_step=trainer.step + 1))
     except (dist.DistError, RuntimeError) as error:
         if not is_collective_failure(error):
             raise

@@ -4,7 +4,7 @@ at which precision, and the held-out data; with the dataset names, each written 
 from dataclasses import dataclass
 from typing import Literal, get_args
 
-from titanlite.config.ranges import MINUS_ONE_OR_POSITIVE, at_least, ranged
+from titanlite.config.ranges import MINUS_ONE_OR_POSITIVE, POSITIVE, at_least, ranged
 
 # Raw sources are tokenized as they are read (titanlite.data.sources reads exactly these).
 # They are grouped by what they make of dataset_path, which validation checks.
@@ -64,6 +64,27 @@ class Training:
     skip_nonfinite_steps: int = ranged(at_least(0), default=0)
     """Steps in a row whose gradient norm is NaN/inf that may be skipped (no update) before training stops; 0 stops at
     the first."""
+
+    skip_spike_steps: bool = False
+    """Skip (no update, as a non-finite step: Adam's moments and step count unchanged, the learning-rate schedule moves
+    on) a step whose loss over the global batch or gradient norm exceeds mean + spike_sigmas x standard deviation of
+    the last spike_window accepted steps, once half a window was accepted. Decided on the device, every rank alike;
+    skipped steps never enter the window. The window is saved with checkpoints."""
+
+    spike_window: int = ranged(at_least(4), default=128)
+    """Accepted steps whose loss and gradient norm the spike test compares a step with (skip_spike_steps)."""
+
+    spike_sigmas: float = ranged(POSITIVE, default=6.0)
+    """How many standard deviations above the window's mean a loss or gradient norm is a spike (skip_spike_steps)."""
+
+    spike_max_in_a_row: int = ranged(at_least(0), default=16)
+    """Spike steps in a row after which training stops with an error: the loss has moved to a level the window will
+    never accept (skip_spike_steps); 0 never stops."""
+
+    z_loss_coef: float = ranged(at_least(0), default=0.0)
+    """Output z-loss: add z_loss_coef x logsumexp(logits)^2, averaged over the target tokens as the loss is, to the
+    training loss (1e-4 is typical; 0 adds none). Logged as loss_metrics/z_loss; the logged loss and the validation
+    loss stay the cross-entropy. Not the MoE router's model.moe_z_loss_coef."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ Users import the module, not the names: ``from titanlite.metrics import tags`` a
 
 LOSS = "loss_metrics/global_avg_loss"
 MAX_LOSS = "loss_metrics/global_max_loss"
+Z_LOSS = "loss_metrics/z_loss"  # training.z_loss_coef's term of the training loss, over the global batch
 GRAD_NORM = "grad_norm"
 LR = "lr"
 TOKENS_SEEN = "ntokens_seen"
@@ -40,12 +41,17 @@ MOE_Z_LOSS = "moe_metrics/router_z_loss"
 FT_GROUPS = "fault_tolerance/participating_groups"
 FT_HEALS = "fault_tolerance/heals"
 FT_SKIPPED = "fault_tolerance/skipped_samples"
+# training.skip_spike_steps only: how far the logged step's loss or gradient norm (the larger)
+# stood above the trailing window's mean, in its standard deviations; spike steps skipped so far.
+SPIKE_Z_SCORE = "spike_metrics/z_score"
+SPIKE_SKIPPED = "spike_metrics/skipped_steps"
 VAL_LOSS = "validation_metrics/loss"
 VAL_PERPLEXITY = "validation_metrics/perplexity"
 
 ALL_TAGS = (
     LOSS,
     MAX_LOSS,
+    Z_LOSS,
     GRAD_NORM,
     LR,
     TOKENS_SEEN,
@@ -69,6 +75,8 @@ ALL_TAGS = (
     MOE_LOAD_BALANCE_LOSS,
     MOE_SEQ_BALANCE_LOSS,
     MOE_Z_LOSS,
+    SPIKE_Z_SCORE,
+    SPIKE_SKIPPED,
     VAL_LOSS,
     VAL_PERPLEXITY,
 )

@@ -33,10 +33,44 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rank_process import end_rank, free_port, quiet_every_rank_lines, torchrun_environment  # noqa: E402
+
+# The forward attention operators SDPA dispatches to, and where each takes is_causal (the math
+# kernel's is_causal computes the whole rectangle, so it counts whole).
+_ATTENTION_OPS = {
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": 4,
+    "aten._scaled_dot_product_flash_attention.default": 4,
+    "aten._scaled_dot_product_efficient_attention.default": 6,
+    "aten._scaled_dot_product_cudnn_attention.default": 6,
+    "aten._scaled_dot_product_attention_math.default": None,
+}
+
+
+class AttentionWork(TorchDispatchMode):
+    """Counts, while entered, the attention work of every forward SDPA kernel call: batch x query
+    heads x q_len x kv_len (the scores it computes), half of it for a causal call, whose kernel
+    skips the blocks above the diagonal; a masked call counts whole (the kernels compute every
+    masked score)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pairs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        if name in _ATTENTION_OPS:
+            q, k = args[0], args[1]
+            causal_at = _ATTENTION_OPS[name]
+            causal = causal_at is not None and len(args) > causal_at and bool(args[causal_at])
+            causal = causal or bool(kwargs.get("is_causal", False)) and causal_at is not None
+            pairs = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2]
+            self.pairs += pairs // 2 if causal else pairs
+        return func(*args, **kwargs)
 
 
 class SavedBytes:

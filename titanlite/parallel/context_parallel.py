@@ -27,6 +27,7 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.models.attention import Documents, attend, attend_documents
+from titanlite.models.merged_attention import Call, merged_attention
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.moe_tensor_parallel import split_tokens_over
 
@@ -64,6 +65,44 @@ class SequenceSplit:
         ranks = [sequence_positions(seq_len, self.cp, rank, self.headtail) for rank in range(self.cp)]
         return torch.cat(ranks).to(device)
 
+    def kept_chunks(self, rank: int) -> tuple[int, ...]:
+        """The chunks (of 2 cp under headtail, else of cp) cp rank ``rank`` keeps, in order."""
+        return (rank, 2 * self.cp - 1 - rank) if self.headtail else (rank,)
+
+    def attention_calls(self, batch: int, local_len: int, ids: torch.Tensor | None) -> list[Call]:
+        """The kernel calls of this rank's causal attention (models/merged_attention.py): each of
+        its query chunks against its own chunk causally, then against every earlier chunk whole
+        (source 0: this rank's keys [batch, heads, local_len, features]; source 1: the gathered
+        ones, [cp x batch, ...] rank-major), the later chunks skipped. With documents (``ids``
+        [batch, seq_len]) each call is masked to query and key sharing a document, and a block
+        that no document crosses is skipped. The calls on this rank's own keys come first, so
+        that the all-gather has their time to arrive."""
+        kept = self.kept_chunks(self.cp_rank)
+        size = local_len // len(kept)
+        owners = {chunk: (rank, piece) for rank in range(self.cp) for piece, chunk in enumerate(self.kept_chunks(rank))}
+        calls = []
+        for q_piece, q_chunk in enumerate(kept):
+            for kv_chunk in range(q_chunk, -1, -1):  # the diagonal first: it gives every query a key
+                rank, piece = owners[kv_chunk]
+                keys = slice(piece * size, (piece + 1) * size)
+                rows = slice(rank * batch, (rank + 1) * batch) if rank != self.cp_rank else slice(None)
+                diagonal = kv_chunk == q_chunk
+                mask = None if ids is None else _document_block(ids, q_chunk, kv_chunk, size, diagonal)
+                if mask is not None and not mask.any():
+                    continue
+                source = 0 if rank == self.cp_rank else 1
+                calls.append(
+                    Call(
+                        q_piece * size,
+                        (q_piece + 1) * size,
+                        source,
+                        (rows, slice(None), keys),
+                        diagonal and mask is None,
+                        mask,
+                    )
+                )
+        return sorted(calls, key=lambda call: call.source)  # stable: each range's diagonal stays first
+
     def whole_sequence(self, tokens: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
         """The whole sequences of which ``tokens`` [batch, local_len] are this rank's chunks,
         gathered over ``cp_mesh`` (plain ids, no gradient), in position order."""
@@ -76,10 +115,17 @@ class SequenceSplit:
 
 
 class ContextParallelKernel(nn.Module):
-    """The attention kernel under context parallelism: all-gathers the keys and values over the
-    cp group along the sequence, then attends this rank's queries with a causal mask from
-    global positions (a key is seen by the queries at or after its position), within each
-    document too when ``documents`` holds the batch's (their ids cover whole sequences)."""
+    """The attention kernel under context parallelism: this rank's queries over the keys and
+    values of the whole sequence, all-gathered over the cp group, causal by global position (a
+    key is seen by the queries at or after it), within each document too when ``documents``
+    holds the batch's (their ids cover whole sequences).
+
+    On the CPU it computes only what the mask keeps (``SequenceSplit.attention_calls``): each of
+    its query chunks against its own chunk causally and the earlier chunks unmasked, in flash
+    kernel calls merged exactly (models/merged_attention.py), skipping the blocks no document
+    crosses. The all-gather is left in flight while the calls on this rank's own keys run. On
+    other devices it attends over the whole [local, seq] rectangle under a mask (FlexAttention,
+    which skips the empty blocks, for documents on CUDA)."""
 
     def __init__(self, scale: float | None, cp_mesh: DeviceMesh, split: SequenceSplit, documents: Documents | None):
         super().__init__()
@@ -89,19 +135,41 @@ class ContextParallelKernel(nn.Module):
         self.documents = documents
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # [batch, heads, seq, features]: gather along dimension 2, the kv heads only.
+        ids = self.documents.ids if self.documents is not None else None
         group = self.cp_mesh.get_group()
+        if q.device.type != "cpu":
+            return self._masked_rectangle(q, k, v, ids, group)
+        # [batch, kv heads, local, features] gathered along dimension 0 (rank-major [cp x batch,
+        # ...]): the functional collective then returns before it completes, and is waited on
+        # by the first call that reads another rank's keys.
+        k_all = all_gather_single_autograd(k.contiguous(), gather_dim=0, group=group)
+        v_all = all_gather_single_autograd(v.contiguous(), gather_dim=0, group=group)
+        calls = self.split.attention_calls(q.shape[0], q.shape[2], ids)
+        return merged_attention(q, [(k, v), (k_all, v_all)], calls, self.scale)
+
+    def _masked_rectangle(self, q, k, v, ids, group) -> torch.Tensor:
         k = all_gather_single_autograd(k.contiguous(), gather_dim=2, group=group)
         v = all_gather_single_autograd(v.contiguous(), gather_dim=2, group=group)
         local_len = q.shape[2]
         q_positions = self.split.local_positions(local_len, q.device)
         kv_positions = self.split.gathered_positions(local_len, q.device)
         mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-        ids = self.documents.ids if self.documents is not None else None
         if ids is None:
             return attend(q, k, v, mask=mask, scale=self.scale)
         q_documents, kv_documents = ids[:, q_positions], ids[:, kv_positions]
         return attend_documents(q, k, v, mask, self.scale, q_positions, kv_positions, q_documents, kv_documents)
+
+
+def _document_block(ids: torch.Tensor, q_chunk: int, kv_chunk: int, size: int, diagonal: bool) -> torch.Tensor:
+    """[batch, 1, size, size] booleans: query chunk ``q_chunk``'s tokens that share a document
+    with key chunk ``kv_chunk``'s (chunks of ``size`` consecutive positions of ``ids``' rows), and
+    on the diagonal only keys at or before the query."""
+    q_ids = ids[:, q_chunk * size : (q_chunk + 1) * size]
+    kv_ids = ids[:, kv_chunk * size : (kv_chunk + 1) * size]
+    mask = q_ids.unsqueeze(2) == kv_ids.unsqueeze(1)
+    if diagonal:
+        mask &= torch.ones(size, size, dtype=torch.bool, device=ids.device).tril()
+    return mask.unsqueeze(1)
 
 
 def sequence_split(parallel_dims, mesh: DeviceMesh | None, load_balancer: str) -> SequenceSplit | None:

@@ -1,0 +1,121 @@
+"""Context parallelism's attention on one process: every cp rank simulated in turn, its kernel
+calls (SequenceSplit.attention_calls) run by models/merged_attention.py on its queries against
+its own keys and all ranks' keys stacked as the all-gather returns them, against one causal
+(or document-masked) SDPA over the whole sequence: the outputs and the gradients of queries,
+keys and values, grouped-query attention and unequal query and value widths included. And the
+work they do, counted at the dispatcher (benchmarks/context_parallel.py's AttentionWork): at
+most 0.55 of the [seq / cp, seq] rectangle, the same on every rank under headtail."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanlite.models.merged_attention import merged_attention
+from titanlite.parallel.context_parallel import SequenceSplit
+
+BENCHMARK = Path(__file__).resolve().parent.parent / "benchmarks" / "context_parallel.py"
+
+
+def _benchmark(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARK.parent))  # its rank_process helper
+    spec = importlib.util.spec_from_file_location("context_parallel_benchmark", BENCHMARK)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _inputs(seq_len, heads=4, kv_heads=2, qk=8, v_width=8, batch=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq_len, qk, generator=generator, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, seq_len, qk, generator=generator, dtype=torch.float64)
+    v = torch.randn(batch, kv_heads, seq_len, v_width, generator=generator, dtype=torch.float64)
+    return [t.float().requires_grad_() for t in (q, k, v)]
+
+
+def _reference(q, k, v, ids):
+    seq_len = q.shape[2]
+    mask = torch.ones(seq_len, seq_len, dtype=torch.bool).tril()
+    if ids is not None:
+        mask = mask & (ids.unsqueeze(2) == ids.unsqueeze(1))
+        mask = mask.unsqueeze(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+
+
+def _cp_ranks(q, k, v, cp, headtail, ids):
+    """Each rank's output rows placed at their positions, the gradients flowing back to the
+    whole q, k, v as through the loader's split and the all-gather."""
+    out = torch.empty(q.shape[:3] + (v.shape[-1],))
+    seq_len = q.shape[2]
+    splits = [SequenceSplit(cp, rank, headtail) for rank in range(cp)]
+    local_len = seq_len // cp
+    positions = [split.local_positions(local_len) for split in splits]
+    gathered = [torch.cat([t[:, :, p] for p in positions]) for t in (k, v)]  # [cp x batch, ...]
+    pieces = []
+    for split, rank_positions in zip(splits, positions, strict=True):
+        local = [t[:, :, rank_positions] for t in (q, k, v)]
+        calls = split.attention_calls(q.shape[0], local_len, ids)
+        pieces.append(merged_attention(local[0], [tuple(local[1:]), tuple(gathered)], calls, 0.3))
+    return torch.cat(pieces, dim=2), torch.cat(positions), out
+
+
+def _documents(seq_len, batch):
+    ids = torch.zeros(batch, seq_len, dtype=torch.long)
+    ids[0, 5:] += 1
+    ids[0, 13:] += 1
+    ids[1, 20:] += 1  # row 1: two documents, one of 20 tokens
+    return ids
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("headtail", [True, False])
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "block_causal"])
+@pytest.mark.parametrize("widths", [(8, 8), (8, 6)], ids=["gqa", "wider_qk"])
+def test_chunked_attention_equals_whole_sequence_attention(cp, headtail, documents, widths):
+    seq_len = 32
+    q, k, v = _inputs(seq_len, qk=widths[0], v_width=widths[1])
+    ids = _documents(seq_len, q.shape[0]) if documents else None
+    reference = _reference(q, k, v, ids)
+    out, positions, _ = _cp_ranks(q, k, v, cp, headtail, ids)
+    torch.testing.assert_close(out, reference[:, :, positions], rtol=0, atol=2e-6)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.grad(reference[:, :, positions], (q, k, v), grad)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), grad), expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=4e-6)
+
+
+def test_blocks_no_document_crosses_are_skipped():
+    """At cp 4, one document a chunk (8 tokens): every rank runs its two diagonal calls only."""
+    seq_len, cp = 64, 4
+    ids = torch.arange(seq_len).div(seq_len // (2 * cp), rounding_mode="floor").unsqueeze(0)
+    for rank in range(cp):
+        calls = SequenceSplit(cp, rank, True).attention_calls(1, seq_len // cp, ids)
+        assert [(call.q_start, call.source) for call in calls] == [(0, 0), (8, 0)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_rank_computes_half_the_rectangle_counted_at_the_dispatcher(cp, monkeypatch):
+    work = _benchmark(monkeypatch).AttentionWork
+    seq_len, heads = 64, 4
+    q, k, v = _inputs(seq_len, heads=heads, batch=1)
+    gathered = [t.detach() for t in (k, v)]  # one rank's keys stand for every rank's: the shapes count
+    stacked = [torch.cat([t[:, :, : seq_len // cp]] * cp) for t in gathered]
+    rectangle = heads * (seq_len // cp) * seq_len
+    shares = {}
+    for headtail in (True, False):
+        for rank in range(cp):
+            split = SequenceSplit(cp, rank, headtail)
+            local = [t.detach()[:, :, : seq_len // cp] for t in (q, k, v)]
+            calls = split.attention_calls(1, seq_len // cp, None)
+            with work() as counted:
+                merged_attention(local[0], [tuple(local[1:]), tuple(stacked)], calls, None)
+            shares[headtail, rank] = counted.pairs / rectangle
+    assert {shares[True, rank] for rank in range(cp)} == {0.5}  # every rank alike, half the rectangle
+    assert shares[False, cp - 1] == (cp - 0.5) / cp  # without the balancer the last rank does the most
+    with work() as counted:  # the old kernel: SDPA over the whole rectangle under a mask
+        keys = torch.randn(1, heads, seq_len, 8)
+        mask = torch.ones(seq_len // cp, seq_len, dtype=torch.bool)
+        F.scaled_dot_product_attention(local[0], keys, keys, attn_mask=mask)
+    assert counted.pairs == rectangle

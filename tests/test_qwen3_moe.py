@@ -332,6 +332,21 @@ ROUTER_LAYOUTS = {
     "pp2": [*NO_HANG, "--parallelism.pipeline_parallel_degree=2", *pp_args("1F1B", 8, 4, *ROUTER_OPTIONS)],
 }
 
+# The other half of the router's options: the softmax router's top-k weights left unnormalised
+# and transformers' auxiliary loss, pooled over a forward's layers (the bias on too). The pooled
+# loss is pooled over each pipeline stage's layers, so PP 2 equals one process where one stage
+# holds every MoE block (test_moe_balance checks the per-stage pooling of a split by hand).
+POOLED_OPTIONS = [*BIAS, "--model.moe_norm_topk_prob=false", "--model.moe_aux_loss_coef=0.1"]
+POOLED = ["--training.local_batch_size=4", *POOLED_OPTIONS]
+MOE_ON_FIRST_STAGE = ["--parallelism.module_fqns_per_model_part=tok_embeddings,layers.0,layers.1,layers.2;norm,output"]
+POOLED_LAYOUTS = {
+    "ep2": [*POOLED, *EP2],
+    "pp2": [
+        *NO_HANG,
+        "--parallelism.pipeline_parallel_degree=2",
+        *pp_args("1F1B", 8, 4, *POOLED_OPTIONS, *MOE_ON_FIRST_STAGE),
+    ],
+}
 
 # The "tp2" run also saves its checkpoint after step 4 (and 8), for FSDP 2 to resume.
 SAVE_AT = 4
@@ -379,6 +394,9 @@ def runs(hf_moe, tmp_path_factory):
     jobs["router reference"] = Job(1, train_balanced, ([*ROUTER, "--checkpoint.enable"], router_dump))
     for name, args in ROUTER_LAYOUTS.items():
         jobs[f"router {name}"] = Job(2, train_balanced, (args, dump(f"router_{name}")))
+    jobs["pooled reference"] = Job(1, train_balanced, (POOLED, dump("pooled_reference")))
+    for name, args in POOLED_LAYOUTS.items():
+        jobs[f"pooled {name}"] = Job(2, train_balanced, (args, dump(f"pooled_{name}")))
     # After the "tp2" job on the same two ranks (every rank takes its jobs in this order).
     jobs["tp2 resumed under fsdp2"] = Job(2, resume_from, (step_folder, str(resumed_dump), fsdp2))
     return run_jobs_on_ranks(2, jobs) | {"router dump": router_dump}
@@ -532,6 +550,40 @@ def test_the_router_options_and_losses_change_the_training(runs):
     first = options["metrics"][0]
     assert 3.0 <= first[tags.MOE_LOAD_BALANCE_LOSS] < 6.0 and 3.0 <= first[tags.MOE_SEQ_BALANCE_LOSS] < 6.0
     assert first[tags.MOE_Z_LOSS] > 0
+
+
+POOLED_TAGS = [tags.MOE_MAX_LOAD, tags.MOE_AUX_LOSS] + [tags.moe_layer_load(block) for block in range(3)]
+
+
+@pytest.mark.parametrize("layout", POOLED_LAYOUTS)
+def test_unnormalised_weights_and_the_pooled_loss_train_like_one_process(runs, layout):
+    """As above: losses and grad norms within 1e-5 of one process, the weights within
+    WEIGHTS_ATOL, the logged loads and pooled loss within 1e-5; under EP 2 each rank's
+    forward of 4 sequences pools its own layers' counts and probabilities as one process's
+    micro-batch of 4 does, the expert bias summing both ranks' counts."""
+    reference = runs["pooled reference"][0]
+    if layout == "pp2":
+        assert_pipeline_trains_like_one_process(runs[f"pooled {layout}"], reference)
+    else:
+        for rank_run in runs[f"pooled {layout}"]:
+            assert_same_training(rank_run, reference, rtol=1e-5)
+    ours, theirs = runs[f"pooled {layout}"][0]["metrics"], reference["metrics"]
+    assert len(ours) == len(theirs) == STEPS
+    for mine, expected in zip(ours, theirs, strict=True):
+        for tag in POOLED_TAGS:
+            assert mine[tag] == pytest.approx(expected[tag], rel=1e-5), (mine["step"], tag)
+
+
+def test_unnormalised_weights_and_the_pooled_loss_change_the_training(runs):
+    """Guards the comparisons above: the options act. The balanced reference differs only in
+    normalising the top-k weights (same pooled loss, bias and micro-batches), and the pooled
+    loss, near its even value (top_k, 2, as transformers scales it), moves the routers away
+    from the plain reference's."""
+    gate = "layers.0.feed_forward.gate.weight"
+    pooled = runs["pooled reference"][0]
+    for other in (runs["balanced reference"][0], runs["reference"][0]):
+        assert (pooled["params"][gate] - other["params"][gate]).abs().max() > 1e-3
+    assert pooled["metrics"][0][tags.MOE_AUX_LOSS] == pytest.approx(2.0, abs=0.05)  # top_k when even
 
 
 def test_exporting_a_router_transformers_lacks_is_refused_before_writing(runs, tmp_path, capsys):

@@ -6,8 +6,8 @@ drains that queue. tests/host_syncs.py counts syncs at the dispatcher (a TorchDi
 so it sees those made inside C++ as well as Python's ``.item()``, on the CPU too.
 
 The run: 4 ranks, FSDP 2 x TP 2 (sequence and loss parallel), 2 micro-batches a step,
-clipping, fused AdamW, EMA, training.skip_nonfinite_steps with a NaN step, validation and
-asynchronous checkpoints on other steps. One run covers the cases:
+clipping, fused AdamW, EMA, training.skip_nonfinite_steps with a NaN step, spike skipping,
+the output z-loss, validation and asynchronous checkpoints on other steps. One run covers the cases:
 - steps 2, 3 and 5 (after a log line, before a validation, after one): no sync, and the
   mode saw each feature's operators; step 5 is non-finite, skipped without the host
   knowing (it learns at the save point of step 6);
@@ -20,11 +20,15 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.helpers import tiny_args
 from tests.host_syncs import HostSyncs, is_host_sync
 from tests.multiprocess import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
+from titanlite.loss import IGNORED_LABEL, cross_entropy_and_z_sums
 from titanlite.nonfinite import SYNC_EVERY
 from titanlite.train import Trainer
 
@@ -42,6 +46,12 @@ ARGS = tiny_args(
         "training.global_batch_size": 8,  # dp 2 x local 2 x 2 micro-batches
         "training.max_norm": 0.5,  # below the norms of this run: clipping scales every step
         "training.skip_nonfinite_steps": 1,
+        # Judged every step, but with so wide a margin that only the NaN step is skipped here
+        # (tests/test_spikes.py skips spikes); the window is active from step 3 on.
+        "training.skip_spike_steps": True,
+        "training.spike_window": 4,
+        "training.spike_sigmas": 1e4,
+        "training.z_loss_coef": 1e-4,  # under loss parallel: a logsumexp over the vocabulary slices
         "parallelism.tensor_parallel_degree": 2,
         "optimizer.implementation": "fused",
         "ema.enable": True,
@@ -67,6 +77,8 @@ FEATURE_OPS = {
     "fused AdamW": "aten._fused_adamw_",
     "the EMA": "aten._fused_sgd_",
     "the non-finite flag": "aten.bitwise_not",
+    "the spike window's ring": "aten.remainder",
+    "the global loss the spike test reads, the z-loss's maximum and sum": "c10d.allreduce_",
 }
 
 
@@ -161,6 +173,9 @@ PP_ARGS = tiny_args(
         "parallelism.pipeline_parallel_degree": 2,
         "parallelism.pipeline_parallel_schedule": "Interleaved1F1B",
         "training.max_norm": 0.5,
+        "training.skip_spike_steps": True,  # the global loss from the last stage's ranks
+        "training.spike_sigmas": 1e4,
+        "training.z_loss_coef": 1e-4,  # on the last stage, in the schedule's loss
         "optimizer.implementation": "fused",
         "ema.enable": True,
         "metrics.log_freq": 100,
@@ -174,6 +189,7 @@ PP_FEATURE_OPS = {
     "the global gradient norm": "aten._foreach_norm",
     "fused AdamW": "aten._fused_adamw_",
     "the EMA": "aten._fused_sgd_",
+    "the spike window's ring": "aten.remainder",
 }
 
 
@@ -196,11 +212,43 @@ def pipeline_quiet_steps_report() -> dict:
     return mode_reports(modes)
 
 
+# The output z-loss under loss parallel (riding this launch, which runs it in training above):
+# logits split by vocabulary over TP 2, against the same logits whole in the same process.
+Z_LOSS_COEF = 0.1
+
+
+def z_loss_under_loss_parallel_report() -> dict:
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+        torch.manual_seed(0)  # the same logits and labels on both ranks
+        logits = torch.randn(2, 6, 20) * 4
+        labels = torch.randint(0, 20, (2, 6))
+        labels[1, 2] = IGNORED_LABEL
+        whole = logits.clone().requires_grad_()
+        cross_entropy, z_sum = cross_entropy_and_z_sums(whole, labels)
+        (cross_entropy + Z_LOSS_COEF * z_sum).backward()
+        split = distribute_tensor(logits, mesh, [Shard(-1)]).requires_grad_()
+        with loss_parallel():
+            split_cross_entropy, split_z_sum = cross_entropy_and_z_sums(split, labels)
+            (split_cross_entropy + Z_LOSS_COEF * split_z_sum).backward()
+        kept = labels != IGNORED_LABEL
+        return {
+            "whole": (cross_entropy.item(), z_sum.item(), whole.grad),
+            "split": (split_cross_entropy.item(), split_z_sum.item(), split.grad.full_tensor()),
+            "by_hand": (torch.logsumexp(logits, dim=-1).square() * kept).sum().item(),
+            "local_vocab": split.to_local().shape[-1],
+        }
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory) -> dict[str, list[dict]]:
     jobs = {
         "fsdp_tp": Job(4, quiet_steps_report, (str(tmp_path_factory.mktemp("host_syncs")),)),
         "pipeline": Job(4, pipeline_quiet_steps_report),
+        "z_loss_tp": Job(2, z_loss_under_loss_parallel_report),
     }
     return run_jobs_on_ranks(4, jobs)
 
@@ -234,10 +282,23 @@ def test_the_quiet_steps_ran_every_feature_under_the_counter(ranks):
             for feature, op in FEATURE_OPS.items():
                 assert ops.get(op, 0) > 0, f"rank {rank} step {step}: no {op} ({feature})"
             assert ops["aten.nll_loss_forward"] == 2, "two micro-batches, each with its loss"
+            # The norm's, the spike test's global loss, and each micro-batch's z-loss maximum and sum.
+            assert ops["c10d.allreduce_"] == 1 + 1 + 2 * 2
         # Validation and the saves happened, on their own steps.
         assert report["validated"] == [4, 8]
         assert report["saved"] == [6, 8]
         assert any("step 5 skipped" in line for line in report["warnings"]), report["warnings"]
+
+
+def test_the_z_loss_under_loss_parallel_equals_one_process(launch):
+    for report in launch["z_loss_tp"]:
+        assert report["local_vocab"] == 10  # each rank held half the vocabulary
+        cross_entropy, z_sum, grad = report["whole"]
+        split_cross_entropy, split_z_sum, split_grad = report["split"]
+        assert z_sum == pytest.approx(report["by_hand"], rel=1e-6)
+        assert split_cross_entropy == pytest.approx(cross_entropy, rel=1e-6)
+        assert split_z_sum == pytest.approx(z_sum, rel=1e-6)
+        torch.testing.assert_close(split_grad, grad, rtol=1e-5, atol=1e-6)
 
 
 def test_the_counter_fires_on_the_planted_sync(ranks):

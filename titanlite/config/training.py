@@ -84,7 +84,7 @@ class Training:
     z_loss_coef: float = ranged(at_least(0), default=0.0)
     """Output z-loss: add z_loss_coef x logsumexp(logits)^2, averaged over the target tokens as the loss is, to the
     training loss (1e-4 is typical; 0 adds none). Logged as loss_metrics/z_loss; the logged loss and the validation
-    loss stay the cross-entropy. Not the MoE router's model.moe_z_loss_coef."""
+    loss stay the cross entropy. Not the MoE router's model.moe_z_loss_coef."""
 
 
 @dataclass

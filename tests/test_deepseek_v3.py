@@ -1,8 +1,9 @@
 """DeepSeek-V3: tiny random transformers DeepseekV3ForCausalLM models (YaRN on, grouped
 routing, a dense first block, with and without the query bottleneck, a non-zero expert
 bias) read into titanlite's deepseek_v3 model give their logits and greedy tokens; a
-titanlite checkpoint trained with the bias exports to transformers with its logits; the
-published shapes, and the refusals.
+training run seeded from one (checkpoint.initial_load_in_hf) starts from its logits and
+loss; a titanlite checkpoint trained with the bias exports to transformers with its logits;
+the published shapes, and the refusals.
 
 The transformers models are built in this process (no Hub) and drawn as test_qwen3's are.
 """
@@ -15,14 +16,16 @@ import pytest
 import torch
 import transformers
 
-from tests.helpers import assert_hf_to_dcp_to_hf_is_exact, hf_tensors, load_script, train_tiny
+from tests.helpers import assert_hf_to_dcp_to_hf_is_exact, hf_tensors, load_script, tiny_args, train_tiny
 from tests.test_qwen3 import NEW_TOKENS, PROMPT, SCRIPTS, TOKENS, hf_greedy
 from titanlite.checkpoint.load import load_model
+from titanlite.config import parse_args
 from titanlite.data.tokenizer import ByteTokenizer
 from titanlite.metrics.flops import active_params, count_params
 from titanlite.models.deepseek_v3 import args_to_hf_config
 from titanlite.models.generate import generate
 from titanlite.registry import get_model_args, model_from_hf_config
+from titanlite.train import Trainer
 
 DEEPSEEK = ["--model.name=deepseek_v3"]
 TINY = get_model_args("deepseek_v3", "tiny")
@@ -70,16 +73,21 @@ def hf_model(request, tmp_path_factory) -> tuple[Path, transformers.DeepseekV3Fo
     rounding, a few units in the last place there, alone comes near 1e-5 in the logits)."""
     torch.manual_seed(0)
     config = transformers.DeepseekV3Config(q_lora_rank=request.param or None, **TINY_HF_SHAPE)
-    model = transformers.DeepseekV3ForCausalLM(config).eval()
+    folder = tmp_path_factory.mktemp("deepseek_v3") / str(request.param)
+    return folder, save_drawn(transformers.DeepseekV3ForCausalLM(config), folder)
+
+
+def save_drawn(model: transformers.DeepseekV3ForCausalLM, folder: Path) -> transformers.DeepseekV3ForCausalLM:
+    """``model`` with its norm gains drawn, its other weights scaled by 5 and a random expert
+    bias (hf_model's reasons), saved to ``folder``; in eval mode."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.normal_(1.0, 0.5) if "norm" in name else param.mul_(5)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn(buffer.shape) * 0.5)
-    folder = tmp_path_factory.mktemp("deepseek_v3") / str(request.param)
     model.save_pretrained(folder)
-    return folder, model
+    return model.eval()
 
 
 def test_a_transformers_deepseek_v3_imports_with_its_logits_and_greedy_tokens(hf_model):
@@ -111,6 +119,36 @@ def test_the_expert_bias_changes_the_choice(hf_model):
 def test_hf_to_dcp_to_hf_gives_the_same_tensors(hf_model, tmp_path):
     folder = hf_model[0]
     assert_hf_to_dcp_to_hf_is_exact(folder, tmp_path)
+
+
+def test_a_run_seeded_from_a_transformers_folder_starts_from_its_logits_and_loss(tmp_path):
+    """checkpoint.initial_load_in_hf from a random DeepseekV3ForCausalLM of the tiny flavor's
+    config (titanlite's own config.json): before any step the run's logits are transformers'
+    (the stacked experts, the latent attention's weights and the expert bias all read), and
+    the first step's loss is transformers' cross-entropy on that step's batch."""
+    torch.manual_seed(1)
+    config = transformers.DeepseekV3Config(**args_to_hf_config(TINY))
+    theirs = save_drawn(transformers.DeepseekV3ForCausalLM(config), tmp_path / "hf")
+    overrides = {"model.name": "deepseek_v3", "training.steps": 1, "checkpoint.initial_load_in_hf": True}
+    overrides |= {"checkpoint.initial_load_path": str(tmp_path / "hf"), "job.dump_folder": str(tmp_path / "run")}
+    trainer = Trainer(parse_args(tiny_args(overrides)))
+    with torch.no_grad():
+        ours, expected = trainer.model.eval()(TOKENS), theirs(TOKENS).logits
+    assert expected.abs().max() > 1.0
+    assert (ours - expected).abs().max().item() <= 1e-5
+    batches, next_batch = [], trainer._next_batch
+
+    def recorded_batch():
+        batches.append(next_batch())
+        return batches[-1]
+
+    trainer._next_batch = recorded_batch
+    trainer.model.train()
+    (record,) = trainer.train()
+    ((inputs, labels),) = batches
+    with torch.no_grad():
+        loss = torch.nn.functional.cross_entropy(theirs(inputs).logits.flatten(0, 1), labels.flatten())
+    assert record.loss == pytest.approx(loss.item(), rel=1e-6)
 
 
 @pytest.fixture(scope="module")

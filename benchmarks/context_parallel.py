@@ -4,8 +4,10 @@ against one rank at S / c (the same tokens per rank) and one rank at S (the same
     python benchmarks/context_parallel.py                    # debug model, S = 2048, c = 2 (~1 min)
     python benchmarks/context_parallel.py --seq-len 4096 --cp 2 --steps 3
 
-Every layout runs in fresh processes, one per rank (torch.multiprocessing, spawn, gloo), each
-building titanlite's own Trainer (float32, no activation checkpointing, one sequence per
+Every layout runs in c fresh processes of one core each (torch.multiprocessing, spawn, gloo):
+the c ranks of CP, or c one-rank runs side by side (each alone in its world; the worst is
+reported), so that each layout's processes get the same share of a machine that other work
+shares too. Each process builds titanlite's own Trainer (float32, no activation checkpointing, one sequence per
 micro-batch) and training ``--steps`` steps. Memory is what autograd keeps for the backward:
 a saved_tensors_hooks pair counts, during the last step's forward, the bytes of every
 distinct storage saved for backward (the activations; under CP the gathered keys and values
@@ -113,42 +115,64 @@ def _argv(seq_len: int, cp: int, steps: int, dump: str) -> list[str]:
     ]
 
 
-def _rank(rank: int, world_size: int, port: int, seq_len: int, steps: int, dump: str, out_dir: str) -> None:
-    torchrun_environment(rank, world_size, port, LOG_RANK="")
-    torch.set_num_threads(1)  # the ranks share the machine's cores alike in every layout
+def _rank(process: int, world_size: int, ports: list[int], seq_len: int, steps: int, dump: str, out_dir: str) -> None:
+    """One rank of a CP run (``ports`` one port), or, given a port per process, a one-rank run
+    of its own beside the others (world_size 1 each)."""
+    rank = 0 if len(ports) > 1 else process
+    torchrun_environment(rank, world_size, ports[process if len(ports) > 1 else 0], LOG_RANK="")
+    torch.set_num_threads(1)  # one core a process, and as many processes in every layout
 
     from titanlite.config import parse_args
     from titanlite.estimate import measure_real_memory
     from titanlite.train import Trainer
 
     quiet_every_rank_lines()
-    argv = _argv(seq_len, world_size, steps, dump)
+    argv = _argv(seq_len, world_size, steps, f"{dump}/{process}")
     trainer = Trainer(parse_args(argv))
-    seconds, saved = [], SavedBytes()
+    seconds, saved, work = [], SavedBytes(), AttentionWork()
     for step in range(steps):
         start = time.perf_counter()
         if step == steps - 1:
-            with saved:
+            with saved, work:
                 trainer.train_step()
         else:
             trainer.train_step()
         seconds.append(time.perf_counter() - start)
-    figures = {"saved_bytes": saved.total, "step_s": statistics.median(seconds[1:] or seconds)}
+    figures = {
+        "saved_bytes": saved.total,
+        "step_s": statistics.median(seconds[1:] or seconds),
+        "attention_pairs": work.pairs,
+    }
     # The step's peak, the real tensors of a fresh model of the same config on the real gloo
     # group, under the tracker the estimate uses (titanlite.estimate.measure_real_memory).
     figures["peak_bytes"] = measure_real_memory(parse_args(argv))["peak"]
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(figures))
+    Path(out_dir, f"rank{process}.json").write_text(json.dumps(figures))
     end_rank()
 
 
-def measure(seq_len: int, ranks: int, steps: int, work: Path) -> dict:
-    """The worst rank's saved bytes and step time, for CP over ``ranks`` ranks at ``seq_len``."""
+def measure(seq_len: int, ranks: int, processes: int, steps: int, work: Path) -> dict:
+    """The worst rank's saved bytes and step time, for CP over ``ranks`` ranks at ``seq_len``;
+    one rank (``ranks`` 1) runs as ``processes`` separate one-rank runs at once, so that every
+    layout keeps as many cores busy (on a machine shared with other work, one process alone
+    would get more of it than each of the CP ranks)."""
     out_dir = work / f"s{seq_len}-cp{ranks}"
     out_dir.mkdir(parents=True)
-    args = (ranks, free_port(), seq_len, steps, str(out_dir), str(out_dir))
-    mp.start_processes(_rank, args=args, nprocs=ranks, start_method="spawn", join=True)
-    figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(ranks)]
-    return {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "peak_bytes")}
+    ports = [free_port()] if ranks > 1 else [free_port() for _ in range(processes)]
+    args = (ranks, ports, seq_len, steps, str(out_dir), str(out_dir))
+    mp.start_processes(_rank, args=args, nprocs=processes, start_method="spawn", join=True)
+    figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
+    worst = {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "peak_bytes")}
+    return worst | {"attention_pairs": [rank["attention_pairs"] for rank in figures]}
+
+
+def attention_rectangle(seq_len: int, cp: int) -> int:
+    """What a rank's kernel computing the whole [seq_len / cp, seq_len] rectangle would count in a
+    step's forward: layers x query heads x that rectangle (one sequence, no recomputation)."""
+    from titanlite.config import parse_args
+    from titanlite.plan import run_model_args
+
+    args = run_model_args(parse_args(_argv(seq_len, cp, 1, "unused")))
+    return args.n_layers * args.n_heads * (seq_len // cp) * seq_len
 
 
 def estimate(seq_len: int, cp: int, flops_per_second: float) -> dict:
@@ -190,10 +214,12 @@ def main() -> None:
         work = Path(folder)
         rows = {
             f"1 rank at S/c = {options.seq_len // options.cp}": measure(
-                options.seq_len // options.cp, 1, options.steps, work
+                options.seq_len // options.cp, 1, options.cp, options.steps, work
             ),
-            f"CP {options.cp} at S = {options.seq_len}": measure(options.seq_len, options.cp, options.steps, work),
-            f"1 rank at S = {options.seq_len}": measure(options.seq_len, 1, options.steps, work),
+            f"CP {options.cp} at S = {options.seq_len}": measure(
+                options.seq_len, options.cp, options.cp, options.steps, work
+            ),
+            f"1 rank at S = {options.seq_len}": measure(options.seq_len, 1, options.cp, options.steps, work),
         }
     short, cp, whole = rows.values()
     rate = calibrated_rate(options.seq_len // options.cp, short["step_s"])
@@ -213,6 +239,9 @@ def main() -> None:
             f"| {est['peak_bytes'] / mib:,.1f} | {row['peak_bytes'] / est['peak_bytes']:.3f} | {row['step_s']:.3f} "
             f"| {est['step_s']:.3f} | {row['step_s'] / est['step_s']:.3f} |"
         )
+    for (name, row), (seq_len, ranks) in zip(rows.items(), sizes, strict=True):
+        shares = ", ".join(f"{pairs / attention_rectangle(seq_len, ranks):.3f}" for pairs in row["attention_pairs"])
+        print(f"attention work per rank / the [S/c, S] rectangle ({name}): {shares}")
     print(f"memory: CP {options.cp} at S / one rank at S/c = {cp['saved_bytes'] / short['saved_bytes']:.3f}")
     print(f"memory: CP {options.cp} at S / one rank at S = {cp['saved_bytes'] / whole['saved_bytes']:.3f}")
     print(f"step time: CP {options.cp} at S / one rank at S/c = {cp['step_s'] / short['step_s']:.3f}")

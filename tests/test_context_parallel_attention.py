@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from titanlite.models.attention import document_block_mask, position_block_mask
 from titanlite.models.merged_attention import merged_attention
 from titanlite.parallel.context_parallel import SequenceSplit
 
@@ -119,3 +120,26 @@ def test_each_rank_computes_half_the_rectangle_counted_at_the_dispatcher(cp, mon
         mask = torch.ones(seq_len // cp, seq_len, dtype=torch.bool)
         F.scaled_dot_product_attention(local[0], keys, keys, attn_mask=mask)
     assert counted.pairs == rectangle
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("chunk", [80, 128])
+def test_the_cuda_block_mask_from_positions_is_the_dense_masks(cp, chunk):
+    """CUDA's FlexAttention under CP: the block mask built tile by tile from positions equals the
+    one read off the dense [local, seq] causal mask (tests/test_flex_attention.py holds that one
+    to create_block_mask's), with head-tail chunks straddling the 128-token tiles (80) or
+    filling them (128: then the tiles above the diagonal are skipped and those below are full)."""
+    seq_len = 2 * cp * chunk
+    for rank in range(cp):
+        split = SequenceSplit(cp, rank, True)
+        q_positions, kv_positions = split.local_positions(seq_len // cp), split.gathered_positions(seq_len // cp)
+        seen = (kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)).unsqueeze(0)
+        no_documents = torch.zeros(1, seq_len // cp), torch.zeros(1, seq_len)
+        dense = document_block_mask(seen, q_positions, kv_positions, *no_documents)
+        ours = position_block_mask(q_positions, kv_positions)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            assert torch.equal(getattr(ours, name), getattr(dense, name)), name
+        assert ours.seq_lengths == dense.seq_lengths
+        if chunk == 128:  # 2 query tiles x 2 cp key tiles: 2 cp + 1 seen (the half), 2 cp - 1 of them full
+            assert (ours.kv_num_blocks.sum() + ours.full_kv_num_blocks.sum()).item() == 2 * cp + 1
+            assert ours.full_kv_num_blocks.sum().item() == 2 * cp - 1

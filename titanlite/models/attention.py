@@ -133,6 +133,35 @@ def document_block_mask(seen, q_positions, kv_positions, q_documents, kv_documen
     )
 
 
+def position_block_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> BlockMask:
+    """FlexAttention's block mask of causality by position (the key at ``kv_positions`` at or
+    before the query at ``q_positions``, both [len], in any order), built from each tile's least
+    and greatest position rather than a [q, kv] mask (at 131,072 tokens a rank's would be
+    gigabytes): a tile is skipped when its first key comes after its last query, full when its
+    last key is at or before its first query (and neither side is padding), partial otherwise."""
+    q_first, q_last, q_whole = _tile_spans(q_positions)
+    kv_first, kv_last, kv_whole = _tile_spans(kv_positions)
+    seen = kv_first.unsqueeze(0) <= q_last.unsqueeze(1)
+    full = (kv_last.unsqueeze(0) <= q_first.unsqueeze(1)) & q_whole.unsqueeze(1) & kv_whole.unsqueeze(0)
+    return BlockMask.from_kv_blocks(
+        *_tile_lists((seen & ~full).unsqueeze(0)),
+        *_tile_lists(full.unsqueeze(0)),
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=lambda batch, head, q_index, kv_index: kv_positions[kv_index] <= q_positions[q_index],
+        seq_lengths=(len(q_positions), len(kv_positions)),
+    )
+
+
+def _tile_spans(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each FLEX_BLOCK tile's least and greatest position, and whether it holds no padding."""
+    padding = -len(positions) % FLEX_BLOCK
+    first = F.pad(positions, (0, padding), value=torch.iinfo(positions.dtype).max).unflatten(0, (-1, FLEX_BLOCK))
+    last = F.pad(positions, (0, padding), value=-1).unflatten(0, (-1, FLEX_BLOCK))
+    whole = torch.ones(first.shape[0], dtype=torch.bool, device=positions.device)
+    whole[-1] = padding == 0
+    return first.amin(1), last.amax(1), whole
+
+
 def _tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[batch, q tiles, kv tiles] booleans as FlexAttention lists them, one head for all: how
     many kv tiles each q tile row holds [batch, 1, q tiles], and their indices first, in order

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -80,7 +81,7 @@ class _MergedAttention(torch.autograd.Function):
         out = torch.cat([merged[span][0] for span in spans], dim=2).to(q.dtype)
         lse = torch.cat([merged[span][1] for span in spans], dim=2)
         ctx.calls, ctx.scale, ctx.width, ctx.v_width = calls, scale, width, flat[1].shape[-1]
-        ctx.save_for_backward(q, out, lse, *flat)
+        ctx.save_for_backward(q, out, lse, *(_arrived(tensor) for tensor in flat))
         return out if ctx.v_width == width else out[..., : ctx.v_width].clone()
 
     @staticmethod
@@ -105,6 +106,11 @@ class _MergedAttention(torch.autograd.Function):
             grads[1 + 2 * call.source][call.index] += dk[..., : k.shape[-1]]
             grads[2 + 2 * call.source][call.index] += dv[..., : v.shape[-1]]
         return None, None, *(grad.to(t.dtype) for grad, t in zip(grads, (q, *flat), strict=True))
+
+
+def _arrived(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, an async collective's result waited on (not the wrapper that waits)."""
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def _rows(q: torch.Tensor, call: Call) -> torch.Tensor:

@@ -26,7 +26,8 @@ from torch import nn
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlite.models.attention import Documents, attend, attend_documents
+from titanlite.models import attention
+from titanlite.models.attention import Documents, attend, attend_documents, flex_attend, position_block_mask
 from titanlite.models.merged_attention import Call, merged_attention
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.moe_tensor_parallel import split_tokens_over
@@ -124,8 +125,9 @@ class ContextParallelKernel(nn.Module):
     its query chunks against its own chunk causally and the earlier chunks unmasked, in flash
     kernel calls merged exactly (models/merged_attention.py), skipping the blocks no document
     crosses. The all-gather is left in flight while the calls on this rank's own keys run. On
-    other devices it attends over the whole [local, seq] rectangle under a mask (FlexAttention,
-    which skips the empty blocks, for documents on CUDA)."""
+    CUDA it runs FlexAttention over the gathered keys with a block mask that skips the tiles
+    no query sees (position_block_mask; document_block_mask under documents); elsewhere, or
+    with attention.FLEX_ON_CUDA off, SDPA over the whole [local, seq] rectangle under a mask."""
 
     def __init__(self, scale: float | None, cp_mesh: DeviceMesh, split: SequenceSplit, documents: Documents | None):
         super().__init__()
@@ -153,6 +155,8 @@ class ContextParallelKernel(nn.Module):
         local_len = q.shape[2]
         q_positions = self.split.local_positions(local_len, q.device)
         kv_positions = self.split.gathered_positions(local_len, q.device)
+        if ids is None and q.device.type == "cuda" and attention.FLEX_ON_CUDA:  # cuda-only
+            return flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), self.scale)  # cuda-only
         mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
         if ids is None:
             return attend(q, k, v, mask=mask, scale=self.scale)

@@ -5,14 +5,15 @@ cp rank's kernel does.
 Under cp ranks each rank runs seq_len / cp tokens of every sequence through the whole model
 (parallel/context_parallel.py). Everything but attention works token by token, so the
 weights' FLOPs per rank are divided by cp like the tokens. Attention all-gathers the whole
-sequence's keys and values (the kernel's key/value heads, its TP rank's share) and attends the
-rank's queries over them with a [seq_len / cp, seq_len] mask from global positions. Head-tail
-balance (chunks r and 2 cp - 1 - r of 2 cp) gives every rank the same causal work, 1/cp of the
-sequence's; without it the last rank would do (2 cp - 1) / cp of the average. But SDPA given
-a mask computes the whole rectangle, masked scores included (it cannot skip blocks the mask
-empties), so a cp rank's kernel does the whole [seq_len / cp, seq_len] matrix: twice the
-causal work it needs, on every rank whatever the balancer. The estimate charges that; MFU
-still counts the causal work the model needs.
+sequence's keys and values (the kernel's key/value heads, its TP rank's share, not repeated to
+the query heads) and attends the rank's queries over the keys they see only: each query chunk
+against the earlier chunks whole and its own causally (FlexAttention skipping the tiles no
+query sees on CUDA). Head-tail balance (chunks r and 2 cp - 1 - r of 2 cp) gives every rank
+the same causal work, 1/cp of the sequence's, half its [seq_len / cp, seq_len] rectangle; so
+attention costs a cp rank the causal FLOPs the model's count already holds, divided by cp like
+the rest (the diagonal tiles' upper halves, which FlexAttention computes whole, are
+128 / seq_len of it and left out). The forward all-gather runs while the kernel attends the
+rank's own keys (kv_gather_hidden_seconds).
 """
 
 from titanlite.estimate.communication import ring_bytes
@@ -40,13 +41,21 @@ def kv_sent_bytes(gathered_bytes: float, cp: int, blocks: int, recomputed_blocks
     return (2 * blocks + recomputed_blocks) * ring_bytes(gathered_bytes, cp)
 
 
-def masked_attention_flops_per_token(args, seq_len: int, cp: int, blocks: int, recompute_fraction: float) -> float:
-    """FLOPs per token a cp rank's attention kernel does beyond the causal count the model's
-    FLOPs hold: the masked half of the [seq_len / cp, seq_len] rectangle it computes anyway,
-    in forward and backward, and in the forward activation checkpointing repeats, in the
-    ``blocks`` blocks of the rank's stages:
+def kv_gather_hidden_seconds(
+    args, seq_len: int, cp: int, tp: int, micro_tokens: int, gathered_bytes: float, bandwidth: float, flop_rate: float
+) -> float:
+    """Seconds of one layer's forward all-gather (per micro-batch) that the kernel hides behind its
+    attention over the rank's own keys, which it runs while the gather is in flight: its two
+    chunks' diagonals and the late chunk against the early one, 1/cp of the rank's causal
+    attention under head-tail (2 of its 2 cp chunk-sized blocks). The forward's share of that
+    work is a third of attention's training FLOPs (backward twice the forward):
 
-        (1 + fraction / 3) x attention_flops_per_token(causal) x blocks / n_layers   (0 without CP)"""
+        min(gather, attention_flops_per_token(causal) / n_layers / 3 x micro_tokens / (cp x tp) / flop_rate)
+
+    ``flop_rate``: the device's FLOP/s at the estimate's efficiency; ``micro_tokens``: a cp rank's
+    tokens per micro-batch. The backward's reduce-scatter is waited on at once (hides nothing)."""
     if cp == 1:
         return 0.0
-    return (1 + recompute_fraction / 3) * attention_flops_per_token(args, seq_len) * blocks / args.n_layers
+    gather_s = ring_bytes(gathered_bytes, cp) / bandwidth
+    local_s = attention_flops_per_token(args, seq_len) / args.n_layers / 3 * micro_tokens / (cp * tp) / flop_rate
+    return min(gather_s, local_s)

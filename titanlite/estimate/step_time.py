@@ -57,13 +57,12 @@ from dataclasses import replace
 from titanlite.dtypes import DTYPES
 from titanlite.estimate.communication import Traffic, traffic
 from titanlite.estimate.compute import (
-    compute_seconds,
     compute_time,
     device_flops_per_token,
     rank_work,
     recompute_fraction,
 )
-from titanlite.estimate.context_parallel import kv_gather_bytes, kv_sent_bytes, masked_attention_flops_per_token
+from titanlite.estimate.context_parallel import kv_gather_bytes, kv_gather_hidden_seconds, kv_sent_bytes
 from titanlite.estimate.data_parallel import (
     break_even_tokens,
     data_parallel_traffic,
@@ -192,9 +191,7 @@ def estimate_step_time(
     micro_tokens = local_batch_size * local_seq  # per data-parallel (and cp) rank
     rank_tokens = micro_tokens * grad_accum_steps  # through each device's stages, its TP group's alike
     float8_s = float8_seconds(float8, work, model_args.n_layers, pipeline, fraction, t, rank_tokens, hw, efficiency)
-    masked_flops = masked_attention_flops_per_token(model_args, seq_len, cp, work.blocks, fraction)
-    masked_s = compute_seconds(masked_flops / t, rank_tokens, hw.peak_flops, efficiency)
-    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency) + masked_s - float8_s
+    compute_s = compute_time(work, t, rank_tokens, hw.peak_flops, efficiency) - float8_s
 
     # communication: each parallelism's collectives over the step, on its own link
     p_bytes, g_bytes = DTYPES[param_dtype].itemsize, DTYPES[reduce_dtype].itemsize
@@ -220,6 +217,11 @@ def estimate_step_time(
     experts = over("ep", grad_accum_steps * all_to_all)
     kv_gathered = kv_gather_bytes(kv_features or 0, local_batch_size, seq_len, t, cp, p_bytes)
     context = over("cp", grad_accum_steps * kv_sent_bytes(kv_gathered, cp, work.blocks, recomputed_blocks))
+    # Each forward all-gather (the recomputed ones too) partly behind the attention on own keys.
+    hidden = kv_gather_hidden_seconds(
+        model_args, seq_len, cp, t, micro_tokens, kv_gathered, context.bandwidth, hw.peak_flops * efficiency
+    )
+    cp_hidden_s = grad_accum_steps * (work.blocks + recomputed_blocks) * hidden
     pp_b, pp_exposed_b = pipeline_send_bytes(
         pipeline,
         local_batch_size=local_batch_size,
@@ -233,8 +235,9 @@ def estimate_step_time(
     sends = over("pp", pp_b)
     pp_exposed_s = pp_exposed_b / sends.bandwidth
     bubble = 0.0 if pipeline is None else pipeline.bubble_at(backward_per_forward(work.flops, work.recompute_flops))
-    data_parallel_s, tp_s, ep_s, cp_s = data_parallel.seconds, tensor.seconds, experts.seconds, context.seconds
-    comm_s = data_parallel_s + tp_s + sends.seconds + ep_s + cp_s
+    data_parallel_s, tp_s, ep_s = data_parallel.seconds, tensor.seconds, experts.seconds
+    cp_s = context.seconds - cp_hidden_s  # what attention waits for
+    comm_s = data_parallel_s + tp_s + sends.seconds + ep_s + context.seconds
 
     # TP's collectives wait between matmuls (unless async TP hides them), and the experts wait
     # for their rows (the all-to-alls are on the critical path), and attention for its gathered
@@ -287,7 +290,7 @@ def estimate_step_time(
         tokens_per_second_per_device=tokens_per_s,
         mfu_percent=mfu(tokens_per_s, model_flops, hw.peak_flops),
         float8_saved_s=float8_s,
-        cp_masked_flops_per_token=masked_flops / t,
+        cp_hidden_s=cp_hidden_s,
         kv_gathered_bytes=kv_gathered,
     )
 

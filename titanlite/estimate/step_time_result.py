@@ -74,7 +74,7 @@ class StepTimeEstimate:
     cp_bytes: float = 0.0  # the keys' and values' all-gathers and their gradients' reduce-scatters
     cp_link: str = "none"
     cp_s: float = 0.0
-    cp_masked_flops_per_token: float = 0.0  # of the device's FLOPs per token, the masked scores its kernel computes
+    cp_hidden_s: float = 0.0  # of cp_s, the forward all-gathers' time hidden behind attention on the rank's own keys
     kv_gathered_bytes: float = 0.0  # the keys and values one attention layer holds gathered per micro-batch
 
     def describe(self) -> str:
@@ -112,7 +112,8 @@ class StepTimeEstimate:
         context = (
             [
                 f"CP {self.cp}: keys and values all-gathered {self.kv_gathered_bytes / 2**20:,.1f} MiB per layer and "
-                f"micro-batch, {self.cp_bytes / 1e9:.2f} GB over {self.cp_link} -> {self.cp_s * 1e3:.1f} ms"
+                f"micro-batch, {self.cp_bytes / 1e9:.2f} GB over {self.cp_link} -> {self.cp_s * 1e3:.1f} ms "
+                f"({self.cp_hidden_s * 1e3:.1f} ms of it behind attention on the rank's own keys)"
             ]
             if self.cp > 1
             else []

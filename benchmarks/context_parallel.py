@@ -12,11 +12,18 @@ micro-batch) and training ``--steps`` steps. Memory is what autograd keeps for t
 a saved_tensors_hooks pair counts, during the last step's forward, the bytes of every
 distinct storage saved for backward (the activations; under CP the gathered keys and values
 and the masks among them), which on CPU is measured exactly where a process's RSS is not.
-Step time is the median of the steps after the first.
+Step time is the median of the steps after the first, in wall-clock seconds and in the
+process's CPU seconds (all its threads: what it computes, whatever share of a shared machine
+it gets). Attention work is counted at the dispatcher (AttentionWork: batch x heads x q_len x
+kv_len of every forward SDPA kernel call, half for a causal one) and printed per rank as a
+share of its [S/c, S] rectangle.
 
 Expected: CP c at S holds about what one rank holds at S / c (every activation but attention's
-scales with the local tokens), plus the gathered keys and values and the [S / c, S] masks;
-its step time is one rank's at S / c plus the all-gathers, and below one rank's at S.
+scales with the local tokens), plus the gathered keys and values; each rank's attention work
+is half its rectangle (the kernel computes what the causal mask keeps, head-tail chunks give
+every rank the same), which is c times one rank's at S / c (each token sees c times the keys
+on average); its step time is one rank's at S / c plus that extra attention, FSDP's
+collectives over the cp ranks and the all-gathers, and below one rank's at S.
 
 Beside each layout the estimator's figures for the same run (goal: within 10%): rank 0's
 simulated activations (against the saved bytes) and peak (against the real tensors' peak,
@@ -129,18 +136,20 @@ def _rank(process: int, world_size: int, ports: list[int], seq_len: int, steps: 
     quiet_every_rank_lines()
     argv = _argv(seq_len, world_size, steps, f"{dump}/{process}")
     trainer = Trainer(parse_args(argv))
-    seconds, saved, work = [], SavedBytes(), AttentionWork()
+    seconds, cpu_seconds, saved, work = [], [], SavedBytes(), AttentionWork()
     for step in range(steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         if step == steps - 1:
             with saved, work:
                 trainer.train_step()
         else:
             trainer.train_step()
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
     figures = {
         "saved_bytes": saved.total,
         "step_s": statistics.median(seconds[1:] or seconds),
+        "cpu_s": statistics.median(cpu_seconds[1:] or cpu_seconds),
         "attention_pairs": work.pairs,
     }
     # The step's peak, the real tensors of a fresh model of the same config on the real gloo
@@ -161,7 +170,7 @@ def measure(seq_len: int, ranks: int, processes: int, steps: int, work: Path) ->
     args = (ranks, ports, seq_len, steps, str(out_dir), str(out_dir))
     mp.start_processes(_rank, args=args, nprocs=processes, start_method="spawn", join=True)
     figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
-    worst = {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "peak_bytes")}
+    worst = {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "cpu_s", "peak_bytes")}
     return worst | {"attention_pairs": [rank["attention_pairs"] for rank in figures]}
 
 
@@ -200,6 +209,45 @@ def calibrated_rate(seq_len: int, step_s: float) -> float:
         config, world_size=1, hardware=get_hardware("h100", peak_flops=1e12), efficiency=1.0
     )
     return 1e12 * timing.step_s / step_s
+
+
+def attention_kernel_seconds(seq_len: int, cp: int, repeats: int = 5) -> tuple[float, float]:
+    """Forward and backward of one attention layer of the debug model alone, in this process on one
+    thread (the fastest of ``repeats``): CP rank 0's kernel calls at ``seq_len`` (its own keys
+    and the gathered ones given, no collective) and one rank's causal SDPA at seq_len / cp."""
+    import torch.nn.functional as F
+
+    from titanlite.config import parse_args
+    from titanlite.models.merged_attention import merged_attention
+    from titanlite.parallel.context_parallel import SequenceSplit
+    from titanlite.plan import run_model_args
+
+    args = run_model_args(parse_args(_argv(seq_len, cp, 1, "unused")))
+    local = seq_len // cp
+    torch.set_num_threads(1)
+
+    def heads(n: int, length: int) -> torch.Tensor:
+        return torch.randn(1, n, length, args.head_dim, requires_grad=True)
+
+    def cp_rank() -> None:
+        q, k, v = heads(args.n_heads, local), heads(args.kv_heads, local), heads(args.kv_heads, local)
+        gathered = heads(args.kv_heads, local * cp).detach().reshape(cp, args.kv_heads, local, -1)
+        calls = SequenceSplit(cp, 0, True).attention_calls(1, local, None)
+        merged_attention(q, [(k, v), (gathered, gathered)], calls, None).sum().backward()
+
+    def one_rank() -> None:
+        q, k, v = heads(args.n_heads, local), heads(args.kv_heads, local), heads(args.kv_heads, local)
+        F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).sum().backward()
+
+    def fastest(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return fastest(cp_rank), fastest(one_rank)
 
 
 def main() -> None:
@@ -246,6 +294,18 @@ def main() -> None:
     print(f"memory: CP {options.cp} at S / one rank at S = {cp['saved_bytes'] / whole['saved_bytes']:.3f}")
     print(f"step time: CP {options.cp} at S / one rank at S/c = {cp['step_s'] / short['step_s']:.3f}")
     print(f"step time: CP {options.cp} at S / one rank at S = {cp['step_s'] / whole['step_s']:.3f}")
+    print(
+        f"CPU seconds a step (all the process's threads; what a rank computes, whatever share of the "
+        f"machine it gets): CP {options.cp} at S / one rank at S/c = {cp['cpu_s'] / short['cpu_s']:.3f} "
+        f"({cp['cpu_s']:.3f} / {short['cpu_s']:.3f})"
+    )
+    kernel_cp, kernel_one = attention_kernel_seconds(options.seq_len, options.cp)
+    print(
+        f"one attention layer alone (forward + backward, one process): CP {options.cp} rank 0 at S "
+        f"{kernel_cp * 1e3:.1f} ms / one rank at S/c {kernel_one * 1e3:.1f} ms = {kernel_cp / kernel_one:.3f}"
+    )
+    pairs = max(cp["attention_pairs"]) / max(short["attention_pairs"])
+    print(f"attention work: CP {options.cp} at S / one rank at S/c = {pairs:.3f} (a token sees c times the keys)")
 
 
 if __name__ == "__main__":

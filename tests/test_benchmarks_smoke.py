@@ -197,8 +197,9 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     assert list(rows) == list(trained), lines
     # The same model, seed and batches: the first step routes alike in every setting.
     assert len({row[1] for row in rows.values()}) == 1, lines
-    assert all(1 <= float(value) <= 2 for row in rows.values() for value in row[1:4]), lines  # 4 experts, top 2
-    assert rows["none"][6] == "1.0000" and all(0.9 < float(row[6]) < 1.1 for row in rows.values()), lines
+    # step 1, first and last window, the largest after the first window: 4 experts, top 2
+    assert all(1 <= float(value) <= 2 for row in rows.values() for value in row[1:5]), lines
+    assert rows["none"][7] == "1.0000" and all(0.9 < float(row[7]) < 1.1 for row in rows.values()), lines
     assert lines[-2].startswith("max/mean expert load, mean of the last 2 steps: none "), lines
     # The bias setting's spread after each step: the bias moves each expert by its rate
     # (1e-3) a step, so after k steps two experts are at most 2k x 1e-3 apart (printed to 3
@@ -219,6 +220,9 @@ def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios
     assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[1:]), lines
     ratios = [line for line in lines if line.startswith(("memory: CP 2 at S /", "step time: CP 2 at S /"))]
     assert len(ratios) == 4 and all(float(line.rsplit("=", 1)[1]) > 0 for line in ratios), lines
+    # Each CP rank's attention work, counted at the dispatcher, is half its [S/2, S] rectangle.
+    shares = next(line for line in lines if line.startswith("attention work per rank") and "(CP 2" in line)
+    assert shares.rsplit(":", 1)[1].split(",") == [" 0.500", " 0.500"], lines
 
 
 class _ForkedTrainer:

@@ -80,6 +80,7 @@ def _four_places(value: float, metrics: dict[str, float]) -> str:
 # console line shows them.
 _CONSOLE_FIELDS = (
     (tags.LOSS, "loss", "green", _four_places),
+    (tags.Z_LOSS, "output_z_loss", "green", lambda v, _: f"{v:.3g}"),
     (tags.GRAD_NORM, "grad_norm", "yellow", _four_places),
     (tags.LR, "lr", "white", lambda v, _: f"{v:.2e}"),
     (tags.TPS, "tps", "blue", lambda v, _: f"{v:,.0f}"),
@@ -90,6 +91,8 @@ _CONSOLE_FIELDS = (
     (tags.MOE_LOAD_BALANCE_LOSS, "lb_loss", "green", _four_places),
     (tags.MOE_SEQ_BALANCE_LOSS, "seq_loss", "green", _four_places),
     (tags.MOE_Z_LOSS, "z_loss", "green", _four_places),
+    (tags.SPIKE_Z_SCORE, "z_score", "yellow", lambda v, _: f"{v:.1f}"),
+    (tags.SPIKE_SKIPPED, "spikes", "yellow", lambda v, _: f"{v:.0f}"),
     (tags.FT_GROUPS, "groups", "white", lambda v, _: f"{v:.0f}"),
     (tags.FT_HEALS, "heals", "white", lambda v, _: f"{v:.0f}"),
     (tags.FT_SKIPPED, "skipped", "white", lambda v, _: f"{v:,.0f}"),

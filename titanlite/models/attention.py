@@ -4,8 +4,9 @@ with document masking (block_causal) stopping at document boundaries too.
 It is a module of its own (no parameters) at the name its attention class gives in
 ``kernel_name``, so that code outside the models can run it differently without the models
 knowing: tensor parallelism runs it on each rank's heads, and context parallelism puts in its
-place a kernel that gathers the other ranks' keys and values first and masks by global
-positions (titanlite/parallel/context_parallel.py), calling ``attend`` with that mask.
+place a kernel that gathers the other ranks' keys and values first and attends by global
+positions (titanlite/parallel/context_parallel.py): on the CPU in chunk-by-chunk flash calls
+(models/merged_attention.py), on CUDA with FlexAttention and ``position_block_mask``.
 
 Document masking: a token attends only to the earlier tokens of its own document, documents
 ending at the data pipeline's end-of-document token (which belongs to the document it ends).

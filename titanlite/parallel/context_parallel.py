@@ -4,14 +4,15 @@ The cp ranks of a group read the same sequences; each keeps some chunks of every
 (its columns, ``sequence_positions``) and runs the whole model on them. Everything but
 attention works token by token, so only attention must see the rest of the sequence: in
 every layer each rank all-gathers the keys and values of the whole sequence over the cp
-group (its key/value heads only, before grouped-query attention copies them to the query
-heads) and attends its own queries over them, masked by global position. The all-gather is
-autograd's (torch.distributed._functional_collectives), whose backward reduce-scatters the
-keys' and values' gradients back to the ranks that computed them.
+group (its key/value heads only, never copied to the query heads) and attends its own queries
+over the keys each one sees by global position, computing nothing the causal mask drops
+(ContextParallelKernel). The all-gather is autograd's (torch.distributed._functional_collectives),
+whose backward reduce-scatters the keys' and values' gradients back to the ranks that computed them.
 
 Causal attention makes late queries costlier than early ones; the headtail load balancer
 cuts a sequence into 2 x cp chunks and gives rank r chunks r and 2 cp - 1 - r, so every rank
-holds the same amount of attention work. Without it (none) rank r holds chunk r of cp.
+holds the same amount of attention work, half its [seq / cp, seq] rectangle. Without it
+(none) rank r holds chunk r of cp.
 
 The model learns of this through its seams only (no model imports this file): its
 ``token_positions`` (the global positions RoPE turns tokens by) and each attention's kernel

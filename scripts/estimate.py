@@ -212,7 +212,14 @@ def _report(result: dict, describe_model: str) -> str:
         _collective_line("all-reduce", timing, "all_reduce", "replicate_link"),
         _collective_line("TP", timing, "tp", "tp_link"),
         *([_collective_line(f"all-to-all EP {timing['ep']}", timing, "ep", "ep_link")] if timing["ep"] > 1 else []),
-        *([_collective_line(f"K/V CP {timing['cp']}", timing, "cp", "cp_link")] if timing["cp"] > 1 else []),
+        *(
+            [
+                _collective_line(f"K/V CP {timing['cp']}", timing, "cp", "cp_link")
+                + f", {timing['cp_hidden_s'] * 1e3:.1f} ms behind attention on own keys"
+            ]
+            if timing["cp"] > 1
+            else []
+        ),
         *(
             [
                 _collective_line("pipeline", timing, "pp", "pp_link")

@@ -143,3 +143,16 @@ def test_the_cuda_block_mask_from_positions_is_the_dense_masks(cp, chunk):
         if chunk == 128:  # 2 query tiles x 2 cp key tiles: 2 cp + 1 seen (the half), 2 cp - 1 of them full
             assert (ours.kv_num_blocks.sum() + ours.full_kv_num_blocks.sum()).item() == 2 * cp + 1
             assert ours.full_kv_num_blocks.sum().item() == 2 * cp - 1
+
+
+def test_under_fake_tensors_no_block_is_skipped_and_nothing_is_read():
+    """The estimator simulates a block_causal CP rank on fake tensors, whose document ids hold no
+    values: every visible block is kept (its memory counted), none read to decide."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seq_len, cp = 64, 4
+    ids = torch.arange(seq_len).div(seq_len // (2 * cp), rounding_mode="floor").unsqueeze(0)
+    with FakeTensorMode() as mode:
+        fake_ids = mode.from_tensor(ids)
+        calls = SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, fake_ids)
+    assert len(calls) == len(SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, None)) == 1 + 8

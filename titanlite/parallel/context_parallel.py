@@ -24,6 +24,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -90,7 +91,7 @@ class SequenceSplit:
                 rows = slice(rank * batch, (rank + 1) * batch) if rank != self.cp_rank else slice(None)
                 diagonal = kv_chunk == q_chunk
                 mask = None if ids is None else _document_block(ids, q_chunk, kv_chunk, size, diagonal)
-                if mask is not None and not mask.any():
+                if mask is not None and not is_fake(mask) and not mask.any():  # fake: no ids to read
                     continue
                 source = 0 if rank == self.cp_rank else 1
                 calls.append(

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from titanlite.models.attention import document_block_mask, position_block_mask
+from titanlite.models.attention import document_block_mask, flex_attend, position_block_mask
 from titanlite.models.merged_attention import merged_attention
 from titanlite.parallel.context_parallel import SequenceSplit
 
@@ -156,3 +156,18 @@ def test_under_fake_tensors_no_block_is_skipped_and_nothing_is_read():
         fake_ids = mode.from_tensor(ids)
         calls = SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, fake_ids)
     assert len(calls) == len(SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, None)) == 1 + 8
+
+
+def test_compiled_flex_attention_forward_under_the_position_block_mask_equals_the_sdpa_mask():
+    """CUDA's CP kernel on the CPU (forward only: FlexAttention's backward refuses the CPU): CP 2
+    rank 0's queries over the gathered keys in rank order, 160-token chunks (tiles skipped, full
+    and partial), two sequences sharing the one-row block mask, against SDPA's dense mask."""
+    cp, seq_len = 2, 640
+    split = SequenceSplit(cp, 0, True)
+    q_positions, kv_positions = split.local_positions(seq_len // cp), split.gathered_positions(seq_len // cp)
+    q, k, v = _inputs(seq_len)
+    q, k, v = q.detach()[:, :, q_positions], k.detach()[:, :, kv_positions], v.detach()[:, :, kv_positions]
+    flex = flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), scale=0.3)
+    mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)

@@ -155,7 +155,10 @@ def test_under_fake_tensors_no_block_is_skipped_and_nothing_is_read():
     with FakeTensorMode() as mode:
         fake_ids = mode.from_tensor(ids)
         calls = SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, fake_ids)
-    assert len(calls) == len(SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, None)) == 1 + 8
+    causal = SequenceSplit(cp, 0, True).attention_calls(1, seq_len // cp, None)
+    # chunk 0's diagonal; chunk 7's diagonal, chunk 0 (its own), chunks 1 to 6 in one call
+    assert [(call.source, len(call.more)) for call in calls] == [(0, 0)] * 3 + [(1, 5)]
+    assert [(call.source, len(call.more)) for call in causal] == [(0, 0)] * 3 + [(1, 5)]
 
 
 def test_compiled_flex_attention_forward_under_the_position_block_mask_equals_the_sdpa_mask():

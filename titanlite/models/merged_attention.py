@@ -36,9 +36,11 @@ _BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.
 class Call:
     """One kernel call: queries ``q_start:q_end`` (along the sequence) against the keys and values
     ``keys[index]``, ``values[index]`` of source pair ``source`` (a basic index: ints and slices,
-    [batch, kv_heads, kv_len, features] after it). ``causal``: query i sees key j <= i (the
-    diagonal block, q and kv of one length); ``mask``: a boolean [batch, 1, q, kv] (True: may
-    attend) instead. The first call of each query range must give every query a key."""
+    [batch, kv_heads, kv_len, features] after it), followed along the sequence by those at each
+    of ``more`` (one call over several blocks: a copy of them, fewer calls and merges).
+    ``causal``: query i sees key j <= i (the diagonal block, q and kv of one length); ``mask``: a
+    boolean [batch, 1, q, kv] (True: may attend) instead. The first call of each query range
+    must give every query a key."""
 
     q_start: int
     q_end: int
@@ -46,6 +48,7 @@ class Call:
     index: tuple
     causal: bool = False
     mask: torch.Tensor | None = None
+    more: tuple = ()
 
 
 def merged_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Tensor]], calls: list[Call], scale):
@@ -69,7 +72,7 @@ class _MergedAttention(torch.autograd.Function):
         width = max(q.shape[-1], flat[1].shape[-1])
         merged: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         for call in calls:
-            k, v = flat[2 * call.source][call.index], flat[2 * call.source + 1][call.index]
+            k, v = _keys_values(flat, call)
             out, lse = _FORWARD(
                 *_widened(_rows(q, call), k, v, width=width), 0.0, call.causal, **_options(call, scale, q.dtype)
             )
@@ -91,7 +94,7 @@ class _MergedAttention(torch.autograd.Function):
         grad_out = _widen(grad_out, width)
         grads = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (q, *flat)]
         for call in ctx.calls:
-            k, v = flat[2 * call.source][call.index], flat[2 * call.source + 1][call.index]
+            k, v = _keys_values(flat, call)
             rows = slice(call.q_start, call.q_end)
             dq, dk, dv = _BACKWARD(
                 grad_out[:, :, rows],
@@ -103,9 +106,22 @@ class _MergedAttention(torch.autograd.Function):
                 **_options(call, ctx.scale, q.dtype),
             )
             grads[0][:, :, rows] += dq[..., : q.shape[-1]]
-            grads[1 + 2 * call.source][call.index] += dk[..., : k.shape[-1]]
-            grads[2 + 2 * call.source][call.index] += dv[..., : v.shape[-1]]
+            start = 0
+            for index in (call.index, *call.more):
+                length = flat[2 * call.source][index].shape[2]
+                grads[1 + 2 * call.source][index] += dk[:, :, start : start + length, : k.shape[-1]]
+                grads[2 + 2 * call.source][index] += dv[:, :, start : start + length, : v.shape[-1]]
+                start += length
         return None, None, *(grad.to(t.dtype) for grad, t in zip(grads, (q, *flat), strict=True))
+
+
+def _keys_values(flat: list[torch.Tensor], call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values a call reads: its source's blocks at ``index`` and ``more``, in order."""
+    keys, values = flat[2 * call.source], flat[2 * call.source + 1]
+    if not call.more:
+        return keys[call.index], values[call.index]
+    indices = (call.index, *call.more)
+    return torch.cat([keys[index] for index in indices], dim=2), torch.cat([values[index] for index in indices], dim=2)
 
 
 def _arrived(tensor: torch.Tensor) -> torch.Tensor:

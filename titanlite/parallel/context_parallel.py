@@ -75,35 +75,35 @@ class SequenceSplit:
     def attention_calls(self, batch: int, local_len: int, ids: torch.Tensor | None) -> list[Call]:
         """The kernel calls of this rank's causal attention (models/merged_attention.py): each of
         its query chunks against its own chunk causally, then against every earlier chunk whole
-        (source 0: this rank's keys [batch, heads, local_len, features]; source 1: the gathered
-        ones, [cp x batch, ...] rank-major), the later chunks skipped. With documents (``ids``
-        [batch, seq_len]) each call is masked to query and key sharing a document, and a block
-        that no document crosses is skipped. The calls on this rank's own keys come first, so
-        that the all-gather has their time to arrive."""
+        (source 0: this rank's keys [batch, heads, local_len, features], a call per chunk;
+        source 1: the gathered ones, [cp x batch, ...] rank-major, one call over the earlier
+        chunks other ranks hold), the later chunks skipped. With documents (``ids`` [batch,
+        seq_len]) each call is masked to query and key sharing a document, and a chunk that no
+        document crosses is left out. The calls on this rank's own keys come first, so that the
+        all-gather has their time to arrive."""
         kept = self.kept_chunks(self.cp_rank)
         size = local_len // len(kept)
         owners = {chunk: (rank, piece) for rank in range(self.cp) for piece, chunk in enumerate(self.kept_chunks(rank))}
         calls = []
         for q_piece, q_chunk in enumerate(kept):
+            rows = (q_piece * size, (q_piece + 1) * size)
+            remote, masks = [], []  # the other ranks' visible chunks: one call over all of them
             for kv_chunk in range(q_chunk, -1, -1):  # the diagonal first: it gives every query a key
                 rank, piece = owners[kv_chunk]
                 keys = slice(piece * size, (piece + 1) * size)
-                rows = slice(rank * batch, (rank + 1) * batch) if rank != self.cp_rank else slice(None)
                 diagonal = kv_chunk == q_chunk
                 mask = None if ids is None else _document_block(ids, q_chunk, kv_chunk, size, diagonal)
                 if mask is not None and not is_fake(mask) and not mask.any():  # fake: no ids to read
                     continue
-                source = 0 if rank == self.cp_rank else 1
-                calls.append(
-                    Call(
-                        q_piece * size,
-                        (q_piece + 1) * size,
-                        source,
-                        (rows, slice(None), keys),
-                        diagonal and mask is None,
-                        mask,
-                    )
-                )
+                if rank == self.cp_rank:
+                    index = (slice(None), slice(None), keys)
+                    calls.append(Call(*rows, 0, index, diagonal and mask is None, mask))
+                else:
+                    remote.append((slice(rank * batch, (rank + 1) * batch), slice(None), keys))
+                    masks.append(mask)
+            if remote:
+                mask = None if ids is None else torch.cat(masks, dim=-1)
+                calls.append(Call(*rows, 1, remote[0], False, mask, tuple(remote[1:])))
         return sorted(calls, key=lambda call: call.source)  # stable: each range's diagonal stays first
 
     def whole_sequence(self, tokens: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:

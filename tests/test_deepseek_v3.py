@@ -207,11 +207,13 @@ def test_the_671b_shape_has_the_published_total_and_active_parameters():
 
 
 def test_balancing_defaults_to_the_sigmoid_router_with_the_bias():
-    """docs/model.md "Training an MoE": for sigmoid routing, the bias at 1e-2 with a
-    sequence-wise loss of 1e-3; every flavor and an import start there."""
+    """docs/model.md "Training an MoE": for sigmoid routing, the bias stepped in proportion to
+    the load's distance from even at 0.05, with a sequence-wise loss of 1e-3; every flavor and
+    an import start there."""
     for flavor in ("debugmodel", "671B"):
         args = get_model_args("deepseek_v3", flavor)
-        assert args.moe_score_func == "sigmoid" and args.moe_bias_update_rate == 1e-2
+        assert args.moe_score_func == "sigmoid" and args.moe_bias_update_rate == 0.05
+        assert args.moe_args().bias_update_rule == "proportional"
         assert args.moe_seq_balance_coef == 1e-3 and args.moe_load_balance_coef == args.moe_aux_loss_coef == 0
     imported = model_from_hf_config(args_to_hf_config(TINY))[1]
     assert imported == TINY

@@ -261,6 +261,19 @@ def test_bias_update_raises_the_idle_experts_centred_and_on_the_device():
     assert moe.gate.weight.grad is None
 
 
+def test_the_proportional_bias_update_steps_by_the_distance_from_the_mean_load():
+    args = MoEArgs(dim=16, n_experts=4, top_k=1, hidden_dim=24, bias_update_rate=0.05, bias_update_rule="proportional")
+    moe = make_moe(args)
+    counts = torch.tensor([10, 0, 2, 4])  # mean 4
+    with HostSyncs() as syncs:
+        moe.update_expert_bias(counts)
+    assert not syncs.syncs, syncs.report()
+    # (mean - load) / mean = (-1.5, 1, 0.5, 0): already centred, so the step is 0.05 x that
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-1.5, 1.0, 0.5, 0.0]) * 0.05)
+    moe.update_expert_bias(torch.tensor([4, 4, 4, 4]))  # an even load leaves the bias where it is
+    torch.testing.assert_close(moe.expert_bias, torch.tensor([-1.5, 1.0, 0.5, 0.0]) * 0.05)
+
+
 def test_load_counts_add_up_over_training_forwards_only():
     moe = make_moe()
     x = torch.randn(2, 6, 16, generator=torch.Generator().manual_seed(9))
@@ -344,6 +357,7 @@ def test_missing_expert_weight_is_named():
         ({"bias_update_rate": -1.0}, "MoEArgs.bias_update_rate must be 0 or more, got -1.0"),
         ({"z_loss_coef": -1.0}, "MoEArgs.z_loss_coef must be 0 or more, got -1.0"),
         ({"score_func": "relu"}, "MoEArgs.score_func must be one of softmax, sigmoid, got 'relu'"),
+        ({"bias_update_rule": "pid"}, "MoEArgs.bias_update_rule must be one of sign, proportional, got 'pid'"),
         ({"route_scale": 0.0}, "MoEArgs.route_scale must be above 0, got 0.0"),
         ({"n_groups": 3}, r"MoEArgs.n_groups \(3\) must divide n_experts \(8\)"),
         ({"n_groups": 4, "topk_groups": 5}, r"MoEArgs.topk_groups \(5\) must not exceed n_groups \(4\)"),

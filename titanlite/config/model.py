@@ -19,6 +19,7 @@ MOE_KEYS = {
     "moe_seq_balance_coef": "moe_seq_balance_coef",
     "moe_z_loss_coef": "moe_z_loss_coef",
     "moe_bias_update_rate": "moe_bias_update_rate",
+    "moe_bias_update_rule": "moe_bias_update_rule",
 }
 # The keys among them that even out the experts' load, which a collapsed router's warning
 # points to (the z-loss only keeps the logits small).
@@ -103,4 +104,10 @@ class Model:
     """MoE models only: step of the auxiliary-loss-free expert bias (DeepSeek-V3's; torchtitan's load_balance_coeff),
     updated after every optimizer step from the token counts of all data-parallel ranks (DeepSeek-V3 uses 1e-3); 0
     turns it off. Unset: the flavor's value (0 for qwen3's MoE flavors: a Qwen3-MoE trained with the bias does not
-    export to transformers, which has none; 1e-2 for deepseek_v3's, whose bias exports)."""
+    export to transformers, which has none; 0.05 for deepseek_v3's, whose bias exports)."""
+
+    moe_bias_update_rule: Literal["sign", "proportional"] | None = None
+    """MoE models only: how the expert bias steps after each optimizer step: "sign" (DeepSeek-V3's: every expert by
+    moe_bias_update_rate, up when below the mean load, down when above) or "proportional" (by the rate times (mean -
+    load) / mean: fast far from even, still near it). Unset: the flavor's ("sign" for qwen3's MoE flavors,
+    "proportional" for deepseek_v3's, measured in docs/performance.md, "MoE load balancing")."""

@@ -120,3 +120,6 @@ class MoERoutingArgs:
     bias stays as it is (0, or as loaded). DeepSeek-V3's export carries the bias
     (e_score_correction_bias); Qwen3-MoE has none, so a Qwen3 model trained with it routes in
     a way transformers' Qwen3MoeForCausalLM cannot reproduce from the exported weights."""
+    moe_bias_update_rule: str = "sign"
+    """How the bias steps: "sign" (DeepSeek-V3's: by the rate, up for an expert below the
+    mean load, down above it) or "proportional" (by the rate times (mean - load) / mean)."""

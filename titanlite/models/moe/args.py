@@ -4,6 +4,7 @@ and how training keeps the experts' load even."""
 from dataclasses import dataclass
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+BIAS_UPDATE_RULES = ("sign", "proportional")
 
 # The auxiliary balancing losses, in the order a layer tallies them, each with the MoEArgs
 # field that weighs it in the training loss (balancing.py defines them).
@@ -46,7 +47,13 @@ class MoEArgs:
     z_loss_coef: float = 0.0
     """Weight of the router z-loss (ST-MoE's), summed over the layers."""
     bias_update_rate: float = 0.0
-    """Step of the auxiliary-loss-free expert bias at each update (0: the bias stays 0)."""
+    """Step of the auxiliary-loss-free expert bias at each update (0: the bias stays 0): the
+    step itself under the "sign" rule, the step at an expert's load of twice the mean under
+    "proportional"."""
+    bias_update_rule: str = "sign"
+    """How the bias moves each expert from the step's load: "sign" (DeepSeek-V3's: by the
+    rate, up when below the mean load, down when above) or "proportional" (by the rate times
+    (mean - load) / mean: far from even it moves fast, near even it barely moves)."""
     route_by_bias: bool = False
     """Choose experts by score plus expert bias even when bias_update_rate is 0: for a model
     whose checkpoints carry a trained bias (DeepSeek-V3's e_score_correction_bias). False:
@@ -60,6 +67,9 @@ class MoEArgs:
             raise ValueError(f"MoEArgs.top_k ({self.top_k}) must not exceed n_experts ({self.n_experts})")
         if self.score_func not in SCORE_FUNCS:
             raise ValueError(f"MoEArgs.score_func must be one of {', '.join(SCORE_FUNCS)}, got '{self.score_func}'")
+        if self.bias_update_rule not in BIAS_UPDATE_RULES:
+            rules = ", ".join(BIAS_UPDATE_RULES)
+            raise ValueError(f"MoEArgs.bias_update_rule must be one of {rules}, got '{self.bias_update_rule}'")
         if self.route_scale <= 0:
             raise ValueError(f"MoEArgs.route_scale must be above 0, got {self.route_scale}")
         for name in (*BALANCE_LOSS_COEFS, "bias_update_rate"):
@@ -112,12 +122,15 @@ _MODEL_ARGS_FIELDS = {
     "seq_balance_coef": "moe_seq_balance_coef",
     "z_loss_coef": "moe_z_loss_coef",
     "bias_update_rate": "moe_bias_update_rate",
+    "bias_update_rule": "moe_bias_update_rule",
 }
 
 
 # The model args' fields that only steer training (the balancing): left out of what
 # decides whether two args describe the same model, so a run may resume with others.
-MODEL_BALANCING_FIELDS = tuple(_MODEL_ARGS_FIELDS[name] for name in (*BALANCE_LOSS_COEFS, "bias_update_rate"))
+MODEL_BALANCING_FIELDS = tuple(
+    _MODEL_ARGS_FIELDS[name] for name in (*BALANCE_LOSS_COEFS, "bias_update_rate", "bias_update_rule")
+)
 
 
 def moe_args_of(model_args, **shape) -> MoEArgs:

@@ -93,13 +93,18 @@ class MoE(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor, skip: torch.Tensor | None = None) -> None:
         """One step of the auxiliary-loss-free balancing: experts that got fewer tokens than
-        the mean are raised by bias_update_rate, those that got more are lowered, and the step
-        is centred so that the biases keep a mean of 0. ``tokens_per_expert`` is this layer's
-        count, all-reduced first over the ranks that saw different tokens. ``skip``: a flag on
-        the device (non-zero: the optimizer step was not applied, and neither is this one).
-        Runs on the device (no value is read on the host)."""
+        the mean are raised, those that got more are lowered (by bias_update_rate under the
+        "sign" rule, by the rate times their distance from the mean load, relative to it, under
+        "proportional"), and the step is centred so that the biases keep a mean of 0.
+        ``tokens_per_expert`` is this layer's count, all-reduced first over the ranks that saw
+        different tokens. ``skip``: a flag on the device (non-zero: the optimizer step was not
+        applied, and neither is this one). Runs on the device (no value is read on the host)."""
         load = tokens_per_expert.float()
-        step = self.args.bias_update_rate * torch.sign(load.mean() - load)
+        mean = load.mean()
+        if self.args.bias_update_rule == "sign":
+            step = self.args.bias_update_rate * torch.sign(mean - load)
+        else:
+            step = self.args.bias_update_rate * (mean - load) / mean.clamp(min=1.0)
         step = step - step.mean()
         if skip is not None:
             step = step * (skip == 0)

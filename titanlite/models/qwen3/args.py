@@ -101,7 +101,11 @@ QWEN3_FLAVORS = {
 # What the published Qwen3-MoE sizes share besides _PUBLISHED (their config.json files): 4
 # key/value heads, 128 experts of which each token meets 8, renormalised top-8 weights,
 # untied embeddings. Their ffn_hidden_dim (intermediate_size) is unused: every block is MoE.
-_PUBLISHED_MOE = {**_PUBLISHED, "n_kv_heads": 4, "n_experts": 128, "top_k": 8}
+# Trained with the per-layer load-balancing loss at 0.1: the balancing that measured best among
+# those that keep Qwen3-MoE's architecture, and so its export (docs/performance.md, "MoE load
+# balancing"); transformers' pooled loss at Qwen3's published 0.001 left the routers collapsed.
+_MOE_BALANCING = {"moe_load_balance_coef": 0.1}
+_PUBLISHED_MOE = {**_PUBLISHED, "n_kv_heads": 4, "n_experts": 128, "top_k": 8, **_MOE_BALANCING}
 _TINY_MOE = replace(_TINY, n_experts=4, top_k=2, moe_hidden_dim=32)
 
 QWEN3_FLAVORS.update(
@@ -109,7 +113,12 @@ QWEN3_FLAVORS.update(
         # debugmodel's attention with 8 experts of 256, 2 per token (512 hidden units a token
         # meets, against the dense 768), untied like the published MoE sizes.
         "debugmodel_moe": replace(
-            QWEN3_FLAVORS["debugmodel"], n_experts=8, top_k=2, moe_hidden_dim=256, tie_word_embeddings=False
+            QWEN3_FLAVORS["debugmodel"],
+            n_experts=8,
+            top_k=2,
+            moe_hidden_dim=256,
+            tie_word_embeddings=False,
+            **_MOE_BALANCING,
         ),
         # The test suite's MoE: tiny's attention, 4 experts of 32, 2 per token, untied.
         "tiny_moe": _TINY_MOE,

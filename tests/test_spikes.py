@@ -9,6 +9,8 @@ equality with one process ride the multi-rank launch of tests/test_host_syncs.py
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import capture_log_lines, full_weights, tiny_args
 from titanlite.config import parse_args
@@ -230,3 +232,69 @@ def test_the_z_loss_gradient_is_the_hand_computed_one():
     assert cross_entropy.item() == want.item()
     torch.testing.assert_close(z_sum, want_z)
     torch.testing.assert_close(logits.grad, reference.grad)
+
+
+def autograd_sums(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The z-loss as first written, all through autograd: the logsumexp at the first vocabulary
+    entry of logits - log_softmax(logits)."""
+    logits = logits.float()
+    log_probs = torch.nn.functional.log_softmax(logits, dim=-1)
+    cross_entropy = torch.nn.functional.nll_loss(log_probs.flatten(0, 1), labels.flatten(), reduction="sum")
+    log_sum_exp = logits[..., 0] - log_probs[..., 0]
+    return cross_entropy, (log_sum_exp.square() * (labels != -100)).sum()
+
+
+def loss_and_grad(sums, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The trainer's combination (cross-entropy and z-loss over the tokens), its parts and the
+    logits' gradient."""
+    logits = logits.detach().clone().requires_grad_()
+    cross_entropy, z_sum = sums(logits, labels)
+    (cross_entropy / labels.numel() + Z_LOSS_COEF * z_sum / labels.numel()).backward()
+    return cross_entropy.detach(), z_sum.detach(), logits.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_z_loss_equals_the_autograd_one(dtype):
+    torch.manual_seed(1)
+    logits = (torch.randn(3, 7, 50) * 4 + 5).to(dtype)  # logsumexp far from 0: the z-loss matters
+    labels = torch.randint(0, 50, (3, 7))
+    labels[1, :3] = -100
+    cross_entropy, z_sum, grad = loss_and_grad(cross_entropy_and_z_sums, logits, labels)
+    want_cross_entropy, want_z_sum, want_grad = loss_and_grad(autograd_sums, logits, labels)
+    # The same forward kernels: the values bit for bit.
+    assert torch.equal(cross_entropy, want_cross_entropy) and torch.equal(z_sum, want_z_sum)
+    assert grad.dtype == dtype
+    assert torch.equal(grad[1, :3], torch.zeros_like(grad[1, :3]))  # ignored tokens: no gradient
+    # The gradient summed in another order: float32 rounding (and bf16's, after the cast).
+    tolerance = {"rtol": 1e-5, "atol": 1e-7} if dtype == torch.float32 else {}
+    torch.testing.assert_close(grad, want_grad, **tolerance)
+    assert (grad - want_grad).abs().max() < 1e-3 * want_grad.abs().max()
+
+
+class NewLogitSizedTensors(TorchDispatchMode):
+    """Counts the tensors of the logits' size that operators allocate (not in place, not a
+    view of an input)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs)) if torch.is_tensor(t)}
+        for t in pytree.tree_leaves(out):
+            if torch.is_tensor(t) and t.numel() == self.numel and t.untyped_storage().data_ptr() not in inputs:
+                self.count += 1
+        return out
+
+
+@pytest.mark.parametrize(("sums", "allocated"), [(cross_entropy_and_z_sums, 1), (autograd_sums, 6)])
+def test_the_z_loss_backward_makes_one_logit_sized_gradient(sums, allocated):
+    # The gradient itself, made in place. Through autograd (which the counter must see): the
+    # zeros of the two select backwards and of nll_loss's, log_softmax's backward, two sums.
+    logits = torch.randn(2, 5, 64, requires_grad=True)
+    labels = torch.randint(0, 64, (2, 5))
+    cross_entropy, z_sum = sums(logits, labels)
+    with NewLogitSizedTensors(logits.numel()) as counter:
+        (cross_entropy + Z_LOSS_COEF * z_sum).backward()
+    assert counter.count == allocated

@@ -1,6 +1,8 @@
 """The training loss: one definition for the trainer (and its held-out evaluation) and the memory
 estimator; and its value over the global batch, for the log."""
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,12 +26,34 @@ def cross_entropy_and_z_sums(logits: torch.Tensor, labels: torch.Tensor) -> tupl
     rank gathers the logits."""
     if isinstance(logits, DTensor):
         return cross_entropy_sum(logits, labels).full_tensor(), _z_sum(_split_log_sum_exp(logits), labels)
-    logits = logits.float()
-    log_probs = F.log_softmax(logits, dim=-1)  # what F.cross_entropy computes first
-    cross_entropy = F.nll_loss(log_probs.flatten(0, 1), labels.flatten(), reduction="sum")
-    # Every entry of logits - log_probs is the token's logsumexp: taking the first keeps no
-    # [batch, seq, vocab] tensor for the backward beyond the one log_softmax keeps anyway.
-    return cross_entropy, _z_sum(logits[..., 0] - log_probs[..., 0], labels)
+    return _CrossEntropyAndZ.apply(logits.float(), labels)
+
+
+class _CrossEntropyAndZ(torch.autograd.Function):
+    """Both sums from one log_softmax, the values F.cross_entropy's and the logsumexp's bit for
+    bit; the backward makes the one [batch, seq, vocab] gradient both losses share, in place:
+    softmax x (g_ce + 2 g_z logsumexp), less g_ce at each target. (Through autograd, taking the
+    logsumexp from the log-probabilities fills a zero gradient of that size per term and adds
+    them: the loss's forward and backward took twice as long.)"""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_probs = F.log_softmax(logits, dim=-1)  # what F.cross_entropy computes first
+        cross_entropy = F.nll_loss(log_probs.flatten(0, 1), labels.flatten(), reduction="sum")
+        # Every entry of logits - log_probs is the token's logsumexp.
+        log_sum_exp = logits[..., 0] - log_probs[..., 0]
+        ctx.save_for_backward(log_probs, log_sum_exp, labels)  # what F.cross_entropy keeps, and [batch, seq]
+        return cross_entropy, _z_sum(log_sum_exp, labels)
+
+    @staticmethod
+    def backward(ctx, grad_cross_entropy: torch.Tensor, grad_z: torch.Tensor) -> tuple[torch.Tensor, None]:
+        log_probs, log_sum_exp, labels = ctx.saved_tensors
+        kept = (labels != IGNORED_LABEL).to(log_probs.dtype)
+        # d(logsumexp)/d(logits) is the softmax; d(-log_probs[target]) adds -1 at the target.
+        per_token = (grad_cross_entropy + 2 * grad_z * log_sum_exp) * kept
+        grad = log_probs.exp().mul_(per_token.unsqueeze(-1))
+        targets = labels.where(labels != IGNORED_LABEL, 0).unsqueeze(-1)
+        return grad.scatter_add_(-1, targets, (-grad_cross_entropy * kept).unsqueeze(-1)), None
 
 
 def _z_sum(log_sum_exp: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -54,7 +78,8 @@ class TrainingLoss:
     """What the trainer backpropagates for a micro-batch: its summed cross-entropy, plus
     ``z_loss_coef`` x its summed z-loss, divided by the group's target tokens (so that the
     micro-batches' and ranks' shares add up to the global mean). The z-loss terms of the step
-    add up on the device for the log (take_z_share)."""
+    add up on the device for the log (take_z_share), each kept with the loss it went into, so
+    that a pipeline can leave out the losses its schedule did not count (count_only)."""
 
     def __init__(self, z_loss_coef: float, group_tokens: int, compiled: bool, device: torch.device):
         self.cross_entropy_sum = training_loss(compiled)
@@ -62,7 +87,8 @@ class TrainingLoss:
         self.device = device
         # Compiled only without loss parallel: the split logsumexp's collectives stay eager.
         self.both_sums = torch.compile(cross_entropy_and_z_sums) if compiled else cross_entropy_and_z_sums
-        self.z_share = torch.zeros((), device=device)
+        self.z_shares: list[tuple[weakref.ref, torch.Tensor]] = []  # (the loss returned, its z term)
+        self.counted: list[torch.Tensor] = []  # the z terms count_only kept, this step's so far
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.z_loss_coef == 0:
@@ -70,13 +96,26 @@ class TrainingLoss:
         both_sums = cross_entropy_and_z_sums if isinstance(logits, DTensor) else self.both_sums
         cross_entropy, z_sum = both_sums(logits, labels)
         z_share = self.z_loss_coef * z_sum / self.group_tokens
-        self.z_share += z_share.detach()
-        return cross_entropy / self.group_tokens + z_share
+        loss = cross_entropy / self.group_tokens + z_share
+        self.z_shares.append((weakref.ref(loss), z_share.detach()))
+        return loss
+
+    def count_only(self, losses: list[torch.Tensor]) -> None:
+        """Keep the z terms of the losses since the last call that are in ``losses``, forget the others:
+        torch's pipeline schedule also runs the loss on its first step (and after evaluation)
+        to infer the stages' gradient shapes, on outputs of uninitialised inputs. (A weak
+        reference: that loss and its graph are freed as the schedule drops them.)"""
+        counted = {id(loss) for loss in losses}
+        self.counted += [z for ref, z in self.z_shares if id(ref()) in counted]
+        self.z_shares = []
 
     def take_z_share(self) -> torch.Tensor:
         """This rank's share of the z-loss term of the step since the last call (0 without
         a z-loss, or on a pipeline stage without the loss), and start the next step's."""
-        share, self.z_share = self.z_share, torch.zeros((), device=self.device)
+        share = torch.zeros((), device=self.device)
+        for z_share in self.counted + [z for _, z in self.z_shares]:  # in call order, as the losses add up
+            share += z_share
+        self.z_shares, self.counted = [], []
         return share
 
 

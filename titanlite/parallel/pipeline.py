@@ -333,6 +333,9 @@ class Pipeline:
         args = (inputs,) if self.has_first else ()
         target = labels if self.has_last else None
         self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **self._stage_kwargs(inputs))
+        count_only = getattr(self.loss_fn, "count_only", None)  # the training loss's own bookkeeping
+        if count_only is not None:  # leave out the schedule's shape-inference calls
+            count_only(losses)
         return self._summed(losses)
 
     def _stage_kwargs(self, inputs: torch.Tensor) -> dict[str, torch.Tensor]:

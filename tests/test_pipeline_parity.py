@@ -52,6 +52,7 @@ from tests.test_parity import (
 )
 from titanlite.config import parse_args
 from titanlite.config.parallelism import PIPELINE_SCHEDULES
+from titanlite.metrics import tags
 from titanlite.train import Trainer
 
 # A schedule that deadlocks must fail the launch, not hang it: under gloo a pipeline's sends
@@ -85,11 +86,25 @@ def fsdp_units_with_parameters(part: nn.Module) -> int:
     return count
 
 
+def logged_z_losses(trainer: Trainer) -> list:
+    """The output z-loss of every logged step, as logged (None without one), once trained."""
+    z_losses, log_step = [], trainer.metrics.log_step
+
+    def logged(*args, **kwargs):
+        metrics = log_step(*args, **kwargs)
+        z_losses.append(metrics.get(tags.Z_LOSS))
+        return metrics
+
+    trainer.metrics.log_step = logged
+    return z_losses
+
+
 def train_pipeline(extra_args: list[str], record_matmul_dtypes: bool = False) -> dict:
     """Train with pipeline parallelism; what train_and_report returns, plus which schedule
-    class ran, the all-reduces over the replicas' group in each of its runs (with replicas)
-    and, when asked, the dtypes of every Linear's output in them."""
+    class ran, the all-reduces over the replicas' group in each of its runs (with replicas),
+    the logged z-loss and, when asked, the dtypes of every Linear's output in them."""
     trainer = Trainer(parse_args(BASE_ARGS + NO_HANG + ["--parallelism.pipeline_parallel_degree=2"] + extra_args))
+    z_losses = logged_z_losses(trainer)
     schedule, dims = trainer.pipeline.schedule, trainer.plan.parallel_dims
     replicas = trainer.mesh["dp_replicate"].get_group() if dims.dp_replicate > 1 else None
     step_schedule, replica_all_reduces = schedule.step, []
@@ -115,6 +130,7 @@ def train_pipeline(extra_args: list[str], record_matmul_dtypes: bool = False) ->
     report = {
         "loss": [r.loss for r in records],
         "max_loss": max_losses,
+        "z_loss": z_losses,
         "grad_norm": [r.grad_norm for r in records],
         "params": full_weights(trainer.model),
         "schedule": type(schedule).__name__,
@@ -207,6 +223,29 @@ BF16_PIPELINE = {"bf16_zbv_m2_accum2": pp_args("ZBVZeroBubble", 4, 2, *BF16)}
 BF16_REFERENCE = Job(1, train_and_report, ([*REFERENCE.args[0], *BF16],))
 
 
+# The output z-loss (training.z_loss_coef), computed by the last stage's loss in the schedule,
+# with 2 accumulation steps of 2 micro-batches: against a single process with the z-loss, which
+# logs it from one micro-batch. 1e-2 (100 times the usual coefficient) so that it moves the weights.
+Z_LOSS = ["--training.z_loss_coef=1e-2"]
+Z_LOSS_PIPELINE = {"z_loss_pp2_1f1b_m2_accum2": pp_args("1F1B", 4, 2, *Z_LOSS)}
+
+
+def train_one_process_with_z_loss(extra_args: list[str]) -> dict:
+    """train_and_report's single process, with the z-loss as logged."""
+    trainer = Trainer(parse_args(BASE_ARGS + extra_args))
+    z_losses = logged_z_losses(trainer)
+    records = trainer.train()
+    return {
+        "loss": [r.loss for r in records],
+        "grad_norm": [r.grad_norm for r in records],
+        "params": full_weights(trainer.model),
+        "z_loss": z_losses,
+    }
+
+
+Z_LOSS_REFERENCE = Job(1, train_one_process_with_z_loss, ([*REFERENCE.args[0], *Z_LOSS],))
+
+
 def whole_weights(rank_runs: list[dict], ref: dict) -> dict:
     """The weights of a run, each rank's stages' together; checks that no rank holds them all
     (a rank holding the whole model would not be pipelining)."""
@@ -240,6 +279,19 @@ def test_block_causal_pipeline_matches_single_process(runs, layout):
 @pytest.mark.parametrize("layout", COMPILED)
 def test_compiled_pipeline_matches_single_process(runs, layout):
     assert_pipeline_trains_like_one_process(runs[layout], runs["reference"][0], rtol=1e-4)
+
+
+def test_the_z_loss_under_pipeline_parallelism_matches_one_process(runs):
+    ref, plain = runs["z-loss reference"][0], runs["reference"][0]
+    # The z-loss trains: the same first loss (the logged loss is the cross-entropy), other weights.
+    assert ref["loss"][0] == plain["loss"][0]
+    assert max((ref["params"][name] - value).abs().max() for name, value in plain["params"].items()) > 1e-3
+    assert all(z > 0 for z in ref["z_loss"]) and len(ref["z_loss"]) == STEPS
+    for name, rank_runs in ((name, runs[name]) for name in Z_LOSS_PIPELINE):
+        assert_pipeline_trains_like_one_process(rank_runs, ref)
+        for run in rank_runs:  # the first stage's rank too: the log's value is the global one
+            torch.testing.assert_close(torch.tensor(run["z_loss"]), torch.tensor(ref["z_loss"]), rtol=1e-5, atol=0)
+            assert run["max_loss"] == pytest.approx(run["loss"], rel=1e-6), name
 
 
 def test_replicas_all_reduce_once_per_optimizer_step(runs):
@@ -359,8 +411,9 @@ RUNS = {
     "moe reference": MOE_REFERENCE,
     "bf16 reference": BF16_REFERENCE,
     "block causal reference": BLOCK_CAUSAL_REFERENCE,
+    "z-loss reference": Z_LOSS_REFERENCE,
     **{name: Job(n, train_pipeline, (args,)) for name, (n, args) in BLOCK_CAUSAL_PIPELINES.items()},
-    **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED}.items()},
+    **{name: Job(2, train_pipeline, (args,)) for name, args in {**PIPELINES, **COMPILED, **Z_LOSS_PIPELINE}.items()},
     **{name: Job(2, train_pipeline, (args, True)) for name, args in BF16_PIPELINE.items()},
 }
 

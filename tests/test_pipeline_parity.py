@@ -8,7 +8,9 @@ micro-batches per step and with gradient accumulation, and PP 2 composed with FS
 zero-bubble schedules too), TP 2 (with and without sequence and loss parallel), DDP 2 and
 HSDP 2 x 2, and with compiled blocks; and Qwen3-MoE's tiny_moe at PP 2 x TP 2 against its own single process.
 PP 2 in bf16 without FSDP (the schedule under autocast) matches a bf16 single process to
-test_parity's bf16 tolerance. With DDP or HSDP and gradient accumulation, the
+test_parity's bf16 tolerance. PP 2 with the output z-loss (training.z_loss_coef) and
+gradient accumulation matches a single process with it, the logged z-loss too. With DDP or
+HSDP and gradient accumulation, the
 replicas all-reduce once per optimizer step (counted at the dispatcher).
 
 The tiny model's 3 blocks fill 4 stages as [embedding], [block 0], [block 1], [block 2,

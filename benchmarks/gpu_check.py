@@ -543,6 +543,31 @@ def flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
     }
 
 
+def cp_flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
+    """Context parallelism's attention on CUDA: rank 0 of CP 2 under the head-tail split (its
+    queries at chunks 0 and 3 of 4) attends the whole gathered sequence with FlexAttention under
+    attention.py's position_block_mask (built from each tile's positions, no [q, kv] mask),
+    against SDPA under the dense causal mask by position, float32, grouped-query heads."""
+    from titanlite.models.attention import attend, flex_attend, position_block_mask
+    from titanlite.parallel.context_parallel import sequence_positions
+
+    args, seq = LLAMA3_FLAVORS[sizes.flavor], sizes.flex_check_len
+    generator = torch.Generator().manual_seed(1)
+    q_positions = sequence_positions(seq, 2, 0, headtail=True).to(device)
+    kv_positions = torch.arange(seq, device=device)
+    q = torch.randn(1, args.n_heads, len(q_positions), args.head_dim, generator=generator).to(device)
+    k, v = (torch.randn(1, args.kv_heads, seq, args.head_dim, generator=generator).to(device) for _ in range(2))
+    flex = flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), None)
+    seen = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
+    difference = (flex - attend(q, k, v, mask=seen)).abs().max().item()
+    return {
+        "check": f"CP 2 rank 0 (head-tail): FlexAttention under the position block mask vs the SDPA mask, seq {seq}",
+        "result": f"max difference {difference:.2e}",
+        "target": f"<= {FLEX_FORWARD_TOLERANCE:.0e}",
+        "ok": difference <= FLEX_FORWARD_TOLERANCE,
+    }
+
+
 def document_run(sizes: Sizes, run: str, dump: str, device: torch.device) -> dict:
     """One of the two block_causal trainings (FlexAttention on CUDA, or the SDPA mask): every
     step's loss; the FlexAttention run checks the kernel's forward first."""
@@ -551,7 +576,7 @@ def document_run(sizes: Sizes, run: str, dump: str, device: torch.device) -> dic
     from titanlite.train import Trainer
 
     attention.FLEX_ON_CUDA = run == FLEX_RUN
-    rows = [flex_forward_row(sizes, device)] if run == FLEX_RUN else []
+    rows = [flex_forward_row(sizes, device), cp_flex_forward_row(sizes, device)] if run == FLEX_RUN else []
     Trainer(parse_args(trainer_argv(sizes, dump, run))).train()
     return {"rows": rows, "losses": [record[tags.LOSS] for record in _read_metrics(Path(dump))]}
 

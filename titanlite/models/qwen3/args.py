@@ -104,8 +104,9 @@ QWEN3_FLAVORS = {
 # Trained with the per-layer load-balancing loss at 0.1: the balancing that measured best among
 # those that keep Qwen3-MoE's architecture, and so its export (docs/performance.md, "MoE load
 # balancing"); transformers' pooled loss at Qwen3's published 0.001 left the routers collapsed.
-_MOE_BALANCING = {"moe_load_balance_coef": 0.1}
-_PUBLISHED_MOE = {**_PUBLISHED, "n_kv_heads": 4, "n_experts": 128, "top_k": 8, **_MOE_BALANCING}
+# A Qwen3-MoE read from a Hugging Face config.json trains with it too.
+MOE_BALANCING = {"moe_load_balance_coef": 0.1}
+_PUBLISHED_MOE = {**_PUBLISHED, "n_kv_heads": 4, "n_experts": 128, "top_k": 8, **MOE_BALANCING}
 _TINY_MOE = replace(_TINY, n_experts=4, top_k=2, moe_hidden_dim=32)
 
 QWEN3_FLAVORS.update(
@@ -118,7 +119,7 @@ QWEN3_FLAVORS.update(
             top_k=2,
             moe_hidden_dim=256,
             tie_word_embeddings=False,
-            **_MOE_BALANCING,
+            **MOE_BALANCING,
         ),
         # The test suite's MoE: tiny's attention, 4 experts of 32, 2 per token, untied.
         "tiny_moe": _TINY_MOE,

@@ -5,7 +5,7 @@ side; the state-dict adapter beside it renames and permutes the weights.
 """
 
 from titanlite.models.llama.hf_config import decoder_fields, key_reader, rope_settings
-from titanlite.models.qwen3.args import Qwen3Args
+from titanlite.models.qwen3.args import MOE_BALANCING, Qwen3Args
 
 MODEL_TYPE = "qwen3"
 MOE_MODEL_TYPE = "qwen3_moe"
@@ -85,6 +85,9 @@ def _moe_args(config: dict, where: str, need) -> dict:
         "moe_hidden_dim": need("moe_intermediate_size"),
         # Qwen3MoeConfig's default when the file leaves it out.
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
+        # The flavors' balancing, which config.json does not say (training-only), then the
+        # pooled loss it does say.
+        **MOE_BALANCING,
         "moe_aux_loss_coef": _trained_aux_loss_coef(config),
     }
 

@@ -88,7 +88,7 @@ class Model:
     moe_load_balance_coef: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
     """MoE models only: weight of the per-layer load-balancing loss (Megatron's: each layer's n_experts x sum of
     f_i x P_i, summed over the layers), logged as moe_metrics/load_balance_loss; 0 turns it off. Unset: the flavor's
-    value (0 for qwen3's MoE flavors)."""
+    value (0.1 for qwen3's MoE flavors but the tests' tiny_moe, 0 for deepseek_v3's)."""
 
     moe_seq_balance_coef: float | None = ranged(AT_LEAST_ZERO_OR_UNSET, default=None)
     """MoE models only: weight of DeepSeek-V3's sequence-wise balance loss (each sequence's own f_i x P_i, averaged

@@ -3,6 +3,7 @@ against one rank at S / c (the same tokens per rank) and one rank at S (the same
 
     python benchmarks/context_parallel.py                    # debug model, S = 2048, c = 2 (~1 min)
     python benchmarks/context_parallel.py --seq-len 4096 --cp 2 --steps 3
+    python benchmarks/context_parallel.py --dim 1024 --layers 4 --steps 4   # a wider model (~5 min)
 
 Every layout runs in c fresh processes of one core each (torch.multiprocessing, spawn, gloo):
 the c ranks of CP, or c one-rank runs side by side (each alone in its world; the worst is
@@ -106,11 +107,32 @@ class SavedBytes:
         return sum(self.storages.values())
 
 
+# --dim / --layers: a wider llama3 than the debug model, registered under this name in the
+# benchmark's process and in each rank it spawns (heads of 64, a quarter as many key/value heads).
+WIDE_FLAVOR = "context_parallel_benchmark"
+_width: tuple[int, int] | None = None
+
+
+def use_width(width: tuple[int, int] | None) -> None:
+    """Run the model ``width`` = (dim, layers) from now on in this process (None: the debug model)."""
+    global _width
+    _width = width
+    if width is not None:
+        from dataclasses import replace
+
+        from titanlite.models.llama.args import LLAMA3_FLAVORS
+
+        dim, layers = width
+        debug = LLAMA3_FLAVORS["debugmodel"]
+        LLAMA3_FLAVORS[WIDE_FLAVOR] = replace(debug, dim=dim, n_layers=layers, n_heads=dim // 64, n_kv_heads=dim // 256)
+
+
 def _argv(seq_len: int, cp: int, steps: int, dump: str) -> list[str]:
-    """The benchmark's run (and what the estimate is asked about): the debug model, one sequence,
-    float32, no activation checkpointing, CP over all the ranks."""
+    """The benchmark's run (and what the estimate is asked about): the debug model (or the
+    --dim / --layers one), one sequence, float32, no activation checkpointing, CP over all the ranks."""
     return [
         "--job.config_file=train_configs/debug_model.toml",
+        *([f"--model.flavor={WIDE_FLAVOR}"] if _width is not None else []),
         f"--job.dump_folder={dump}",
         f"--training.seq_len={seq_len}",
         "--training.local_batch_size=1",
@@ -122,9 +144,19 @@ def _argv(seq_len: int, cp: int, steps: int, dump: str) -> list[str]:
     ]
 
 
-def _rank(process: int, world_size: int, ports: list[int], seq_len: int, steps: int, dump: str, out_dir: str) -> None:
+def _rank(
+    process: int,
+    world_size: int,
+    ports: list[int],
+    seq_len: int,
+    steps: int,
+    dump: str,
+    out_dir: str,
+    width: tuple[int, int] | None,
+) -> None:
     """One rank of a CP run (``ports`` one port), or, given a port per process, a one-rank run
     of its own beside the others (world_size 1 each)."""
+    use_width(width)
     rank = 0 if len(ports) > 1 else process
     torchrun_environment(rank, world_size, ports[process if len(ports) > 1 else 0], LOG_RANK="")
     torch.set_num_threads(1)  # one core a process, and as many processes in every layout
@@ -167,7 +199,7 @@ def measure(seq_len: int, ranks: int, processes: int, steps: int, work: Path) ->
     out_dir = work / f"s{seq_len}-cp{ranks}"
     out_dir.mkdir(parents=True)
     ports = [free_port()] if ranks > 1 else [free_port() for _ in range(processes)]
-    args = (ranks, ports, seq_len, steps, str(out_dir), str(out_dir))
+    args = (ranks, ports, seq_len, steps, str(out_dir), str(out_dir), _width)
     mp.start_processes(_rank, args=args, nprocs=processes, start_method="spawn", join=True)
     figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
     worst = {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "cpu_s", "peak_bytes")}
@@ -212,7 +244,7 @@ def calibrated_rate(seq_len: int, step_s: float) -> float:
 
 
 def attention_kernel_seconds(seq_len: int, cp: int, repeats: int = 5) -> tuple[float, float]:
-    """Forward and backward of one attention layer of the debug model alone, in this process on one
+    """Forward and backward of one attention layer of the run's model alone, in this process on one
     thread (the fastest of ``repeats``): CP rank 0's kernel calls at ``seq_len`` (its own keys
     and the gathered ones given, no collective) and one rank's causal SDPA at seq_len / cp."""
     import torch.nn.functional as F
@@ -255,7 +287,12 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=2048, help="S, the sequence length under CP")
     parser.add_argument("--cp", type=int, default=2, help="c, the context-parallel degree")
     parser.add_argument("--steps", type=int, default=3, help="training steps per layout (the first is not timed)")
+    parser.add_argument("--dim", type=int, default=None, help="a wider llama3: its width (a multiple of 256)")
+    parser.add_argument("--layers", type=int, default=4, help="with --dim: its blocks")
     options = parser.parse_args()
+    if options.dim is not None and (options.dim < 256 or options.dim % 256):
+        raise SystemExit(f"context_parallel: --dim {options.dim} must be a positive multiple of 256")
+    use_width(None if options.dim is None else (options.dim, options.layers))
     if options.seq_len % (2 * options.cp):
         raise SystemExit(f"context_parallel: --seq-len {options.seq_len} must be a multiple of 2 x --cp {options.cp}")
     with tempfile.TemporaryDirectory() as folder:

@@ -29,7 +29,14 @@ from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.models import attention
-from titanlite.models.attention import Documents, attend, attend_documents, flex_attend, position_block_mask
+from titanlite.models.attention import (
+    Documents,
+    attend,
+    attend_documents,
+    document_mask,
+    flex_attend,
+    position_block_mask,
+)
 from titanlite.models.merged_attention import Call, merged_attention
 from titanlite.models.moe import moe_layers
 from titanlite.parallel.moe_tensor_parallel import split_tokens_over
@@ -42,8 +49,12 @@ def sequence_positions(seq_len: int, cp: int, cp_rank: int, headtail: bool) -> t
     if seq_len % chunks != 0:
         raise ValueError(f"a sequence of {seq_len} tokens does not cut into {chunks} equal chunks")
     size = seq_len // chunks
-    kept = (cp_rank, chunks - 1 - cp_rank) if headtail else (cp_rank,)
-    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in kept])
+    return torch.cat([torch.arange(chunk * size, (chunk + 1) * size) for chunk in kept_chunks(cp, cp_rank, headtail)])
+
+
+def kept_chunks(cp: int, cp_rank: int, headtail: bool) -> tuple[int, ...]:
+    """The chunks (of 2 cp under headtail, else of cp) cp rank ``cp_rank`` keeps, in order."""
+    return (cp_rank, 2 * cp - 1 - cp_rank) if headtail else (cp_rank,)
 
 
 class SequenceSplit:
@@ -53,6 +64,9 @@ class SequenceSplit:
 
     def __init__(self, cp: int, cp_rank: int, headtail: bool):
         self.cp, self.cp_rank, self.headtail = cp, cp_rank, headtail
+        # The last micro-batch's attention calls and what they were made for: every layer's
+        # kernel asks for the same ones (its documents' masks included).
+        self._calls: tuple[tuple[int, int], torch.Tensor | None, list[Call]] | None = None
 
     def columns(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``batch`` [rows, seq_len]: its chunks of every row, in position order."""
@@ -68,10 +82,6 @@ class SequenceSplit:
         ranks = [sequence_positions(seq_len, self.cp, rank, self.headtail) for rank in range(self.cp)]
         return torch.cat(ranks).to(device)
 
-    def kept_chunks(self, rank: int) -> tuple[int, ...]:
-        """The chunks (of 2 cp under headtail, else of cp) cp rank ``rank`` keeps, in order."""
-        return (rank, 2 * self.cp - 1 - rank) if self.headtail else (rank,)
-
     def attention_calls(self, batch: int, local_len: int, ids: torch.Tensor | None) -> list[Call]:
         """The kernel calls of this rank's causal attention (models/merged_attention.py): each of
         its query chunks against its own chunk causally, then against every earlier chunk whole
@@ -80,10 +90,21 @@ class SequenceSplit:
         chunks other ranks hold), the later chunks skipped. With documents (``ids`` [batch,
         seq_len]) each call is masked to query and key sharing a document, and a chunk that no
         document crosses is left out. The calls on this rank's own keys come first, so that the
-        all-gather has their time to arrive."""
-        kept = self.kept_chunks(self.cp_rank)
+        all-gather has their time to arrive. Made once per micro-batch, for all the layers (the
+        key holds ``ids`` itself, so its id cannot be another batch's)."""
+        held = self._calls
+        if held is None or held[0] != (batch, local_len) or held[1] is not ids:
+            held = self._calls = ((batch, local_len), ids, self._make_calls(batch, local_len, ids))
+        return held[2]
+
+    def _make_calls(self, batch: int, local_len: int, ids: torch.Tensor | None) -> list[Call]:
+        kept = kept_chunks(self.cp, self.cp_rank, self.headtail)
         size = local_len // len(kept)
-        owners = {chunk: (rank, piece) for rank in range(self.cp) for piece, chunk in enumerate(self.kept_chunks(rank))}
+        owners = {
+            chunk: (rank, piece)
+            for rank in range(self.cp)
+            for piece, chunk in enumerate(kept_chunks(self.cp, rank, self.headtail))
+        }
         calls = []
         for q_piece, q_chunk in enumerate(kept):
             rows = (q_piece * size, (q_piece + 1) * size)
@@ -167,15 +188,12 @@ class ContextParallelKernel(nn.Module):
 
 
 def _document_block(ids: torch.Tensor, q_chunk: int, kv_chunk: int, size: int, diagonal: bool) -> torch.Tensor:
-    """[batch, 1, size, size] booleans: query chunk ``q_chunk``'s tokens that share a document
-    with key chunk ``kv_chunk``'s (chunks of ``size`` consecutive positions of ``ids``' rows), and
-    on the diagonal only keys at or before the query."""
-    q_ids = ids[:, q_chunk * size : (q_chunk + 1) * size]
-    kv_ids = ids[:, kv_chunk * size : (kv_chunk + 1) * size]
-    mask = q_ids.unsqueeze(2) == kv_ids.unsqueeze(1)
-    if diagonal:
-        mask &= torch.ones(size, size, dtype=torch.bool, device=ids.device).tril()
-    return mask.unsqueeze(1)
+    """[batch, 1, size, size] booleans: document_mask of query chunk ``q_chunk`` against key
+    chunk ``kv_chunk`` (chunks of ``size`` consecutive positions of ``ids``' rows), causal on the
+    diagonal, whole below it."""
+    allowed = torch.ones(size, size, dtype=torch.bool, device=ids.device)
+    q_ids, kv_ids = (ids[:, chunk * size : (chunk + 1) * size] for chunk in (q_chunk, kv_chunk))
+    return document_mask(allowed.tril() if diagonal else allowed, q_ids, kv_ids).unsqueeze(1)
 
 
 def sequence_split(parallel_dims, mesh: DeviceMesh | None, load_balancer: str) -> SequenceSplit | None:

@@ -513,6 +513,19 @@ def test_moe_under_tensor_parallelism_matches_single_process(runs, layout):
 ROUTER_TAGS = [tags.MOE_MAX_LOAD, tags.MOE_LOAD_BALANCE_LOSS, tags.MOE_SEQ_BALANCE_LOSS, tags.MOE_Z_LOSS]
 
 
+def trains_like_its_reference(runs, family: str, layout: str) -> tuple[list[dict], list[dict]]:
+    """Assert that ``family``'s run in ``layout`` trains as its one-process reference (losses
+    and grad norms within 1e-5, weights within WEIGHTS_ATOL; pipeline runs stage by stage);
+    returns (its rank 0's logged metrics, the reference's)."""
+    reference, layout_runs = runs[f"{family} reference"][0], runs[f"{family} {layout}"]
+    if layout == "pp2":
+        assert_pipeline_trains_like_one_process(layout_runs, reference)
+    else:
+        for rank_run in layout_runs:
+            assert_same_training(rank_run, reference, rtol=1e-5)
+    return layout_runs[0]["metrics"], reference["metrics"]
+
+
 @pytest.mark.parametrize("layout", ROUTER_LAYOUTS)
 def test_router_options_and_balancing_losses_train_like_one_process(runs, layout):
     """Losses and grad norms within 1e-5 of one process, the weights within test_parity's
@@ -532,13 +545,7 @@ def test_router_options_and_balancing_losses_train_like_one_process(runs, layout
       wq) had a first gradient of 2.95e-9 (3.13e-9 under TP), at the rounding level of a tensor
       whose largest gradient is 1.7e-3, and Adam's per-element scaling turns it into a full
       step (WEIGHTS_ATOL)."""
-    reference = runs["router reference"][0]
-    if layout == "pp2":
-        assert_pipeline_trains_like_one_process(runs[f"router {layout}"], reference)
-    else:
-        for rank_run in runs[f"router {layout}"]:
-            assert_same_training(rank_run, reference, rtol=1e-5)
-    ours, theirs = runs[f"router {layout}"][0]["metrics"], reference["metrics"]
+    ours, theirs = trains_like_its_reference(runs, "router", layout)
     assert len(ours) == len(theirs) == STEPS and tags.MOE_AUX_LOSS not in theirs[0]
     for mine, expected in zip(ours, theirs, strict=True):
         assert expected[tags.MOE_WORST_LOAD] == 2.0  # 4 experts, top 2
@@ -567,13 +574,7 @@ def test_unnormalised_weights_and_the_pooled_loss_train_like_one_process(runs, l
     WEIGHTS_ATOL, the logged loads and pooled loss within 1e-5; under EP 2 each rank's
     forward of 4 sequences pools its own layers' counts and probabilities as one process's
     micro-batch of 4 does, the expert bias summing both ranks' counts."""
-    reference = runs["pooled reference"][0]
-    if layout == "pp2":
-        assert_pipeline_trains_like_one_process(runs[f"pooled {layout}"], reference)
-    else:
-        for rank_run in runs[f"pooled {layout}"]:
-            assert_same_training(rank_run, reference, rtol=1e-5)
-    ours, theirs = runs[f"pooled {layout}"][0]["metrics"], reference["metrics"]
+    ours, theirs = trains_like_its_reference(runs, "pooled", layout)
     assert len(ours) == len(theirs) == STEPS
     for mine, expected in zip(ours, theirs, strict=True):
         for tag in POOLED_TAGS:

@@ -39,20 +39,25 @@ step's (token, expert) pairs per expert (1: even; at most n_experts / top_k = 4 
 debugmodel_moe); the benchmark keeps the largest over the layers. Printed per setting: that
 load at step 1, its mean over the first and over the last `--window` steps, the first step
 from which it stays below --bound (or "never"), the last step's loss and its ratio to the
-none setting's; under it, the setting's curve (its mean load over each tenth of the steps)
-and, where the bias is on, the bias's spread over the experts (the largest of the layers) at
-the end of each tenth. --lr sets every setting's learning rate (default: the config's, 2e-3).
+none setting's, and "balanced": the last window's load under the per-expert correction,
+constant over the window, that balances the window's tokens taken together (a bias on each
+layer, as the expert bias is, softmax routers included): what a balancing that is exact on
+average still shows at each step, the steps' own content deciding the rest. Under it, the
+setting's curve (its mean load over each tenth of the steps) and, where the bias is on, the
+bias's spread over the experts (the largest of the layers) at the end of each tenth. --lr
+sets every setting's learning rate (default: the config's, 2e-3).
 The last line is
 
     max/mean expert load, mean of the last W steps: none A, aux@0.001 B, ...
 
 --goals trains, for each family, none and flavor (the shipped settings) and prints a Markdown
-table of them with the goals (the last window's load at or below 1.20 for deepseek_v3, 1.30
+table of them (with "balanced") and the goals (the last window's load at or below 1.20 for deepseek_v3, 1.30
 for qwen3; never above 2.0 after the first window; the loss, a mean over the last window,
 within 1% of none's); its exit status is 1 when a goal is missed.
 """
 
 import argparse
+import collections
 import itertools
 import statistics
 import sys
@@ -66,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.config.model import MOE_BALANCING_KEYS  # noqa: E402
+from titanlite.models.moe import count_tokens, moe_layers, route_logits  # noqa: E402
 from titanlite.plan import plan_run  # noqa: E402
 from titanlite.train import Trainer  # noqa: E402
 
@@ -146,21 +152,70 @@ def bias_spread(model: torch.nn.Module) -> float:
     return max((float(bias.max() - bias.min()) for bias in biases), default=0.0)
 
 
-def train_setting(options: list[str]) -> tuple[list[float], list[float], list[float]]:
+class WindowLogits:
+    """Each MoE layer's router logits of the last ``window`` optimizer steps of a run, kept for
+    window_balanced_load. A forward hook on each router gate adds a training forward's logits to the
+    step's; ``end_step`` (an optimizer step post-hook) closes the step."""
+
+    def __init__(self, model: torch.nn.Module, window: int):
+        self.layers = moe_layers(model)
+        self.steps = [collections.deque(maxlen=window) for _ in self.layers]
+        self.current = [[] for _ in self.layers]
+        for index, layer in enumerate(self.layers):
+            layer.gate.register_forward_hook(self._hook(index))
+
+    def _hook(self, index: int):
+        def keep(module, inputs, logits):
+            if module.training:
+                self.current[index].append(logits.detach().float().clone())
+
+        return keep
+
+    def end_step(self, *_) -> None:
+        for steps, current in zip(self.steps, self.current, strict=True):
+            steps.append(torch.cat(current))
+            current.clear()
+
+
+def step_load(logits: torch.Tensor, args, bias: torch.Tensor) -> torch.Tensor:
+    """One step's (token, expert) pairs per expert, routed with ``bias``, float32."""
+    return count_tokens(route_logits(logits, torch.float32, args, bias).experts, args.n_experts).float()
+
+
+def window_balanced_load(kept: WindowLogits, iterations: int = 300) -> float:
+    """The load of the window's steps under a per-expert correction that is constant over the
+    window and balances its tokens taken together: for each layer, the bias (added to the
+    scores for choosing, as the expert bias is; softmax routers included) found by
+    proportional steps on the window's summed counts. Returned: the mean over the window of
+    each step's largest layer load under those biases."""
+    per_layer = []
+    for layer, steps in zip(kept.layers, kept.steps, strict=True):
+        bias = torch.zeros(layer.args.n_experts)
+        for _ in range(iterations):
+            total = sum(step_load(logits, layer.args, bias) for logits in steps)
+            bias += 0.02 * (total.mean() - total) / total.mean()
+        loads = [step_load(logits, layer.args, bias) for logits in steps]
+        per_layer.append([float(load.max() / load.mean()) for load in loads])
+    return statistics.fmean(max(layer_loads) for layer_loads in zip(*per_layer, strict=True))
+
+
+def train_setting(options: list[str], window: int) -> tuple[list[float], list[float], list[float], float]:
     """(largest max / mean over the layers at each step, the bias spread after each step,
-    the loss of each step)."""
+    the loss of each step, the last ``window`` steps' window_balanced_load)."""
     with tempfile.TemporaryDirectory() as dump:
         trainer = Trainer(parse_args(options + ["--job.dump_folder", dump]))
         loads, spreads = [], []
+        kept = WindowLogits(trainer.model, window)
 
         def record(*_):
             loads.append(trainer.balancer.step_load.max())
             spreads.append(bias_spread(trainer.model))
+            kept.end_step()
 
         # Runs after the balancer's own hook (registered first): the step's loads are kept.
         trainer.optimizer.register_step_post_hook(record)
         records = trainer.train()
-    return torch.stack(loads).tolist(), spreads, [record.loss for record in records]
+    return torch.stack(loads).tolist(), spreads, [record.loss for record in records], window_balanced_load(kept)
 
 
 def first_step_staying_below(loads: list[float], bound: float) -> str:
@@ -235,12 +290,13 @@ class Outcome:
     worst_after_start: float  # the largest load after the first window
     below_from: str  # the step from which the load stays below --bound, or "never"
     loss: float  # mean loss over the last window
+    balanced: float  # the last window's window_balanced_load
     curve: list[float]
     spreads: list[float]
 
 
 def run_setting(options: list[str], window: int, bound: float) -> Outcome:
-    loads, spreads, losses = train_setting(options)
+    loads, spreads, losses, balanced = train_setting(options, window)
     return Outcome(
         first_load=loads[0],
         start=statistics.fmean(loads[:window]),
@@ -248,6 +304,7 @@ def run_setting(options: list[str], window: int, bound: float) -> Outcome:
         worst_after_start=max(loads[window:], default=loads[-1]),
         below_from=first_step_staying_below(loads, bound),
         loss=statistics.fmean(losses[-window:]),
+        balanced=balanced,
         curve=tenths(loads),
         spreads=spreads,
     )
@@ -257,7 +314,8 @@ def print_setting(name: str, outcome: Outcome, none: Outcome | None) -> None:
     ratio = f"{outcome.loss / none.loss:7.4f}" if none is not None else f"{'-':>7}"
     print(
         f"{name:17} {outcome.first_load:7.2f} {outcome.start:9.2f} {outcome.end:8.2f} "
-        f"{outcome.worst_after_start:9.2f} {outcome.below_from:>11} {outcome.loss:7.4f} {ratio}",
+        f"{outcome.worst_after_start:9.2f} {outcome.below_from:>11} {outcome.loss:7.4f} {ratio} "
+        f"{outcome.balanced:8.2f}",
         flush=True,
     )
     print(f"  curve, mean load per tenth of the steps: {' '.join(f'{value:.2f}' for value in outcome.curve)}")
@@ -287,15 +345,16 @@ def goals_table(args: argparse.Namespace) -> int:
             verdict = ("met" if met else "MISSED") if name == "shipped" else ""
             rows.append(
                 f"| {model} {flavor} | {name} | {outcome.first_load:.2f} | {outcome.start:.2f} | {outcome.end:.2f} | "
-                f"{outcome.worst_after_start:.2f} | {outcome.loss:.4f} | {outcome.loss / none.loss:.4f} | {goal} | "
+                f"{outcome.worst_after_start:.2f} | {outcome.balanced:.2f} | {outcome.loss:.4f} | "
+                f"{outcome.loss / none.loss:.4f} | {goal} | "
                 f"{verdict} | {' '.join(f'{value:.2f}' for value in outcome.curve)} |"
             )
     print(f"{args.steps} steps of {args.batch} x {args.seq_len} tokens; load: max / mean, the largest over the layers")
     print(
         f"| model | setting | step 1 | first {window} | last {window} | max after step {window} | "
-        f"loss (last {window}) | / none | goal | | curve (mean load per tenth) |"
+        f"balanced over the last {window} | loss (last {window}) | / none | goal | | curve (mean load per tenth) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 1 if missed else 0
 
@@ -322,7 +381,8 @@ def main() -> int:
     tokens = f"{args.steps} steps of {args.batch} x {args.seq_len} tokens"
     print(f"{args.model} {flavor}, {tokens}, {lr}, one process on {device}")
     first, last, below = f"first {window}", f"last {window}", f"< {args.bound:g} from"
-    print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {'max after':>9} {below:>11} {'loss':>7} {'/ none':>7}")
+    header = f"{'max after':>9} {below:>11} {'loss':>7} {'/ none':>7} {'balanced':>8}"
+    print(f"{'setting':17} {'step 1':>7} {first:>9} {last:>8} {header}")
     outcomes = {}
     for name in chosen:
         outcomes[name] = run_setting(options[name], window, args.bound)

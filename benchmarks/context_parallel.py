@@ -1,5 +1,6 @@
 """Context parallelism's activation memory and step time: each rank of CP c at sequence S
-against one rank at S / c (the same tokens per rank) and one rank at S (the same sequence).
+against one rank at S / c (the same tokens per rank), one rank at S (the same sequence) and
+FSDP over c ranks at S / c (the same tokens per rank and the same weight traffic over c ranks).
 
     python benchmarks/context_parallel.py                    # debug model, S = 2048, c = 2 (~1 min)
     python benchmarks/context_parallel.py --seq-len 4096 --cp 2 --steps 3
@@ -24,7 +25,9 @@ scales with the local tokens), plus the gathered keys and values; each rank's at
 is half its rectangle (the kernel computes what the causal mask keeps, head-tail chunks give
 every rank the same), which is c times one rank's at S / c (each token sees c times the keys
 on average); its step time is one rank's at S / c plus that extra attention, FSDP's
-collectives over the cp ranks and the all-gathers, and below one rank's at S.
+collectives over the cp ranks and the all-gathers, and below one rank's at S. FSDP c at S / c
+pays the same collectives for its weights, so CP c over it is what CP itself adds: the
+doubled attention and the key/value all-gathers.
 
 Beside each layout the estimator's figures for the same run (goal: within 10%): rank 0's
 simulated activations (against the saved bytes) and peak (against the real tensors' peak,
@@ -149,13 +152,15 @@ def _rank(
     world_size: int,
     ports: list[int],
     seq_len: int,
+    cp: int,
     steps: int,
     dump: str,
     out_dir: str,
     width: tuple[int, int] | None,
 ) -> None:
-    """One rank of a CP run (``ports`` one port), or, given a port per process, a one-rank run
-    of its own beside the others (world_size 1 each)."""
+    """One rank of a run over ``world_size`` ranks (``ports`` one port; CP over ``cp`` of
+    them, FSDP over the rest), or, given a port per process, a one-rank run of its own beside
+    the others (world_size 1 each)."""
     use_width(width)
     rank = 0 if len(ports) > 1 else process
     torchrun_environment(rank, world_size, ports[process if len(ports) > 1 else 0], LOG_RANK="")
@@ -166,7 +171,7 @@ def _rank(
     from titanlite.train import Trainer
 
     quiet_every_rank_lines()
-    argv = _argv(seq_len, world_size, steps, f"{dump}/{process}")
+    argv = _argv(seq_len, cp, steps, f"{dump}/{process}")
     trainer = Trainer(parse_args(argv))
     seconds, cpu_seconds, saved, work = [], [], SavedBytes(), AttentionWork()
     for step in range(steps):
@@ -191,15 +196,17 @@ def _rank(
     end_rank()
 
 
-def measure(seq_len: int, ranks: int, processes: int, steps: int, work: Path) -> dict:
-    """The worst rank's saved bytes and step time, for CP over ``ranks`` ranks at ``seq_len``;
-    one rank (``ranks`` 1) runs as ``processes`` separate one-rank runs at once, so that every
-    layout keeps as many cores busy (on a machine shared with other work, one process alone
-    would get more of it than each of the CP ranks)."""
-    out_dir = work / f"s{seq_len}-cp{ranks}"
+def measure(seq_len: int, ranks: int, processes: int, steps: int, work: Path, cp: int | None = None) -> dict:
+    """The worst rank's saved bytes and step time, for ``ranks`` ranks at ``seq_len``, CP over
+    ``cp`` of them (default: all) and FSDP over the rest; one rank (``ranks`` 1) runs as
+    ``processes`` separate one-rank runs at once, so that every layout keeps as many cores busy
+    (on a machine shared with other work, one process alone would get more of it than each of
+    the CP ranks)."""
+    cp = ranks if cp is None else cp
+    out_dir = work / f"s{seq_len}-r{ranks}-cp{cp}"
     out_dir.mkdir(parents=True)
     ports = [free_port()] if ranks > 1 else [free_port() for _ in range(processes)]
-    args = (ranks, ports, seq_len, steps, str(out_dir), str(out_dir), _width)
+    args = (ranks, ports, seq_len, cp, steps, str(out_dir), str(out_dir), _width)
     mp.start_processes(_rank, args=args, nprocs=processes, start_method="spawn", join=True)
     figures = [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(processes)]
     worst = {key: max(rank[key] for rank in figures) for key in ("saved_bytes", "step_s", "cpu_s", "peak_bytes")}
@@ -216,7 +223,7 @@ def attention_rectangle(seq_len: int, cp: int) -> int:
     return args.n_layers * args.n_heads * (seq_len // cp) * seq_len
 
 
-def estimate(seq_len: int, cp: int, flops_per_second: float) -> dict:
+def estimate(seq_len: int, cp: int, flops_per_second: float, world_size: int | None = None) -> dict:
     """The estimator's figures for the same run: rank 0's memory simulated (its activations and
     peak), and its step time at ``flops_per_second`` (this machine's rate, calibrated on one
     rank at S / c) with the keys' and values' all-gathers at the estimator's intra-node bandwidth."""
@@ -224,9 +231,10 @@ def estimate(seq_len: int, cp: int, flops_per_second: float) -> dict:
     from titanlite.estimate import estimate_for_job_config, estimate_memory, get_hardware
 
     config = parse_args(_argv(seq_len, cp, 1, "unused"))
-    memory = estimate_memory(config, world_size=cp, device_type="cpu")
+    world_size = cp if world_size is None else world_size
+    memory = estimate_memory(config, world_size=world_size, device_type="cpu")
     hardware = get_hardware("h100", peak_flops=flops_per_second)
-    timing = estimate_for_job_config(config, world_size=cp, hardware=hardware, efficiency=1.0)
+    timing = estimate_for_job_config(config, world_size=world_size, hardware=hardware, efficiency=1.0)
     return {"activations": memory.activations, "peak_bytes": memory.peak_bytes, "step_s": timing.step_s}
 
 
@@ -297,19 +305,18 @@ def main() -> None:
         raise SystemExit(f"context_parallel: --seq-len {options.seq_len} must be a multiple of 2 x --cp {options.cp}")
     with tempfile.TemporaryDirectory() as folder:
         work = Path(folder)
-        rows = {
-            f"1 rank at S/c = {options.seq_len // options.cp}": measure(
-                options.seq_len // options.cp, 1, options.cp, options.steps, work
-            ),
-            f"CP {options.cp} at S = {options.seq_len}": measure(
-                options.seq_len, options.cp, options.cp, options.steps, work
-            ),
-            f"1 rank at S = {options.seq_len}": measure(options.seq_len, 1, options.cp, options.steps, work),
+        c, seq_len, steps = options.cp, options.seq_len, options.steps
+        # name: (its sequence length, its ranks, CP over them)
+        layouts = {
+            f"1 rank at S/c = {seq_len // c}": (seq_len // c, 1, 1),
+            f"CP {c} at S = {seq_len}": (seq_len, c, c),
+            f"1 rank at S = {seq_len}": (seq_len, 1, 1),
+            f"FSDP {c} at S/c = {seq_len // c}": (seq_len // c, c, 1),
         }
-    short, cp, whole = rows.values()
+        rows = {name: measure(length, ranks, c, steps, work, cp) for name, (length, ranks, cp) in layouts.items()}
+    short, cp, whole, fsdp = rows.values()
     rate = calibrated_rate(options.seq_len // options.cp, short["step_s"])
-    sizes = ((options.seq_len // options.cp, 1), (options.seq_len, options.cp), (options.seq_len, 1))
-    estimates = [estimate(seq_len, ranks, rate) for seq_len, ranks in sizes]
+    estimates = [estimate(length, cp_degree, rate, ranks) for length, ranks, cp_degree in layouts.values()]
     print(f"(step time estimated at {rate / 1e9:.1f} GFLOP/s, calibrated on one rank at S/c)")
     print(
         "| layout | saved for backward, MiB | estimated activations, MiB | ratio | peak, MiB | estimated peak, MiB "
@@ -324,8 +331,8 @@ def main() -> None:
             f"| {est['peak_bytes'] / mib:,.1f} | {row['peak_bytes'] / est['peak_bytes']:.3f} | {row['step_s']:.3f} "
             f"| {est['step_s']:.3f} | {row['step_s'] / est['step_s']:.3f} |"
         )
-    for (name, row), (seq_len, ranks) in zip(rows.items(), sizes, strict=True):
-        shares = ", ".join(f"{pairs / attention_rectangle(seq_len, ranks):.3f}" for pairs in row["attention_pairs"])
+    for (name, row), (length, _, cp_degree) in zip(rows.items(), layouts.values(), strict=True):
+        shares = ", ".join(f"{pairs / attention_rectangle(length, cp_degree):.3f}" for pairs in row["attention_pairs"])
         print(f"attention work per rank / the [S/c, S] rectangle ({name}): {shares}")
     print(f"memory: CP {options.cp} at S / one rank at S/c = {cp['saved_bytes'] / short['saved_bytes']:.3f}")
     print(f"memory: CP {options.cp} at S / one rank at S = {cp['saved_bytes'] / whole['saved_bytes']:.3f}")
@@ -335,6 +342,12 @@ def main() -> None:
         f"CPU seconds a step (all the process's threads; what a rank computes, whatever share of the "
         f"machine it gets): CP {options.cp} at S / one rank at S/c = {cp['cpu_s'] / short['cpu_s']:.3f} "
         f"({cp['cpu_s']:.3f} / {short['cpu_s']:.3f})"
+    )
+    print(
+        f"CPU seconds a step, CP {options.cp} at S / FSDP {options.cp} at S/c (the same tokens per rank and the same "
+        f"weight traffic: what CP adds to any {options.cp}-rank layout) = {cp['cpu_s'] / fsdp['cpu_s']:.3f} "
+        f"({cp['cpu_s']:.3f} / {fsdp['cpu_s']:.3f}); FSDP {options.cp} at S/c / one rank at S/c = "
+        f"{fsdp['cpu_s'] / short['cpu_s']:.3f}"
     )
     kernel_cp, kernel_one = attention_kernel_seconds(options.seq_len, options.cp)
     print(

@@ -201,6 +201,8 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     assert all(1 <= float(value) <= 2 for row in rows.values() for value in row[1:5]), lines
     assert rows["none"][7] == "1.0000" and all(0.9 < float(row[7]) < 1.1 for row in rows.values()), lines
     assert lines[-2].startswith("max/mean expert load, mean of the last 2 steps: none "), lines
+    # The last window under the correction that balances it: a load like the others.
+    assert all(1 <= float(row[8]) <= 2 for row in rows.values()), lines
     # The bias setting's spread after each step: the bias moves each expert by its rate
     # (1e-3) a step, so after k steps two experts are at most 2k x 1e-3 apart (printed to 3
     # decimals), and by the end some are apart.
@@ -212,10 +214,36 @@ def test_moe_balance_quick_prints_each_setting_and_the_loads():
     assert lines[-1] == "settings planned without training: 9 of 13", lines
 
 
+def test_window_balanced_load_removes_what_the_steps_share_and_keeps_what_each_step_has_alone():
+    """4 experts, top 2, softmax. Every step favouring experts 0 and 1 alike is undone by a
+    constant correction (load near 1); steps that favour 0 and 1, then 2 and 3, in turn are
+    balanced taken together with no correction, and each step keeps its load (near 2)."""
+    from titanlite.models.moe import MoEArgs
+
+    benchmark = load_script(BENCHMARKS / "moe_balance.py")
+    args = MoEArgs(dim=8, hidden_dim=8, n_experts=4, top_k=2, score_func="softmax")
+    layer = torch.nn.Module()
+    layer.args = args
+    noise = torch.randn(6, 256, 4, generator=torch.Generator().manual_seed(0))
+    favour_01 = torch.tensor([3.0, 3.0, 0.0, 0.0])
+
+    def window_of(*steps: torch.Tensor):
+        kept = benchmark.WindowLogits(torch.nn.Module(), window=len(steps))
+        kept.layers, kept.steps = [layer], [list(steps)]
+        return kept
+
+    shared = window_of(*(noise[step] + favour_01 for step in range(6)))
+    assert benchmark.window_balanced_load(shared) < 1.2
+    assert float(benchmark.step_load(shared.steps[0][0], args, torch.zeros(4)).max() / 128) > 1.8
+    alternating = window_of(*(noise[step] + favour_01.roll(2 * (step % 2)) for step in range(6)))
+    assert benchmark.window_balanced_load(alternating) > 1.8
+
+
 def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios():
     lines = _run("context_parallel.py", "--seq-len", "64", "--steps", "2")
     rows = [line.split("|")[1:-1] for line in lines if line.startswith("| ") and "MiB" not in line]
-    assert [row[0].strip() for row in rows] == ["1 rank at S/c = 32", "CP 2 at S = 64", "1 rank at S = 64"], lines
+    layouts = ["1 rank at S/c = 32", "CP 2 at S = 64", "1 rank at S = 64", "FSDP 2 at S/c = 32"]
+    assert [row[0].strip() for row in rows] == layouts, lines
     # Every figure and ratio is a positive number (each layout ran, and the estimator answered).
     assert all(float(cell.replace(",", "")) > 0 for row in rows for cell in row[1:]), lines
     ratios = [line for line in lines if line.startswith(("memory: CP 2 at S /", "step time: CP 2 at S /"))]
@@ -223,6 +251,8 @@ def test_context_parallel_prints_each_layout_against_its_estimate_and_the_ratios
     # Each CP rank's attention work, counted at the dispatcher, is half its [S/2, S] rectangle.
     shares = next(line for line in lines if line.startswith("attention work per rank") and "(CP 2" in line)
     assert shares.rsplit(":", 1)[1].split(",") == [" 0.500", " 0.500"], lines
+    against_fsdp = next(line for line in lines if line.startswith("CPU seconds a step, CP 2 at S / FSDP 2 at S/c"))
+    assert float(against_fsdp.split(" = ")[1].split()[0]) > 0, lines
 
 
 class _ForkedTrainer:

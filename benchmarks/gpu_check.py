@@ -529,7 +529,7 @@ def flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
     positions = torch.arange(seq, device=device)
     ids = torch.stack([positions * 5 // seq, (positions >= 3 * seq // 4).long()])
     seen = document_mask(positions.unsqueeze(0) <= positions.unsqueeze(1), ids, ids)
-    block_mask = document_block_mask(seen, positions, positions, ids, ids)
+    block_mask = document_block_mask(positions, positions, ids, ids)
     flex = flex_attend(q, k, v, block_mask, None)
     difference = (flex - attend(q, k, v, mask=seen.unsqueeze(1))).abs().max().item()
     torchs = create_block_mask(block_mask.mask_mod, 2, None, seq, seq, device=device)

@@ -7,13 +7,21 @@ work they do, counted at the dispatcher (benchmarks/context_parallel.py's Attent
 most 0.55 of the [seq / cp, seq] rectangle, the same on every rank under headtail."""
 
 import importlib.util
+import itertools
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 
-from titanlite.models.attention import document_block_mask, flex_attend, position_block_mask
+from titanlite.models.attention import (
+    attend_documents,
+    document_block_mask,
+    document_mask_mod,
+    flex_attend,
+    position_block_mask,
+)
 from titanlite.models.merged_attention import merged_attention
 from titanlite.parallel.context_parallel import SequenceSplit
 
@@ -122,27 +130,69 @@ def test_each_rank_computes_half_the_rectangle_counted_at_the_dispatcher(cp, mon
     assert counted.pairs == rectangle
 
 
+BLOCK_LISTS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+
+
+def _tiles(block_mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """[batch, q tiles, kv tiles] booleans: the tiles a block mask keeps, and those it keeps full."""
+
+    def dense(counts: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        tiles = torch.zeros(indices.shape, dtype=torch.bool)
+        for index in itertools.product(*map(range, counts.shape)):
+            tiles[index][indices[index][: counts[index]].long()] = True
+        return tiles[:, 0]
+
+    full = dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    return dense(block_mask.kv_num_blocks, block_mask.kv_indices) | full, full
+
+
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("chunk", [80, 128])
-def test_the_cuda_block_mask_from_positions_is_the_dense_masks(cp, chunk):
-    """CUDA's FlexAttention under CP: the block mask built tile by tile from positions equals the
-    one read off the dense [local, seq] causal mask (tests/test_flex_attention.py holds that one
-    to create_block_mask's), with head-tail chunks straddling the 128-token tiles (80) or
-    filling them (128: then the tiles above the diagonal are skipped and those below are full)."""
+def test_the_cuda_block_masks_built_tile_by_tile_are_create_block_masks(cp, chunk):
+    """CUDA's FlexAttention under CP: the block masks built tile by tile from positions (causal)
+    and from positions and documents (block_causal) against torch's create_block_mask of the
+    same mask functions, with head-tail chunks filling the 128-token tiles (128: equal) or
+    straddling them (80: a tile's positions then jump at a chunk boundary, and a tile whose
+    document ranges meet but whose documents do not may be kept partial, never the reverse:
+    no kept pair is dropped, no tile is called full that is not)."""
     seq_len = 2 * cp * chunk
+    # Row 0: documents of 50 tokens; row 1: one document, then one from two thirds on.
+    positions = torch.arange(seq_len)
+    ids = torch.stack([positions // 50, (positions >= 2 * seq_len // 3).long()])
     for rank in range(cp):
         split = SequenceSplit(cp, rank, True)
         q_positions, kv_positions = split.local_positions(seq_len // cp), split.gathered_positions(seq_len // cp)
-        seen = (kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)).unsqueeze(0)
-        no_documents = torch.zeros(1, seq_len // cp), torch.zeros(1, seq_len)
-        dense = document_block_mask(seen, q_positions, kv_positions, *no_documents)
-        ours = position_block_mask(q_positions, kv_positions)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
-            assert torch.equal(getattr(ours, name), getattr(dense, name)), name
-        assert ours.seq_lengths == dense.seq_lengths
+        causal_mod = position_block_mask(q_positions, kv_positions).mask_mod
+        pairs = (
+            (
+                position_block_mask(q_positions, kv_positions),
+                create_block_mask(causal_mod, None, None, seq_len // cp, seq_len, device="cpu"),
+            ),
+            (
+                document_block_mask(q_positions, kv_positions, ids[:, q_positions], ids[:, kv_positions]),
+                create_block_mask(
+                    document_mask_mod(q_positions, kv_positions, ids[:, q_positions], ids[:, kv_positions]),
+                    2,
+                    None,
+                    seq_len // cp,
+                    seq_len,
+                    device="cpu",
+                ),
+            ),
+        )
+        for ours, torchs in pairs:
+            assert ours.seq_lengths == (seq_len // cp, seq_len)
+            if chunk == 128:
+                for name in BLOCK_LISTS:
+                    assert torch.equal(getattr(ours, name), getattr(torchs, name)), name
+            else:
+                (kept, full), (true_kept, true_full) = _tiles(ours), _tiles(torchs)
+                assert torch.equal(kept & true_kept, true_kept.expand_as(kept)) and torch.equal(full, full & true_full)
+                assert torch.equal(full, true_full.expand_as(full))
         if chunk == 128:  # 2 query tiles x 2 cp key tiles: 2 cp + 1 seen (the half), 2 cp - 1 of them full
-            assert (ours.kv_num_blocks.sum() + ours.full_kv_num_blocks.sum()).item() == 2 * cp + 1
-            assert ours.full_kv_num_blocks.sum().item() == 2 * cp - 1
+            causal_mask = pairs[0][0]
+            assert (causal_mask.kv_num_blocks.sum() + causal_mask.full_kv_num_blocks.sum()).item() == 2 * cp + 1
+            assert causal_mask.full_kv_num_blocks.sum().item() == 2 * cp - 1
 
 
 def test_under_fake_tensors_no_block_is_skipped_and_nothing_is_read():
@@ -174,3 +224,26 @@ def test_compiled_flex_attention_forward_under_the_position_block_mask_equals_th
     mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+
+
+def test_compiled_flex_attention_forward_under_the_document_block_mask_equals_the_sdpa_mask():
+    """block_causal's CUDA CP kernel on the CPU (forward only): CP 2 rank 1's queries over the
+    gathered keys, 160-token chunks, documents of 70 tokens in row 0 and one boundary in row 1,
+    the block mask built tile by tile from positions and documents (no [local, seq] mask),
+    against the SDPA document mask the CPU path builds."""
+    cp, seq_len = 2, 640
+    split = SequenceSplit(cp, 1, True)
+    q_positions, kv_positions = split.local_positions(seq_len // cp), split.gathered_positions(seq_len // cp)
+    positions = torch.arange(seq_len)
+    ids = torch.stack([positions // 70, (positions >= 300).long()])
+    q_documents, kv_documents = ids[:, q_positions], ids[:, kv_positions]
+    q, k, v = _inputs(seq_len)
+    q, k, v = q.detach()[:, :, q_positions], k.detach()[:, :, kv_positions], v.detach()[:, :, kv_positions]
+    block_mask = document_block_mask(q_positions, kv_positions, q_documents, kv_documents)
+    flex = flex_attend(q, k, v, block_mask, scale=0.3)
+    sdpa = attend_documents(q, k, v, 0.3, q_positions, kv_positions, q_documents, kv_documents)
+    torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+    # Some tiles are skipped for their documents alone (causality would keep them).
+    causal_kept, _ = _tiles(position_block_mask(q_positions, kv_positions))
+    document_kept, _ = _tiles(block_mask)
+    assert (causal_kept & ~document_kept).any()

@@ -14,7 +14,6 @@ from tests.helpers import TINY
 from titanlite.models.attention import (
     attend_documents,
     document_block_mask,
-    document_mask,
     document_mask_mod,
     flex_attend,
 )
@@ -44,13 +43,9 @@ def tiny_heads(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return q, k, v
 
 
-def causal(positions: torch.Tensor) -> torch.Tensor:
-    return positions.unsqueeze(0) <= positions.unsqueeze(1)
-
-
 def test_the_block_mask_is_create_block_masks_with_every_kind_of_tile():
     positions, ids = torch.arange(SEQ), documents()
-    ours = document_block_mask(document_mask(causal(positions), ids, ids), positions, positions, ids, ids)
+    ours = document_block_mask(positions, positions, ids, ids)
     mask_mod = document_mask_mod(positions, positions, ids, ids)
     torchs = create_block_mask(mask_mod, len(ENDS), None, SEQ, SEQ, device="cpu")
     for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices"):
@@ -65,16 +60,13 @@ def test_compiled_flex_attention_forward_equals_the_sdpa_mask():
     # The shapes and scale of benchmarks/gpu_check.py's dry-run row: one compiled kernel for both.
     q, k, v = tiny_heads()
     positions, ids = torch.arange(SEQ), documents()
-    allowed = causal(positions)
-    block_mask = document_block_mask(document_mask(allowed, ids, ids), positions, positions, ids, ids)
+    block_mask = document_block_mask(positions, positions, ids, ids)
     flex = flex_attend(q, k, v, block_mask, scale=None)
-    sdpa = attend_documents(q, k, v, allowed, None, positions, positions, ids, ids)  # the CPU's SDPA mask
+    sdpa = attend_documents(q, k, v, None, positions, positions, ids, ids)  # the CPU's SDPA mask
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
     # The test can fail: with the documents ignored the outputs differ.
     whole = torch.zeros_like(ids)
-    plain = flex_attend(
-        q, k, v, document_block_mask(allowed.expand(2, -1, -1), positions, positions, whole, whole), None
-    )
+    plain = flex_attend(q, k, v, document_block_mask(positions, positions, whole, whole), None)
     assert (plain - sdpa).abs().max() > 1e-2
 
 
@@ -91,8 +83,7 @@ def test_per_op_checkpointing_keeps_flex_attentions_output_in_a_compiled_block()
         return decisions[-1][1]
 
     def block(weight, ids):
-        seen = document_mask(causal(positions), ids, ids)
-        block_mask = document_block_mask(seen, positions, positions, ids, ids)
+        block_mask = document_block_mask(positions, positions, ids, ids)
         return flex_attend(q, k, v, block_mask, None) * weight
 
     def checkpointed(weight, ids):

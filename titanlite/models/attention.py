@@ -15,7 +15,8 @@ kernels through one shared ``Documents``. Which kernel runs it: on CPU, SDPA wit
 [batch, 1, q, kv] mask (FlexAttention's backward refuses CPU in torch 2.13), which costs a
 mask of q x kv booleans per sequence and SDPA's math path (the [q, kv] scores of every head);
 on CUDA, FlexAttention with a block mask, which skips the blocks no token of a pair of
-documents reads (a mask of (q / 128) x (kv / 128) blocks). Its mask function and block mask
+documents reads (a mask of (q / 128) x (kv / 128) blocks, built from each block's positions
+and documents: no q x kv mask is made). Its mask function and block mask
 (``document_mask_mod``, ``document_block_mask``) are plain functions: tests/test_flex_attention.py
 runs the CUDA path's forward, compiled, on the CPU against the SDPA mask, and
 benchmarks/gpu_check.py trains with it on a GPU against the SDPA mask.
@@ -79,21 +80,26 @@ def attend_documents(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    allowed: torch.Tensor,
     scale: float | None,
     q_positions: torch.Tensor,
     kv_positions: torch.Tensor,
     q_documents: torch.Tensor,
     kv_documents: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention where query i sees key j when ``allowed`` [q, kv] (causality by position: key j
-    at ``kv_positions`` [kv] at or before query i at ``q_positions`` [q]) and both are in the
-    same document (``q_documents`` [batch, q], ``kv_documents`` [batch, kv])."""
-    seen = document_mask(allowed, q_documents, kv_documents)
+    """Attention where query i sees key j when key j (at ``kv_positions`` [kv]) is at or before
+    query i (at ``q_positions`` [q]) and both are in the same document (``q_documents`` [batch,
+    q], ``kv_documents`` [batch, kv]). On CUDA no [q, kv] mask is made: the block mask is built
+    tile by tile (document_block_mask)."""
     if q.device.type == "cuda" and FLEX_ON_CUDA:
-        block_mask = document_block_mask(seen, q_positions, kv_positions, q_documents, kv_documents)  # cuda-only
+        block_mask = document_block_mask(q_positions, kv_positions, q_documents, kv_documents)  # cuda-only
         return flex_attend(q, k, v, block_mask, scale)  # cuda-only
+    seen = document_mask(causal_by_position(q_positions, kv_positions), q_documents, kv_documents)
     return attend(q, k, v, mask=seen.unsqueeze(1), scale=scale)
+
+
+def causal_by_position(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
+    """[q, kv] booleans: the key at or before the query, by their positions."""
+    return kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
 
 
 def document_mask(allowed: torch.Tensor, q_documents: torch.Tensor, kv_documents: torch.Tensor) -> torch.Tensor:
@@ -112,38 +118,40 @@ def document_mask_mod(q_positions, kv_positions, q_documents, kv_documents):
     return same_document_at_or_before
 
 
-def document_block_mask(seen, q_positions, kv_positions, q_documents, kv_documents) -> BlockMask:
-    """FlexAttention's block mask of ``seen`` (document_mask's [batch, q, kv]): each FLEX_BLOCK x
-    FLEX_BLOCK tile of a row skipped (no pair seen), full (every pair seen: the kernel does not
-    call the mask function there) or partial (document_mask_mod decides). Built from the dense
-    mask with plain tensor ops rather than create_block_mask, whose vmap of the mask function
-    runs under a torch-function mode that torch 2.13's compiler refuses inside an activation-
-    checkpointed block ("Mutating a variable from outside the scope of this HOP"); the tests
-    check it equals create_block_mask's. Tiles past the end hold no pair, as torch pads them."""
-    q_len, kv_len = seen.shape[1:]
-    padded = F.pad(seen, (0, -kv_len % FLEX_BLOCK, 0, -q_len % FLEX_BLOCK))
-    tiles = padded.unflatten(2, (-1, FLEX_BLOCK)).unflatten(1, (-1, FLEX_BLOCK)).sum((2, 4), dtype=torch.int32)
-    full = tiles == FLEX_BLOCK * FLEX_BLOCK
-    partial = (tiles > 0) & ~full
+def document_block_mask(q_positions, kv_positions, q_documents, kv_documents) -> BlockMask:
+    """FlexAttention's block mask of document masking (document_mask's rule), built from each
+    FLEX_BLOCK x FLEX_BLOCK tile's least and greatest position and document rather than a
+    [batch, q, kv] mask (at 131,072 tokens a rank's would be gigabytes): a tile is skipped when
+    causality skips it (position_block_mask) or its query and key tiles' document ranges do not
+    meet; full when causality fills it and all its queries and keys are in one document;
+    partial otherwise (document_mask_mod decides). Where a tile's positions are consecutive (no
+    context-parallel chunk boundary inside it) its documents are consecutive too, and the
+    classification is exact: the tests hold it equal to create_block_mask's. Otherwise a tile
+    whose ranges meet but whose documents do not is kept partial: the mask function masks it
+    whole. Built with plain tensor ops rather than create_block_mask, whose vmap of the mask
+    function runs under a torch-function mode that torch 2.13's compiler refuses inside an
+    activation-checkpointed block ("Mutating a variable from outside the scope of this HOP")."""
+    seen, full = _causal_tiles(q_positions, kv_positions)
+    q_first, q_last, _ = _tile_spans(q_documents)  # [batch, q tiles]
+    kv_first, kv_last, _ = _tile_spans(kv_documents)  # [batch, kv tiles]
+    ranges_meet = (kv_first.unsqueeze(1) <= q_last.unsqueeze(2)) & (q_first.unsqueeze(2) <= kv_last.unsqueeze(1))
+    one_document = (q_first == q_last).unsqueeze(2) & (kv_first == kv_last).unsqueeze(1)
+    one_document &= q_first.unsqueeze(2) == kv_first.unsqueeze(1)
+    seen, full = seen & ranges_meet, full & one_document
     return BlockMask.from_kv_blocks(
-        *_tile_lists(partial),
+        *_tile_lists(seen & ~full),
         *_tile_lists(full),
         BLOCK_SIZE=FLEX_BLOCK,
         mask_mod=document_mask_mod(q_positions, kv_positions, q_documents, kv_documents),
-        seq_lengths=(q_len, kv_len),
+        seq_lengths=(len(q_positions), len(kv_positions)),
     )
 
 
 def position_block_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> BlockMask:
     """FlexAttention's block mask of causality by position (the key at ``kv_positions`` at or
-    before the query at ``q_positions``, both [len], in any order), built from each tile's least
-    and greatest position rather than a [q, kv] mask (at 131,072 tokens a rank's would be
-    gigabytes): a tile is skipped when its first key comes after its last query, full when its
-    last key is at or before its first query (and neither side is padding), partial otherwise."""
-    q_first, q_last, q_whole = _tile_spans(q_positions)
-    kv_first, kv_last, kv_whole = _tile_spans(kv_positions)
-    seen = kv_first.unsqueeze(0) <= q_last.unsqueeze(1)
-    full = (kv_last.unsqueeze(0) <= q_first.unsqueeze(1)) & q_whole.unsqueeze(1) & kv_whole.unsqueeze(0)
+    before the query at ``q_positions``, both [len], in any order), built tile by tile
+    (_causal_tiles) rather than from a [q, kv] mask."""
+    seen, full = _causal_tiles(q_positions, kv_positions)
     return BlockMask.from_kv_blocks(
         *_tile_lists((seen & ~full).unsqueeze(0)),
         *_tile_lists(full.unsqueeze(0)),
@@ -153,14 +161,28 @@ def position_block_mask(q_positions: torch.Tensor, kv_positions: torch.Tensor) -
     )
 
 
-def _tile_spans(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each FLEX_BLOCK tile's least and greatest position, and whether it holds no padding."""
-    padding = -len(positions) % FLEX_BLOCK
-    first = F.pad(positions, (0, padding), value=torch.iinfo(positions.dtype).max).unflatten(0, (-1, FLEX_BLOCK))
-    last = F.pad(positions, (0, padding), value=-1).unflatten(0, (-1, FLEX_BLOCK))
-    whole = torch.ones(first.shape[0], dtype=torch.bool, device=positions.device)
+def _causal_tiles(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[q tiles, kv tiles] booleans from each tile's least and greatest position: whether causality
+    keeps any pair of the tile (its first key at or before its last query), and whether it keeps
+    every pair (its last key at or before its first query, neither side padding)."""
+    q_first, q_last, q_whole = _tile_spans(q_positions)
+    kv_first, kv_last, kv_whole = _tile_spans(kv_positions)
+    seen = kv_first.unsqueeze(0) <= q_last.unsqueeze(1)
+    full = (kv_last.unsqueeze(0) <= q_first.unsqueeze(1)) & q_whole.unsqueeze(1) & kv_whole.unsqueeze(0)
+    return seen, full
+
+
+def _tile_spans(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each FLEX_BLOCK tile's least and greatest value along the last dimension of ``values``
+    (integers: positions or document ids), and whether the tile holds no padding [tiles]."""
+    padding = -values.shape[-1] % FLEX_BLOCK
+    # The last tile is padded with copies of its last value, which leave its least and greatest
+    # alone (F.pad's float fill value cannot hold int64's extremes: they would wrap).
+    last_value = values[..., -1:].expand(*values.shape[:-1], padding)
+    tiles = torch.cat([values, last_value], dim=-1).unflatten(-1, (-1, FLEX_BLOCK))
+    whole = torch.ones(tiles.shape[-2], dtype=torch.bool, device=values.device)
     whole[-1] = padding == 0
-    return first.amin(1), last.amax(1), whole
+    return tiles.amin(-1), tiles.amax(-1), whole
 
 
 def _tile_lists(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,5 +228,4 @@ class AttentionKernel(nn.Module):
         if ids is None:
             return attend(q, k, v, scale=self.scale)
         positions = torch.arange(q.shape[2], device=q.device)
-        allowed = positions.unsqueeze(0) <= positions.unsqueeze(1)
-        return attend_documents(q, k, v, allowed, self.scale, positions, positions, ids, ids)
+        return attend_documents(q, k, v, self.scale, positions, positions, ids, ids)

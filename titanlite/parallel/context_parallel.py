@@ -33,6 +33,7 @@ from titanlite.models.attention import (
     Documents,
     attend,
     attend_documents,
+    causal_by_position,
     document_mask,
     flex_attend,
     position_block_mask,
@@ -180,11 +181,10 @@ class ContextParallelKernel(nn.Module):
         kv_positions = self.split.gathered_positions(local_len, q.device)
         if ids is None and q.device.type == "cuda" and attention.FLEX_ON_CUDA:  # cuda-only
             return flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), self.scale)  # cuda-only
-        mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
         if ids is None:
-            return attend(q, k, v, mask=mask, scale=self.scale)
+            return attend(q, k, v, mask=causal_by_position(q_positions, kv_positions), scale=self.scale)
         q_documents, kv_documents = ids[:, q_positions], ids[:, kv_positions]
-        return attend_documents(q, k, v, mask, self.scale, q_positions, kv_positions, q_documents, kv_documents)
+        return attend_documents(q, k, v, self.scale, q_positions, kv_positions, q_documents, kv_documents)
 
 
 def _document_block(ids: torch.Tensor, q_chunk: int, kv_chunk: int, size: int, diagonal: bool) -> torch.Tensor:

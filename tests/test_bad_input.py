@@ -160,6 +160,13 @@ CASES = [
     Case("validation_longer_than_training", ["--validation.enable", "--validation.seq_len", "64"],
          r"validation\.seq_len \(64\) must not exceed training\.seq_len \(32\)"),
     Case("hf_seed_without_path", ["--checkpoint.initial_load_in_hf"], r"checkpoint\.initial_load_in_hf needs checkpoint\.initial_load_path"),
+    # A storage URL would be taken for a relative path: a local folder named "s3:".
+    Case("checkpoint_folder_url", ["--checkpoint.enable", "--checkpoint.folder", "s3://bucket/run"],
+         r"checkpoint\.folder is a URL \(s3://\.\.\.\), but .*object storage is not supported yet"),
+    Case("dump_folder_url", ["--job.dump_folder", "gs://bucket/run"], r"job\.dump_folder is a URL \(gs://\.\.\.\)"),
+    # Credentials in the URL never reach the line.
+    Case("initial_load_path_url_with_credentials", ["--checkpoint.initial_load_path", "s3://AKIDX:wJalrSECRET@bucket/run/step-5"],
+         r"^(?!.*(AKIDX|wJalrSECRET|bucket/run))checkpoint\.initial_load_path is a URL \(s3://\.\.\.\)"),
     Case("hf_seed_not_model_only", ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", f"{T}/hf",
                                     "--checkpoint.initial_load_model_only=false"], r"checkpoint\.initial_load_model_only must be true"),
     # The model and the layout.

@@ -16,7 +16,8 @@ class Checkpoint:
     """Save checkpoints and resume from the newest complete one at start-up."""
 
     folder: str = "checkpoint"
-    """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder."""
+    """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder. A local or shared folder: a URL
+    (s3://, gs://) is refused, object storage not being supported yet."""
 
     interval: int = ranged(at_least(1), default=500)
     """Save every this many steps (and after the last step)."""

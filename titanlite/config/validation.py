@@ -4,6 +4,7 @@ its section's file, then the rules that tie several keys together."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
@@ -99,6 +100,25 @@ def _check_load_step(config: JobConfig) -> None:
         )
 
 
+# A value that names a storage scheme ("s3://bucket/run"): today's checkpoint code takes it for a
+# relative path and writes to a local folder named after the scheme ("s3:"), so a run that means to
+# keep its checkpoints in a bucket would keep them on a node's disk instead, with no error.
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_LOCATION_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "initial_load_path"))
+
+
+def _check_local_locations(config: JobConfig) -> None:
+    for section, key in _LOCATION_KEYS:
+        value = getattr(getattr(config, section), key)
+        url = _URL.match(value) if isinstance(value, str) else None
+        if url is not None:  # the scheme alone is named: the rest may hold credentials
+            raise ConfigError(
+                f"{section}.{key} is a URL ({url.group(1)}://...), but checkpoints and run files are read and "
+                "written in local or shared folders only (object storage is not supported yet): give a path, or mount "
+                "the bucket"
+            )
+
+
 def _check_pipeline_schedule(config: JobConfig) -> None:
     schedule = config.parallelism.pipeline_parallel_schedule
     if canonical_schedule(schedule) is None:
@@ -124,6 +144,7 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_pipeline_schedule,
     _check_dataset_has_path,
+    _check_local_locations,
     _check_hf_seed,
     _check_load_step,
     _check_validation,

@@ -545,10 +545,12 @@ def flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
 
 def cp_flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
     """Context parallelism's attention on CUDA: rank 0 of CP 2 under the head-tail split (its
-    queries at chunks 0 and 3 of 4) attends the whole gathered sequence with FlexAttention under
-    attention.py's position_block_mask (built from each tile's positions, no [q, kv] mask),
-    against SDPA under the dense causal mask by position, float32, grouped-query heads."""
-    from titanlite.models.attention import attend, flex_attend, position_block_mask
+    queries at chunks 0 and 3 of 4) attends the whole gathered sequence through the CP kernel's
+    entry, attention.py's attend_by_position (on CUDA FlexAttention under position_block_mask,
+    built from each tile's positions, no [q, kv] mask), against SDPA under the dense causal mask
+    by position, float32, grouped-query heads; and FlexAttention under that block mask called
+    directly (what the entry runs on CUDA; the CPU dry run's entry takes its SDPA branch)."""
+    from titanlite.models.attention import attend, attend_by_position, flex_attend, position_block_mask
     from titanlite.parallel.context_parallel import sequence_positions
 
     args, seq = LLAMA3_FLAVORS[sizes.flavor], sizes.flex_check_len
@@ -557,9 +559,10 @@ def cp_flex_forward_row(sizes: Sizes, device: torch.device) -> dict:
     kv_positions = torch.arange(seq, device=device)
     q = torch.randn(1, args.n_heads, len(q_positions), args.head_dim, generator=generator).to(device)
     k, v = (torch.randn(1, args.kv_heads, seq, args.head_dim, generator=generator).to(device) for _ in range(2))
+    kernel = attend_by_position(q, k, v, None, q_positions, kv_positions)
     flex = flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), None)
-    seen = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
-    difference = (flex - attend(q, k, v, mask=seen)).abs().max().item()
+    sdpa = attend(q, k, v, mask=kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1))
+    difference = max((kernel - sdpa).abs().max().item(), (flex - sdpa).abs().max().item())
     return {
         "check": f"CP 2 rank 0 (head-tail): FlexAttention under the position block mask vs the SDPA mask, seq {seq}",
         "result": f"max difference {difference:.2e}",

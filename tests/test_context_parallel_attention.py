@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from titanlite.models.attention import (
-    attend_documents,
+    attend_by_position,
     document_block_mask,
     document_mask_mod,
     flex_attend,
@@ -224,6 +224,8 @@ def test_compiled_flex_attention_forward_under_the_position_block_mask_equals_th
     mask = kv_positions.unsqueeze(0) <= q_positions.unsqueeze(1)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
+    # The kernel's own entry (its CPU branch here; FlexAttention under this block mask on CUDA).
+    torch.testing.assert_close(attend_by_position(q, k, v, 0.3, q_positions, kv_positions), sdpa, rtol=0, atol=1e-6)
 
 
 def test_compiled_flex_attention_forward_under_the_document_block_mask_equals_the_sdpa_mask():
@@ -241,7 +243,7 @@ def test_compiled_flex_attention_forward_under_the_document_block_mask_equals_th
     q, k, v = q.detach()[:, :, q_positions], k.detach()[:, :, kv_positions], v.detach()[:, :, kv_positions]
     block_mask = document_block_mask(q_positions, kv_positions, q_documents, kv_documents)
     flex = flex_attend(q, k, v, block_mask, scale=0.3)
-    sdpa = attend_documents(q, k, v, 0.3, q_positions, kv_positions, q_documents, kv_documents)
+    sdpa = attend_by_position(q, k, v, 0.3, q_positions, kv_positions, q_documents, kv_documents)
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
     # Some tiles are skipped for their documents alone (causality would keep them).
     causal_kept, _ = _tiles(position_block_mask(q_positions, kv_positions))

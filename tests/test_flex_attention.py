@@ -12,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from tests.helpers import TINY
 from titanlite.models.attention import (
-    attend_documents,
+    attend_by_position,
     document_block_mask,
     document_mask_mod,
     flex_attend,
@@ -62,7 +62,7 @@ def test_compiled_flex_attention_forward_equals_the_sdpa_mask():
     positions, ids = torch.arange(SEQ), documents()
     block_mask = document_block_mask(positions, positions, ids, ids)
     flex = flex_attend(q, k, v, block_mask, scale=None)
-    sdpa = attend_documents(q, k, v, None, positions, positions, ids, ids)  # the CPU's SDPA mask
+    sdpa = attend_by_position(q, k, v, None, positions, positions, ids, ids)  # the CPU's SDPA mask
     torch.testing.assert_close(flex, sdpa, rtol=0, atol=1e-5)
     # The test can fail: with the documents ignored the outputs differ.
     whole = torch.zeros_like(ids)

@@ -76,25 +76,30 @@ class Documents:
         self.ids: torch.Tensor | None = None
 
 
-def attend_documents(
+def attend_by_position(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float | None,
     q_positions: torch.Tensor,
     kv_positions: torch.Tensor,
-    q_documents: torch.Tensor,
-    kv_documents: torch.Tensor,
+    q_documents: torch.Tensor | None = None,
+    kv_documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention where query i sees key j when key j (at ``kv_positions`` [kv]) is at or before
-    query i (at ``q_positions`` [q]) and both are in the same document (``q_documents`` [batch,
-    q], ``kv_documents`` [batch, kv]). On CUDA no [q, kv] mask is made: the block mask is built
-    tile by tile (document_block_mask)."""
+    """Causal attention by position, queries and keys in any order (context parallelism's
+    gathered keys): query i sees key j when key j (at ``kv_positions`` [kv]) is at or before
+    query i (at ``q_positions`` [q]), and, given documents (``q_documents`` [batch, q],
+    ``kv_documents`` [batch, kv]), both are in the same one. On CUDA FlexAttention skips the tiles
+    no query sees, and no [q, kv] mask is made (position_block_mask, document_block_mask)."""
     if q.device.type == "cuda" and FLEX_ON_CUDA:
+        if q_documents is None:  # cuda-only
+            return flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), scale)  # cuda-only
         block_mask = document_block_mask(q_positions, kv_positions, q_documents, kv_documents)  # cuda-only
         return flex_attend(q, k, v, block_mask, scale)  # cuda-only
-    seen = document_mask(causal_by_position(q_positions, kv_positions), q_documents, kv_documents)
-    return attend(q, k, v, mask=seen.unsqueeze(1), scale=scale)
+    seen = causal_by_position(q_positions, kv_positions)
+    if q_documents is not None:
+        seen = document_mask(seen, q_documents, kv_documents).unsqueeze(1)
+    return attend(q, k, v, mask=seen, scale=scale)
 
 
 def causal_by_position(q_positions: torch.Tensor, kv_positions: torch.Tensor) -> torch.Tensor:
@@ -228,4 +233,4 @@ class AttentionKernel(nn.Module):
         if ids is None:
             return attend(q, k, v, scale=self.scale)
         positions = torch.arange(q.shape[2], device=q.device)
-        return attend_documents(q, k, v, self.scale, positions, positions, ids, ids)
+        return attend_by_position(q, k, v, self.scale, positions, positions, ids, ids)

@@ -19,7 +19,7 @@ order, and a source is touched only by the first call that reads it. Grouped-que
 as it is (the kernel shares a key/value head among its query heads without copying it); the CPU
 flash kernel wants one width for queries, keys and values, so a narrower one is zero-padded.
 
-CPU only (torch's CPU flash operators); ``attention_calls_flops`` counts a call list's work.
+CPU only (torch's CPU flash operators).
 """
 
 from dataclasses import dataclass
@@ -58,12 +58,6 @@ def merged_attention(q: torch.Tensor, sources: list[tuple[torch.Tensor, torch.Te
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     flat = [tensor for pair in sources for tensor in pair]
     return _MergedAttention.apply(tuple(calls), scale, q, *flat)
-
-
-def attention_calls_flops(calls: list[Call], sources_len) -> int:
-    """The q_len x kv_len a call list computes (a causal call half of it), ``sources_len(call)``
-    giving a call's kv length."""
-    return sum((call.q_end - call.q_start) * sources_len(call) // (2 if call.causal else 1) for call in calls)
 
 
 class _MergedAttention(torch.autograd.Function):

@@ -28,15 +28,10 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed._functional_collectives import all_gather_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanlite.models import attention
 from titanlite.models.attention import (
     Documents,
-    attend,
-    attend_documents,
-    causal_by_position,
+    attend_by_position,
     document_mask,
-    flex_attend,
-    position_block_mask,
 )
 from titanlite.models.merged_attention import Call, merged_attention
 from titanlite.models.moe import moe_layers
@@ -179,12 +174,8 @@ class ContextParallelKernel(nn.Module):
         local_len = q.shape[2]
         q_positions = self.split.local_positions(local_len, q.device)
         kv_positions = self.split.gathered_positions(local_len, q.device)
-        if ids is None and q.device.type == "cuda" and attention.FLEX_ON_CUDA:  # cuda-only
-            return flex_attend(q, k, v, position_block_mask(q_positions, kv_positions), self.scale)  # cuda-only
-        if ids is None:
-            return attend(q, k, v, mask=causal_by_position(q_positions, kv_positions), scale=self.scale)
-        q_documents, kv_documents = ids[:, q_positions], ids[:, kv_positions]
-        return attend_documents(q, k, v, self.scale, q_positions, kv_positions, q_documents, kv_documents)
+        documents = () if ids is None else (ids[:, q_positions], ids[:, kv_positions])
+        return attend_by_position(q, k, v, self.scale, q_positions, kv_positions, *documents)
 
 
 def _document_block(ids: torch.Tensor, q_chunk: int, kv_chunk: int, size: int, diagonal: bool) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 
 from tests.helpers import tiny_args
 from tests.prepared_data import prepare_documents
+from tests.s3_server import BUCKET, CREDENTIALS, s3_server
 from titanlite.train import main
 
 # Keeps any case that wrongly gets past its check to one short step of the tiny model.
@@ -49,6 +50,7 @@ class Case:
     code: int | None = 2  # None: any non-zero exit status
     from_checkpoint: bool = False  # start from a copy of the tiny checkpoint in dump/checkpoint
     mid_run: bool = False  # found only once training reads the data: the run's start may write files
+    s3: str | None = None  # "server": a local S3 server (tests/s3_server.py); "refusing credentials": it refuses ours
 
 
 # --- files the cases write ----------------------------------------------------------------
@@ -66,6 +68,19 @@ def _write(relative: str, text: str):
 def _write_bytes(relative: str, data: bytes):
     def setup(tmp: Path) -> None:
         (tmp / relative).write_bytes(data)
+
+    return setup
+
+
+def _torn_remote_step(key: str):
+    """A step folder in the S3 server's bucket with its data and .metadata but no commit marker."""
+
+    def setup(tmp: Path) -> None:
+        import fsspec
+
+        fs = fsspec.filesystem("s3", skip_instance_cache=True)
+        for name in (".metadata", "__0_0.distcp"):
+            fs.pipe_file(f"{BUCKET}/{key}/{name}", b"x")
 
     return setup
 
@@ -160,13 +175,26 @@ CASES = [
     Case("validation_longer_than_training", ["--validation.enable", "--validation.seq_len", "64"],
          r"validation\.seq_len \(64\) must not exceed training\.seq_len \(32\)"),
     Case("hf_seed_without_path", ["--checkpoint.initial_load_in_hf"], r"checkpoint\.initial_load_in_hf needs checkpoint\.initial_load_path"),
-    # A storage URL would be taken for a relative path: a local folder named "s3:".
-    Case("checkpoint_folder_url", ["--checkpoint.enable", "--checkpoint.folder", "s3://bucket/run"],
-         r"checkpoint\.folder is a URL \(s3://\.\.\.\), but .*object storage is not supported yet"),
+    # Object storage: run files stay local; a checkpoint URL is checked before any rank starts.
     Case("dump_folder_url", ["--job.dump_folder", "gs://bucket/run"], r"job\.dump_folder is a URL \(gs://\.\.\.\)"),
+    Case("checkpoint_folder_unknown_scheme", ["--checkpoint.enable", "--checkpoint.folder", "s4://bucket/run"],
+         r"checkpoint\.folder: s4:// is not a storage scheme fsspec knows"),
+    Case("checkpoint_folder_backend_not_installed", ["--checkpoint.enable", "--checkpoint.folder", "gs://bucket/run"],
+         r'checkpoint\.folder: gs:// needs its fsspec backend, which is not installed: pip install "titanlite\[gcs\]"'),
     # Credentials in the URL never reach the line.
     Case("initial_load_path_url_with_credentials", ["--checkpoint.initial_load_path", "s3://AKIDX:wJalrSECRET@bucket/run/step-5"],
-         r"^(?!.*(AKIDX|wJalrSECRET|bucket/run))checkpoint\.initial_load_path is a URL \(s3://\.\.\.\)"),
+         r"^(?!.*(AKIDX|wJalrSECRET|bucket/run))checkpoint\.initial_load_path: a s3:// URL with credentials in it"),
+    Case("checkpoint_folder_missing_bucket", ["--checkpoint.enable", "--checkpoint.folder", "s3://no-such-bucket/run"],
+         r"checkpoint\.folder: the bucket of s3://no-such-bucket/run does not exist", s3="server"),
+    Case("checkpoint_folder_wrong_credentials", ["--checkpoint.enable", "--checkpoint.folder", f"s3://{BUCKET}/run"],
+         rf"^(?!.*({CREDENTIALS['AWS_SECRET_ACCESS_KEY']}|{CREDENTIALS['AWS_ACCESS_KEY_ID']}))checkpoint\.folder: "
+         r"s3://\S+ cannot be listed \(PermissionError: .*Access Key Id", s3="refusing credentials"),
+    Case("checkpoint_folder_endpoint_refuses", ["--checkpoint.enable", "--checkpoint.folder", f"s3://{BUCKET}/run"],
+         r"checkpoint\.folder: s3://\S+ cannot be listed \(EndpointConnectionError: Could not connect",
+         env={"AWS_ENDPOINT_URL": "http://127.0.0.1:9", **CREDENTIALS}),
+    Case("initial_load_path_uncommitted_step", ["--checkpoint.initial_load_path", f"s3://{BUCKET}/torn/step-3"],
+         r"checkpoint\.initial_load_path s3://\S+/torn/step-3: the save did not finish \(no \.committed marker\)",
+         kind="checkpoint", s3="server", setup=_torn_remote_step("torn/step-3")),
     Case("hf_seed_not_model_only", ["--checkpoint.initial_load_in_hf", "--checkpoint.initial_load_path", f"{T}/hf",
                                     "--checkpoint.initial_load_model_only=false"], r"checkpoint\.initial_load_model_only must be true"),
     # The model and the layout.
@@ -347,6 +375,12 @@ def clean_env(monkeypatch):
 
 
 @pytest.fixture(scope="module")
+def s3_env():
+    with s3_server() as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
     """A dump folder whose checkpoint/step-1 holds the tiny model after one step."""
     dump = tmp_path_factory.mktemp("bad_input_checkpoint") / "dump"
@@ -393,6 +427,11 @@ def test_bad_input_is_one_clear_line(case, tmp_path, clean_env, quiet_process_st
     if case.from_checkpoint:
         source = request.getfixturevalue("tiny_checkpoint") / "checkpoint"
         shutil.copytree(source, dump / "checkpoint")
+    if case.s3 is not None:
+        for name, value in request.getfixturevalue("s3_env").items():
+            clean_env.setenv(name, value)
+        if case.s3 == "refusing credentials":
+            clean_env.setattr("moto.settings.INITIAL_NO_AUTH_ACTION_COUNT", 0)
     if case.setup is not None:
         case.setup(tmp)
     for name, value in case.env.items():

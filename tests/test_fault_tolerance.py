@@ -26,6 +26,7 @@ import torch
 from tests.faults.harness import read_losses
 from tests.forked_scripts import kill_group, start_python
 from tests.helpers import rendezvous_env, tiny_args
+from tests.s3_server import BUCKET, s3_server
 from titanlite import train
 from titanlite.checkpoint.load import load_model
 from titanlite.metrics import tags
@@ -227,13 +228,17 @@ def test_two_groups_equal_hsdp_and_a_full_restart_resumes(tmp_path, lighthouse):
         env={},
     )
     assert hsdp.wait() == [0] * 4, hsdp.log()
-    groups = start_groups(tmp_path, lighthouse, steps=4)
-    assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
-    # Every group restarts: both load the newest checkpoint (the first group's) and go on.
-    groups = start_groups(tmp_path, lighthouse, steps=6, name="restart")
-    assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
-    for group in groups:
-        assert re.search(r"loaded checkpoint \S+step-4 ", group.log()), group.log()
+    # The groups share one prefix of a bucket (a real S3 server) as they would share a folder.
+    with s3_server():
+        bucket = {"checkpoint.folder": f"s3://{BUCKET}/ft"}
+        groups = start_groups(tmp_path, lighthouse, steps=4, overrides=bucket)
+        assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
+        # Every group restarts: both load the newest checkpoint (the first group's) and go on.
+        groups = start_groups(tmp_path, lighthouse, steps=6, overrides=bucket, name="restart")
+        assert [group.wait() for group in groups] == [[0, 0]] * 2, groups[0].log() + groups[1].log()
+        for group in groups:
+            assert re.search(rf"loaded checkpoint s3://{BUCKET}/ft/step-4 ", group.log()), group.log()
+        ours, _ = load_model(f"s3://{BUCKET}/ft/step-6")
 
     reference = read_losses(tmp_path / "hsdp")
     assert sorted(reference) == list(range(1, 7))
@@ -243,7 +248,6 @@ def test_two_groups_equal_hsdp_and_a_full_restart_resumes(tmp_path, lighthouse):
         for step, loss in reference.items():
             assert losses[step] == pytest.approx(loss, abs=1e-5), (g, step, losses, reference)
         assert all(record[tags.FT_GROUPS] == 2 for record in metrics_of(tmp_path / "dump", g).values())
-    ours, _ = load_model(tmp_path / "dump" / "checkpoint" / "step-6")
     theirs, _ = load_model(tmp_path / "hsdp" / "checkpoint" / "step-6")
     for (name, mine), (_, other) in zip(ours.state_dict().items(), theirs.state_dict().items(), strict=True):
         torch.testing.assert_close(mine, other, atol=1e-5, rtol=0, msg=name)

@@ -18,7 +18,7 @@ from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescri
 from titanlite.checkpoint.hf import seed_from_hf
 from titanlite.checkpoint.layout import layout_text
 from titanlite.checkpoint.steps import refuse_start_from_other_model
-from titanlite.config import ConfigError, Data, JobConfig, Parallelism, show_config_warnings, to_toml
+from titanlite.config import Checkpoint, ConfigError, Data, JobConfig, Parallelism, show_config_warnings, to_toml
 from titanlite.data import DataLoader, stream_warning, verify_share
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
@@ -46,6 +46,7 @@ from titanlite.parallel.load_balance import ExpertLoadBalancer
 from titanlite.parallel.pipeline import LocalModel, Pipeline, microbatch_warning
 from titanlite.plan import RunPlan, build_model, load_tokenizer_and_data, plan_run, unused_layout_keys
 from titanlite.quantize import check_float8_run, scale_precompute_hook
+from titanlite.storage import is_url, probe
 from titanlite.validation import Validator, build_validator
 
 logger = logging.getLogger("titanlite")
@@ -68,10 +69,24 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object, str]:
     if "RANK" not in os.environ:
         # The launchers' preflight, or a run of one process. Ranks leave it to the checkpoint
         # manager, where rank 0 alone reads the shared folder and tells the others.
+        check_storage_reachable(job_config.checkpoint)
         description = ModelDescription.of_run(job_config.model, plan.model_args, plan.tokenizer_vocab_size)
         refuse_start_from_other_model(job_config.checkpoint, job_config.job.dump_folder, description)
     tokenizer, windows = load_tokenizer_and_data(job_config, plan)
     return plan, tokenizer, windows, memory
+
+
+def check_storage_reachable(checkpoint: Checkpoint) -> None:
+    """ConfigError when a checkpoint URL cannot be listed (no such bucket, credentials refused,
+    no answer from the endpoint), before any rank starts work."""
+    locations = (
+        ("folder", checkpoint.folder if checkpoint.enable else None),
+        ("initial_load_path", checkpoint.initial_load_path),
+    )
+    for key, value in locations:
+        problem = probe(value) if is_url(value) else None
+        if problem is not None:
+            raise ConfigError(f"checkpoint.{key}: {problem}")
 
 
 def config_ok_line(plan: RunPlan, memory: str) -> str:

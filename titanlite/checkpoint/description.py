@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
-from titanlite.checkpoint.files import CheckpointError, read_checkpoint_metadata, single_process
+from titanlite.checkpoint.files import CheckpointError, read_checkpoint_metadata, reader_for, single_process
 from titanlite.data import tokenizer_file
 from titanlite.registry import get_model_spec
+from titanlite.storage import location
 
 MODEL_ARGS = "model_args"
 
@@ -155,13 +155,13 @@ def read_recorded(step_dir: Path) -> dict | None:
     if not keys:
         return None
     state = {MODEL_ARGS: _nest(keys, MODEL_ARGS)}
-    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    single_process(dcp.load, state, storage_reader=reader_for(step_dir), no_dist=True)
     return state[MODEL_ARGS]
 
 
 def read_model_description(step_dir: str | Path) -> ModelDescription:
     """The description a step-N folder recorded; ValueError naming the folder when it has none."""
-    step_dir = Path(step_dir)
+    step_dir = location(step_dir)
     recorded = read_recorded(step_dir)
     if recorded is None:
         raise ValueError(f"{step_dir}: the checkpoint has no model_args (it does not say which model it holds)")

@@ -1,8 +1,13 @@
 """The files of a checkpoint: step folders, their DCP metadata, and writing a folder atomically.
 
-A complete checkpoint is a ``step-N`` folder holding DCP's ``.metadata``. Saves go to
-``.step-N.partial`` and deletions to ``.step-N.deleting`` first, so that a save or a purge
-killed half-way never leaves a ``step-N`` that is missing files.
+In a local folder, a complete checkpoint is a ``step-N`` folder holding DCP's ``.metadata``.
+Saves go to ``.step-N.partial`` and deletions to ``.step-N.deleting`` first, so that a save or
+a purge killed half-way never leaves a ``step-N`` that is missing files.
+
+Object storage has no rename of a folder: a save writes ``step-N/`` in place and commits it by
+writing the ``.committed`` marker last, after every rank's files, DCP's ``.metadata`` and the
+manifest; a deletion removes the marker first. A ``step-N/`` without its marker (a save or a
+deletion killed half-way) is never loaded and is removed by a later purge.
 """
 
 import dataclasses
@@ -17,12 +22,16 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite.errors import one_line
+from titanlite.files import fsync_path
+from titanlite.storage import ObjectPath, location
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # What interrupted saves and purges leave behind; only names the manager creates.
 LEFTOVER_FOLDER = re.compile(r"\.step-\d+\.(partial|deleting)")
 # DCP reports a failure on any rank as a CheckpointException, which is a BaseException.
 DCP_FAILURES = (Exception, CheckpointException)
+# The object written last into a step folder in object storage: the step is complete.
+COMMITTED = ".committed"
 
 
 class CheckpointError(RuntimeError):
@@ -52,22 +61,57 @@ def describe_failure(error: BaseException) -> str:
 # --- step folders ------------------------------------------------------------------------
 
 
-def complete_steps(folder: Path) -> dict[int, Path]:
-    """step -> folder for every complete checkpoint (a step-N folder with DCP metadata)."""
+def is_complete(step_folder: Path | ObjectPath) -> bool:
+    """Whether a step folder holds a whole checkpoint: DCP's metadata in a local folder (whose
+    rename committed it), the commit marker in object storage."""
+    return (step_folder / (COMMITTED if isinstance(step_folder, ObjectPath) else ".metadata")).is_file()
+
+
+def complete_steps(folder: Path | ObjectPath) -> dict[int, Path | ObjectPath]:
+    """step -> folder for every complete checkpoint (see is_complete)."""
     if not folder.is_dir():
         return {}
     steps = {}
     for entry in folder.iterdir():
         match = STEP_FOLDER.match(entry.name)
-        if match and (entry / ".metadata").is_file():
+        if match and is_complete(entry):
             steps[int(match.group(1))] = entry
     return dict(sorted(steps.items()))
 
 
-def stored_keys(path: Path) -> list[str]:
+class NamingReads:
+    """DCP's reader, reading file by file so that an error names its file."""
+
+    def read_data(self, plan, planner):
+        by_file: dict[str, list] = {}
+        for item in plan.items:
+            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in by_file.items():
+            try:
+                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
+            except Exception as error:
+                text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+                raise CheckpointError(f"{self.path}/{name}: cannot be read, the file is damaged ({text})") from error
+        return super().read_data(dataclasses.replace(plan, items=[]), planner)
+
+
+class FileNamingReader(NamingReads, FileSystemReader):
+    """DCP's filesystem reader; an error names its file."""
+
+
+def reader_for(path: Path | ObjectPath):
+    """DCP's reader for a step folder, local or in object storage; an error names its file."""
+    if isinstance(path, ObjectPath):
+        from titanlite.checkpoint.object_io import ObjectNamingReader
+
+        return ObjectNamingReader(str(path))
+    return FileNamingReader(str(path))
+
+
+def stored_keys(path: Path | ObjectPath) -> list[str]:
     """Every key a checkpoint holds, flattened as DCP stores them ('model_args.args.dim')."""
     try:
-        return list(FileSystemReader(str(path)).read_metadata().state_dict_metadata.keys())
+        return list(reader_for(path).read_metadata().state_dict_metadata.keys())
     except DCP_FAILURES as error:  # unreadable or corrupt metadata
         raise CheckpointError(
             f"{path / '.metadata'}: cannot read the checkpoint metadata ({describe_failure(error)})"
@@ -88,48 +132,55 @@ def stored_prefixes(path: Path) -> set[str]:
     return prefixes
 
 
-def delete_step_folder(step_folder: Path) -> None:
-    """Delete a step folder. Renamed first, so a deletion killed half-way never leaves a
-    step-N that is missing files; the leftover is cleaned up at the next start."""
+def delete_step_folder(step_folder: Path | ObjectPath) -> None:
+    """Delete a step folder. Renamed first (in object storage: its commit marker deleted
+    first), so a deletion killed half-way never leaves a step-N that counts as complete and
+    is missing files; the leftover is cleaned up later."""
+    if isinstance(step_folder, ObjectPath):
+        (step_folder / COMMITTED).remove()
+        step_folder.remove(recursive=True)
+        return
     doomed = step_folder.with_name(f".{step_folder.name}.deleting")
     os.replace(step_folder, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def leftover_folders(folder: Path) -> list[Path]:
-    """What interrupted saves and purges left in `folder`."""
+def leftover_folders(folder: Path | ObjectPath) -> list[Path | ObjectPath]:
+    """What interrupted saves and purges left in `folder` (in object storage: step folders
+    without their commit marker, which a save may still be writing)."""
     if not folder.is_dir():
         return []
+    if isinstance(folder, ObjectPath):
+        return [entry for entry in folder.iterdir() if STEP_FOLDER.match(entry.name) and not is_complete(entry)]
     return [entry for entry in folder.iterdir() if LEFTOVER_FOLDER.fullmatch(entry.name)]
 
 
-def read_checkpoint_metadata(step_dir: Path):
-    """DCP's metadata of a step folder; ValueError, one line naming the folder, if it has none."""
+def folder_step(entry: Path | ObjectPath) -> int:
+    """The step a step folder or a leftover of one is named after."""
+    return int(re.search(r"\d+", entry.name).group())
+
+
+def remove_folder(folder: Path | ObjectPath) -> None:
+    """Delete a folder and everything in it; gone already is fine."""
+    if isinstance(folder, ObjectPath):
+        folder.remove(recursive=True)
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_checkpoint_metadata(step_dir: Path | ObjectPath):
+    """DCP's metadata of a step folder; ValueError, one line naming the folder, if it has none
+    (in object storage, also if it has no commit marker: a save that did not finish)."""
     if not step_dir.is_dir():
         raise ValueError(f"{step_dir}: no such checkpoint folder")
     if not (step_dir / ".metadata").is_file():
         raise ValueError(f"{step_dir}: not a checkpoint folder (no .metadata)")
+    if not is_complete(step_dir):
+        raise ValueError(f"{step_dir}: the save did not finish (no {COMMITTED} marker); it is never loaded")
     try:
-        return FileSystemReader(str(step_dir)).read_metadata()
+        return reader_for(step_dir).read_metadata()
     except Exception as error:  # corrupt or unreadable metadata
         raise ValueError(f"{step_dir}: cannot read the checkpoint metadata ({type(error).__name__})") from None
-
-
-class FileNamingReader(FileSystemReader):
-    """DCP's filesystem reader, reading file by file so that an error names its file."""
-
-    def read_data(self, plan, planner):
-        by_file: dict[str, list] = {}
-        for item in plan.items:
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in by_file.items():
-            try:
-                super().read_data(dataclasses.replace(plan, items=items), planner).wait()
-            except Exception as error:
-                path = Path(self.path) / name
-                text = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-                raise CheckpointError(f"{path}: cannot be read, the file is damaged ({text})") from error
-        return super().read_data(dataclasses.replace(plan, items=[]), planner)
 
 
 def single_process(call, *args, **kwargs):
@@ -179,14 +230,68 @@ def write_atomically(out_dir: Path, write) -> None:
         raise
 
 
-def write_model_checkpoint(state: dict, out_dir: Path) -> Path:
+def write_model_checkpoint(state: dict, out_dir: str | Path) -> Path | ObjectPath:
     """Write ``state`` (weights and the model description) from this one process as the
     DCP checkpoint out_dir/step-0, which checkpoint.initial_load_path starts a run from;
-    atomically, as write_atomically does. Returns step-0."""
+    atomically, as write_atomically does (in object storage: committed by its marker, and
+    removed on a failure). Returns step-0."""
+    out_dir = location(out_dir)
+    if isinstance(out_dir, ObjectPath):
+        check_output(out_dir)
+        step = out_dir / "step-0"
+        try:
+            single_process(dcp.save, state, storage_writer=writer_for(step), no_dist=True)
+            commit(step)
+        except BaseException:
+            remove_folder(out_dir)
+            raise
+        return step
 
     def write(folder: Path) -> None:
-        writer = FileSystemWriter(str(folder / "step-0"), sync_files=True)
-        single_process(dcp.save, state, storage_writer=writer, no_dist=True)
+        single_process(dcp.save, state, storage_writer=writer_for(folder / "step-0"), no_dist=True)
 
     write_atomically(out_dir, write)
-    return Path(out_dir) / "step-0"
+    return out_dir / "step-0"
+
+
+# --- writing a step folder ---------------------------------------------------------------
+
+
+def writer_for(step_folder: Path | ObjectPath, uploads_per_node: int = 0):
+    """DCP's writer for a step folder. Local files are fsync'd before the folder is renamed
+    into place. In object storage a file is durable once its upload completes (an fsync
+    there falls back to a host-wide os.sync()), so none is asked for; at most
+    ``uploads_per_node`` ranks of a node upload at once (0: no limit)."""
+    if isinstance(step_folder, ObjectPath):
+        from titanlite.checkpoint.object_io import ObjectWriter
+
+        return ObjectWriter(str(step_folder), uploads_per_node)
+    return FileSystemWriter(str(step_folder), sync_files=True)
+
+
+def save_folder(folder: Path | ObjectPath, step: int) -> Path | ObjectPath:
+    """Where a save of `step` writes: a partial folder renamed into place when done, or in
+    object storage the step folder itself."""
+    return folder / (f"step-{step}" if isinstance(folder, ObjectPath) else f".step-{step}.partial")
+
+
+def publish(written: Path | ObjectPath, final: Path | ObjectPath) -> None:
+    """Make a fully written save (in `written`, from save_folder) the complete step folder
+    `final`: in object storage by its commit marker, locally by renaming it into place, with
+    the data, the folder and the rename fsync'd."""
+    if isinstance(final, ObjectPath):
+        commit(final)
+        return
+    fsync_path(written)
+    if final.exists():
+        # Only after resuming from an older step (load_step): the newer trajectory's
+        # checkpoint of this step is superseded.
+        delete_step_folder(final)
+    os.replace(written, final)
+    fsync_path(final.parent)
+
+
+def commit(step_folder: Path | ObjectPath) -> None:
+    """Mark a step folder in object storage complete: called after every rank's files, DCP's
+    .metadata and the manifest are written, the marker is the last object of the step."""
+    (step_folder / COMMITTED).write_text("{}\n")

@@ -27,6 +27,7 @@ from titanlite.checkpoint.files import check_output, write_model_checkpoint
 from titanlite.errors import one_line
 from titanlite.parallel.distributed import first_error_on_any_rank, gather_from_every_rank
 from titanlite.registry import get_model_spec, model_from_hf_config, padded_vocab_size
+from titanlite.storage import location
 
 EMA_PREFIX = "ema."
 # Buffers some Hugging Face checkpoints carry; they are recomputed, never trained.
@@ -311,9 +312,9 @@ def padded_description(description: ModelDescription) -> ModelDescription:
 
 
 def import_from_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write out_dir/step-0, a DCP checkpoint of a Hugging Face model folder, keeping the
-    folder's dtype. Returns step-0."""
-    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    """Write out_dir/step-0 (out_dir a path or a URL), a DCP checkpoint of a Hugging Face model
+    folder, keeping the folder's dtype. Returns step-0."""
+    hf_dir, out_dir = Path(hf_dir), location(out_dir)
     description, weights = open_hf_folder(hf_dir)
     description = padded_description(description)
     check_output(out_dir)

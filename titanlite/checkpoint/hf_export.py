@@ -31,6 +31,7 @@ from titanlite.checkpoint.tensor_reader import CheckpointReader, buffer_bytes
 from titanlite.dtypes import DTYPES
 from titanlite.files import BackgroundSyncer
 from titanlite.registry import MODELS, get_model_spec
+from titanlite.storage import location
 
 logger = logging.getLogger("titanlite")
 
@@ -207,7 +208,7 @@ def export_to_hf(
     overrides the tokenizer the run recorded. Returns out_dir. Bad input is a ValueError
     naming the path, raised before anything is written."""
     hf_tokenizer.require_tokenizers()
-    step_dir, out_dir = Path(step_dir), Path(out_dir)
+    step_dir, out_dir = location(step_dir), Path(out_dir)
     dtype = _export_dtype(dtype)
     limit = None if max_shard_size is None else parse_size(max_shard_size)
     check_output(out_dir)

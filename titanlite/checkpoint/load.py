@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 
 from titanlite.checkpoint import hf
 from titanlite.checkpoint.description import ModelDescription, read_model_description
-from titanlite.checkpoint.files import single_process
+from titanlite.checkpoint.files import reader_for, single_process
 from titanlite.registry import get_model_spec
+from titanlite.storage import location
 
 
 def _build(description: ModelDescription, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -45,7 +45,7 @@ def _load_dcp(
     step_dir: Path, device: torch.device, dtype: torch.dtype, use_ema: bool
 ) -> tuple[nn.Module, ModelDescription]:
     description = read_model_description(step_dir)
-    metadata = FileSystemReader(str(step_dir)).read_metadata()
+    metadata = reader_for(step_dir).read_metadata()
     model = _build(description, device, dtype)
     prefix = hf.EMA_PREFIX if use_ema else ""
     weights = model.state_dict()  # views of the parameters: dcp.load fills them in place
@@ -55,7 +55,7 @@ def _load_dcp(
         raise ValueError(f"{step_dir}: use_ema asks for EMA weights but the checkpoint has no 'ema.' entries")
     if missing:
         raise ValueError(f"{step_dir}: the checkpoint lacks {len(missing)} model weight(s), e.g. {missing[0]}")
-    single_process(dcp.load, state, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+    single_process(dcp.load, state, storage_reader=reader_for(step_dir), no_dist=True)
     for name, tensor in weights.items():
         if tensor.data_ptr() != state[prefix + name].data_ptr():  # loaded into a new tensor, not in place
             tensor.copy_(state[prefix + name])
@@ -78,7 +78,7 @@ def load_model(
 ) -> tuple[nn.Module, ModelDescription]:
     """(model in eval mode, its ModelDescription) from a step-N folder or a Hugging Face
     folder. Raises ValueError, one line naming the path, when PATH is not one."""
-    path, device = Path(path), torch.device(device)
+    path, device = location(path), torch.device(device)
     if not path.exists():
         raise ValueError(f"{path}: no such checkpoint folder")
     if not path.is_dir():

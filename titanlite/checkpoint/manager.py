@@ -5,6 +5,11 @@ On disk, ``{dump_folder}/{checkpoint.folder}/step-N/`` holds DCP's ``.metadata``
 to ``step-N`` only after every rank's data and the metadata are on disk and fsync'd, so a
 ``step-N`` folder is always complete; anything else in the folder is never loaded.
 
+In object storage (checkpoint.folder a URL), which has no rename of a folder, a save writes
+``step-N/`` in place and rank 0 commits it by writing the ``.committed`` marker last; a step
+without it is never loaded, and is removed once a later step is committed (not earlier: a
+save may still be writing it).
+
 The manager saves a dict of Stateful objects by name and knows nothing about what they
 are, with one layout rule: the entries of the "model" object are stored at the top level
 of the checkpoint (not under "model."), so that model-only checkpoints and full ones name
@@ -17,9 +22,6 @@ against the byte ranges DCP's ``.metadata`` records, so a truncated file is name
 """
 
 import logging
-import os
-import re
-import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -28,7 +30,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.stateful import Stateful
@@ -36,14 +37,19 @@ from torch.distributed.checkpoint.stateful import Stateful
 from titanlite.checkpoint.files import (
     DCP_FAILURES,
     CheckpointError,
-    FileNamingReader,
     complete_steps,
     delete_step_folder,
     describe_failure,
     first_failure,
+    folder_step,
     leftover_folders,
+    publish,
+    reader_for,
+    remove_folder,
+    save_folder,
     stored_keys,
     stored_prefixes,
+    writer_for,
 )
 from titanlite.checkpoint.manifest import write_manifest
 from titanlite.checkpoint.stager import close_stager, keep_open_between_saves
@@ -51,8 +57,8 @@ from titanlite.checkpoint.states import plain_tensors
 from titanlite.checkpoint.steps import MODEL, plan_load, purge_old_steps
 from titanlite.config import Checkpoint, Comm
 from titanlite.dtypes import DTYPES
-from titanlite.files import fsync_path
 from titanlite.parallel import first_error_on_any_rank, is_collective_failure
+from titanlite.storage import ObjectPath, checkpoint_folder
 
 logger = logging.getLogger("titanlite")
 
@@ -83,7 +89,8 @@ class CheckpointManager:
         group starting up must not take another's save in progress for a leftover."""
         self.states = states
         self.config = config
-        self.folder = Path(dump_folder) / config.folder
+        self.folder = checkpoint_folder(dump_folder, config.folder)
+        self.in_object_storage = isinstance(self.folder, ObjectPath)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.in_use = config.enable or config.initial_load_path is not None
         # A process group of its own, created once: saves in flight talk over it from a
@@ -118,7 +125,9 @@ class CheckpointManager:
             # One process saves alone on purpose; DCP warns about that at every save and load.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         self.shared_by_groups = shared_by_groups
-        if self.rank == 0 and config.enable and not shared_by_groups:
+        # In object storage a step without its marker may be a save still being written (by a
+        # process of an earlier launch that has not died yet): removed only after a later commit.
+        if self.rank == 0 and config.enable and not shared_by_groups and not self.in_object_storage:
             self._remove_leftovers()
 
     # --- saving ------------------------------------------------------------------------
@@ -146,13 +155,16 @@ class CheckpointManager:
             state = self._collect([MODEL], DTYPES[self.config.export_dtype])
         else:
             state = self._collect(list(self.states))
-        partial = self.folder / f".step-{step}.partial"
-        final = self.folder / f"step-{step}"
-        writer = FileSystemWriter(str(partial), sync_files=True)
+        written, final = save_folder(self.folder, step), self.folder / f"step-{step}"
+        if self.in_object_storage and self.rank == 0:
+            # Written in place: what a killed (or superseded) save of this step left goes first;
+            # the other ranks write only once rank 0 has joined DCP's planning, below.
+            delete_step_folder(final)
+        writer = writer_for(written, self.config.uploads_per_node)
         if sync or self.config.async_mode == "disabled":
             try:
                 dcp.save(state, storage_writer=writer, process_group=self.process_group)
-                self._publish(partial, final)
+                self._publish(written, final)
             except DCP_FAILURES as error:
                 self._settle(step, error)
             else:
@@ -178,7 +190,7 @@ class CheckpointManager:
             self._staging, upload = response.staging_completion, response.upload_completion
         else:
             upload = response  # staging already finished inside async_save
-        self._in_flight = self._writes.submit(self._publish_when_written, upload, partial, final)
+        self._in_flight = self._writes.submit(self._publish_when_written, upload, written, final)
         self._in_flight_step = step
 
     def save_at_stop(self, step: int) -> None:
@@ -238,28 +250,25 @@ class CheckpointManager:
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
 
-    def _publish_when_written(self, upload: Future, partial: Path, final: Path) -> None:
+    def _publish_when_written(self, upload: Future, written: Path | ObjectPath, final: Path | ObjectPath):
         upload.result()
-        self._publish(partial, final)
+        self._publish(written, final)
 
-    def _publish(self, partial: Path, final: Path) -> None:
-        """Rank 0 makes a fully written save visible as step-N, then purges old ones.
-        DCP returns on rank 0 only after every rank's data and the metadata are written."""
+    def _publish(self, written: Path | ObjectPath, final: Path | ObjectPath) -> None:
+        """Rank 0 makes a fully written save visible as step-N (renamed into place, or in object
+        storage committed by its marker), then purges old ones. DCP returns on rank 0 only after
+        every rank's data and the metadata are written."""
         if self.rank != 0:
             return
         if self.config.verify_integrity:
-            write_manifest(partial)
-        fsync_path(partial)
-        if final.exists():
-            # Only after resuming from an older step (load_step): the newer trajectory's
-            # checkpoint of this step is superseded.
-            delete_step_folder(final)
-        os.replace(partial, final)
-        fsync_path(self.folder)
+            write_manifest(written)
+        publish(written, final)
         logger.info("checkpoint saved: %s", final)
         try:
-            if self.shared_by_groups:  # what a group that died while saving an older step left
-                self._remove_leftovers(older_than=int(final.name.removeprefix("step-")))
+            # What a save killed at an older step left: in a folder that replica groups share,
+            # or in object storage, only once a later step is committed.
+            if self.shared_by_groups or self.in_object_storage:
+                self._remove_leftovers(older_than=folder_step(final))
             self._purge()
         except DCP_FAILURES as error:  # the new checkpoint is saved; only old ones stay
             logger.warning("could not delete old checkpoints in %s: %s", self.folder, describe_failure(error))
@@ -280,12 +289,13 @@ class CheckpointManager:
         if text is None:
             self._saved_step = step
             return
-        partial = self.folder / f".step-{step}.partial"
+        written = save_folder(self.folder, step)
         if self.rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
+            remove_folder(written)
+        what = f"what it wrote to {written.name}" if self.in_object_storage else f"its partial folder {written.name}"
         message = (
             f"saving checkpoint step-{step} in {self.folder} failed {text} "
-            f"(its partial folder {partial.name} was removed; earlier checkpoints are untouched)"
+            f"({what} was removed; earlier checkpoints are untouched)"
         )
         if not self.config.continue_on_save_error:
             raise CheckpointError(message) from error
@@ -349,9 +359,9 @@ class CheckpointManager:
         """Remove what interrupted saves and purges left behind (only names we create), or
         only those of steps before `older_than`."""
         for entry in leftover_folders(self.folder):
-            if older_than is not None and int(re.search(r"\d+", entry.name).group()) >= older_than:
+            if older_than is not None and folder_step(entry) >= older_than:
                 continue
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_folder(entry)
             logger.info("removed an incomplete checkpoint folder: %s", entry)
 
     # --- loading -----------------------------------------------------------------------
@@ -383,7 +393,7 @@ class CheckpointManager:
 
     def _dcp_load(self, state: dict, path: Path) -> None:
         try:
-            dcp.load(state, storage_reader=FileNamingReader(str(path)), process_group=self.process_group)
+            dcp.load(state, storage_reader=reader_for(path), process_group=self.process_group)
         except DCP_FAILURES as error:
             rank, failure = first_failure(error)
             if isinstance(failure, CheckpointError):  # a damaged file, named by the reader

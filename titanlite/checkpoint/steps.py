@@ -10,15 +10,18 @@ from pathlib import Path
 
 from titanlite.checkpoint.description import ModelDescription, refuse_other_model
 from titanlite.checkpoint.files import (
+    COMMITTED,
     DCP_FAILURES,
     CheckpointError,
     complete_steps,
     delete_step_folder,
+    is_complete,
     top_level_names,
 )
 from titanlite.checkpoint.manifest import check_data_files, verify_manifest
 from titanlite.config import CHECKPOINT_PARTS, Checkpoint
 from titanlite.files import fsync_path
+from titanlite.storage import ObjectPath, checkpoint_folder, location
 
 logger = logging.getLogger("titanlite")
 
@@ -63,10 +66,15 @@ def _set_aside_newer_than(folder: Path, load_step: int, steps: dict[int, Path]) 
     if not newer:
         return
     aside = folder / f"abandoned-after-step-{load_step}-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir()
-    for path in newer:
-        os.replace(path, aside / path.name)
-    fsync_path(folder)
+    if isinstance(folder, ObjectPath):  # no rename: copied (server-side), then deleted
+        for path in newer:
+            path.copy_to(aside / path.name, last=COMMITTED)
+            delete_step_folder(path)
+    else:
+        aside.mkdir()
+        for path in newer:
+            os.replace(path, aside / path.name)
+        fsync_path(folder)
     logger.warning("resuming from step %d: moved the %d newer checkpoint(s) to %s", load_step, len(newer), aside)
 
 
@@ -97,9 +105,14 @@ def resume_source(folder: Path, config: Checkpoint) -> tuple[Path, bool] | None:
             return path, False
         logger.info("skipping %s for resume: it holds model weights only", path)
     if config.initial_load_path and not config.initial_load_in_hf:  # HF: the trainer seeds
-        path = Path(config.initial_load_path)
+        path = location(config.initial_load_path)
         if not (path / ".metadata").is_file():
             raise CheckpointError(f"checkpoint.initial_load_path {path}: not a checkpoint folder (no .metadata)")
+        if not is_complete(path):
+            raise CheckpointError(
+                f"checkpoint.initial_load_path {path}: the save did not finish (no {COMMITTED} marker); "
+                "it is never loaded"
+            )
         return path, config.initial_load_model_only
     return None
 
@@ -172,7 +185,7 @@ def refuse_start_from_other_model(config: Checkpoint, dump_folder: str, ours: Mo
     cannot be read is left to the ranks' load, whose checks name the damaged file."""
     if not (config.enable or config.initial_load_path is not None):
         return
-    folder = Path(dump_folder) / config.folder
+    folder = checkpoint_folder(dump_folder, config.folder)
     source = resume_source(folder, config)
     if source is None or not loads_model(config, model_only=source[1]):
         return

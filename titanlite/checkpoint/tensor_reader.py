@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
-from titanlite.checkpoint.files import single_process
+from titanlite.checkpoint.files import reader_for, single_process
+from titanlite.storage import ObjectPath
 
 logger = logging.getLogger("titanlite")
 
@@ -168,8 +168,13 @@ class CheckpointReader:
     def locate(self, key: str, entry: TensorStorageMetadata) -> list[Piece] | None:
         """The pieces of the saved tensor, or None if it is to be read by dcp.load. The
         chunks must cover the tensor: DCP writes them without overlap, so their sizes
-        adding up to the tensor's means that they tile it."""
-        if sys.byteorder != "little" or sum(c.sizes.numel() for c in entry.chunks) != entry.size.numel():
+        adding up to the tensor's means that they tile it. A checkpoint in object storage
+        (no file to pread) is read by dcp.load."""
+        if (
+            isinstance(self._step_dir, ObjectPath)
+            or sys.byteorder != "little"
+            or sum(c.sizes.numel() for c in entry.chunks) != entry.size.numel()
+        ):
             return None
         pieces = []
         for chunk in entry.chunks:
@@ -253,7 +258,7 @@ def load_with_dcp(step_dir: Path, items: list[tuple[str, TensorStorageMetadata]]
     if not tensors:
         return tensors
     try:
-        single_process(dcp.load, tensors, storage_reader=FileSystemReader(str(step_dir)), no_dist=True)
+        single_process(dcp.load, tensors, storage_reader=reader_for(step_dir), no_dist=True)
     except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
         raise ValueError(
             f"{step_dir}: cannot read {next(iter(tensors))} ({type(error).__name__}); "

@@ -16,8 +16,13 @@ class Checkpoint:
     """Save checkpoints and resume from the newest complete one at start-up."""
 
     folder: str = "checkpoint"
-    """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder. A local or shared folder: a URL
-    (s3://, gs://) is refused, object storage not being supported yet."""
+    """Checkpoint folder, inside job.dump_folder; each save is a step-N sub-folder. Or object storage, by URL
+    (s3://bucket/run with the s3 extra, gs://bucket/run with the gcs extra), credentials from the backend's standard
+    places; a step there counts once its .committed marker, written last, exists."""
+
+    uploads_per_node: int = ranged(at_least(0), default=4)
+    """With checkpoint.folder in object storage: at most this many ranks of a node upload their files at once (0: no
+    limit); 4 keeps 512 ranks on 8-GPU nodes at 256 concurrent uploads, well under a bucket's request rate."""
 
     interval: int = ranged(at_least(1), default=500)
     """Save every this many steps (and after the last step)."""
@@ -45,8 +50,8 @@ class Checkpoint:
     """Parts of a checkpoint not to load on resume, e.g. optimizer,lr_scheduler,dataloader."""
 
     initial_load_path: str | None = None
-    """A step-N folder (or, with initial_load_in_hf, a Hugging Face folder) to start from when the run's own checkpoint
-    folder has none."""
+    """A step-N folder, local or a URL (or, with initial_load_in_hf, a local Hugging Face folder) to start from when
+    the run's own checkpoint folder has none."""
 
     initial_load_in_hf: bool = False
     """initial_load_path is a Hugging Face folder (config.json plus model.safetensors or a sharded index); each rank

@@ -4,7 +4,6 @@ its section's file, then the rules that tie several keys together."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterator
 from typing import Any, Literal, get_args
 
@@ -16,6 +15,7 @@ from titanlite.config.ranges import Range, field_range
 from titanlite.config.schema import ConfigError, section_classes, section_of
 from titanlite.config.training import DatasetNeedingPath, DatasetWithoutPath, PreparedDataset
 from titanlite.errors import unknown_name
+from titanlite.storage import is_url, scheme, url_problem
 
 # A dataset that reads no path would silently ignore one; one that needs a path has nothing to read without it.
 DATASETS_WITHOUT_PATH = get_args(DatasetWithoutPath)
@@ -100,23 +100,27 @@ def _check_load_step(config: JobConfig) -> None:
         )
 
 
-# A value that names a storage scheme ("s3://bucket/run"): today's checkpoint code takes it for a
-# relative path and writes to a local folder named after the scheme ("s3:"), so a run that means to
-# keep its checkpoints in a bucket would keep them on a node's disk instead, with no error.
-_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
-_LOCATION_KEYS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "initial_load_path"))
-
-
-def _check_local_locations(config: JobConfig) -> None:
-    for section, key in _LOCATION_KEYS:
-        value = getattr(getattr(config, section), key)
-        url = _URL.match(value) if isinstance(value, str) else None
-        if url is not None:  # the scheme alone is named: the rest may hold credentials
-            raise ConfigError(
-                f"{section}.{key} is a URL ({url.group(1)}://...), but checkpoints and run files are read and "
-                "written in local or shared folders only (object storage is not supported yet): give a path, or mount "
-                "the bucket"
-            )
+def _check_locations(config: JobConfig) -> None:
+    """Run files (logs, TensorBoard, traces) are written to a local or shared folder; a checkpoint
+    folder or initial_load_path may be a storage URL, checked here without touching the network
+    (the launchers' preflight then lists the bucket). A URL taken for a relative path would write
+    a local folder named after the scheme ("s3:") with no error."""
+    dump_folder = config.job.dump_folder
+    if is_url(dump_folder):  # the scheme alone is named: the rest may hold credentials
+        raise ConfigError(
+            f"job.dump_folder is a URL ({scheme(dump_folder)}://...), but logs, TensorBoard and traces are written "
+            "to a local or shared folder: give a path (checkpoint.folder may be a URL)"
+        )
+    checkpoint = config.checkpoint
+    for key, value in (("folder", checkpoint.folder), ("initial_load_path", checkpoint.initial_load_path)):
+        problem = url_problem(value) if is_url(value) else None
+        if problem is not None:
+            raise ConfigError(f"checkpoint.{key}: {problem}")
+    if checkpoint.initial_load_in_hf and is_url(checkpoint.initial_load_path):
+        raise ConfigError(
+            "checkpoint.initial_load_path with initial_load_in_hf is a local Hugging Face folder: "
+            f"download the model first (a {scheme(checkpoint.initial_load_path)}:// URL was given)"
+        )
 
 
 def _check_pipeline_schedule(config: JobConfig) -> None:
@@ -144,7 +148,7 @@ CONSISTENCY_RULES: tuple[Callable[[JobConfig], None], ...] = (
     _check_one_inferred_degree,
     _check_pipeline_schedule,
     _check_dataset_has_path,
-    _check_local_locations,
+    _check_locations,
     _check_hf_seed,
     _check_load_step,
     _check_validation,

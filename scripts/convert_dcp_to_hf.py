@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{classes_by_model()}."
     )
     parser = argparse.ArgumentParser(prog=PROG, description=summary)
-    parser.add_argument("checkpoint_dir", help="a step-N checkpoint folder")
+    parser.add_argument("checkpoint_dir", help="a step-N checkpoint folder: a path or a URL (s3://..., gs://...)")
     parser.add_argument("output_dir", help="the Hugging Face folder to create (must not exist or be empty)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument("--max-shard-size", default=None, help="e.g. 5GB: write sharded files and an index")

@@ -15,7 +15,9 @@ PROG = "convert_hf_to_dcp"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("hf_dir", help="a folder with config.json and model.safetensors (or a sharded index)")
-    parser.add_argument("output_dir", help="the folder to create; the checkpoint is OUTPUT_DIR/step-0")
+    parser.add_argument(
+        "output_dir", help="the folder to create, a path or a URL (s3://...); the checkpoint is OUTPUT_DIR/step-0"
+    )
     args = parser.parse_args(argv)
     from titanlite.checkpoint.hf import import_from_hf
 

@@ -29,7 +29,9 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoint", required=True, help="a step-N folder or a Hugging Face folder")
+    parser.add_argument(
+        "--checkpoint", required=True, help="a step-N folder (a path or a URL: s3://...) or a Hugging Face folder"
+    )
     parser.add_argument("--prompt", required=True)
     parser.add_argument("--max_new_tokens", type=int, required=True)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     from titanlite.dtypes import DTYPES
     from titanlite.models.generate import generate
 
-    checkpoint = Path(args.checkpoint)
+    checkpoint = args.checkpoint  # a path or a URL (s3://...), which a Path would mangle
     try:
         model, description = load_model(checkpoint, device=args.device, dtype=DTYPES[args.dtype], use_ema=args.ema)
         tokenizer = build_tokenizer(args.hf_assets_path or description.tokenizer_path)

@@ -88,6 +88,11 @@ def parse_command_line(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", help="output folder, new or empty (default: outputs/loss_compare/<time>)")
     parser.add_argument("--no-seed-checkpoint", action="store_true", help="let each side initialise its weights itself")
+    parser.add_argument(
+        "--seed-checkpoint",
+        metavar="STEP_DIR",
+        help="start both sides from this step-N folder's weights (a path or a URL: s3://...) instead of writing one",
+    )
     parser.add_argument("--assert-equal", action="store_true", help="exit 1 unless bit-exact at every step")
     parser.add_argument("--rtol", type=float, help="relative tolerance: exit 1 beyond it")
     parser.add_argument("--atol", type=float, help="absolute tolerance: exit 1 beyond it")
@@ -185,7 +190,7 @@ def trainer_arguments(args, config: str, overrides: list[str]) -> list[str]:
     return head + split_overrides(args.common, "--common") + overrides
 
 
-def comparison_settings(out: Path, side: str, seed_checkpoint: Path | None) -> list[str]:
+def comparison_settings(out: Path, side: str, seed_checkpoint: Path | str | None) -> list[str]:
     """What every side gets last, so that no override can undo it: every step logged,
     deterministic kernels, its own dump folder and a TensorBoard folder beside the other
     side's (tensorboard --logdir OUT/tb overlays them), and the seed checkpoint."""
@@ -323,7 +328,7 @@ def launch(side: Side, tree: Path, argv: list[str], out: Path, threads: int, pin
         raise InputError(f"side {side.name.upper()}: {error}") from None
 
 
-def run_side(side: Side, args, out: Path, seed_checkpoint: Path | None, settings: dict):
+def run_side(side: Side, args, out: Path, seed_checkpoint: Path | str | None, settings: dict):
     """Train ``side`` and return its LossSeries, its source filled in (``settings``: the
     side's resolved_settings)."""
     import torch
@@ -488,7 +493,11 @@ def compare_sides(args) -> int:
     if args.import_file:
         reference = read_reference(args.import_file, config_name(args.config, repo), *plans["a"])
     out = output_folder(args.out)
-    seed = None if args.no_seed_checkpoint else write_seed_checkpoint(args, out / "seed")
+    if args.seed_checkpoint and args.no_seed_checkpoint:
+        raise InputError("--seed-checkpoint and --no-seed-checkpoint exclude each other")
+    seed = args.seed_checkpoint
+    if seed is None and not args.no_seed_checkpoint:
+        seed = write_seed_checkpoint(args, out / "seed")
     run_a = run_side(sides[0], args, out, seed, plans["a"][0])
     if args.export:
         write_series(run_a, args.export)

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import pytest
 
 from tests.forked_scripts import run_python
+from tests.s3_server import BUCKET, s3_server
+from titanlite.checkpoint.files import commit
 from titanlite.metrics import tags
 from titanlite.metrics.compare import (
     FORMAT,
@@ -22,6 +25,7 @@ from titanlite.metrics.compare import (
     series_from_jsonl,
     write_series,
 )
+from titanlite.storage import location
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "scripts" / "loss_compare.py"
@@ -308,13 +312,19 @@ def test_expert_parallel_over_two_ranks_equals_one_process(fsdp_against_one_proc
 
 
 def test_a_learning_rate_change_differs_from_step_2(fsdp_against_one_process, tmp_path):
-    _, reference, _ = fsdp_against_one_process
-    result = run_script(
-        *EP_TINY,
-        *("--a", "--optimizer.lr 1e-2", "--import", str(reference), "--out", str(tmp_path), *LAYOUT_TOLERANCE),
-        "--loss-only",  # the verdict of the loss alone, which the learning rate moves from step 2
-        "--no-seed-checkpoint",  # saves the seed's seconds: on CPU the trainer initialises as the seed does
-    )
+    _, reference, out = fsdp_against_one_process
+    with s3_server():
+        # The reference's seed checkpoint, read from a bucket: a seed given by URL.
+        seed = f"s3://{BUCKET}/seed/step-0"
+        fsspec.filesystem("s3", skip_instance_cache=True).put(f"{out}/seed/step-0/", seed, recursive=True)
+        commit(location(seed))
+        result = run_script(
+            *EP_TINY,
+            *("--a", "--optimizer.lr 1e-2", "--import", str(reference), "--out", str(tmp_path), *LAYOUT_TOLERANCE),
+            "--loss-only",  # the verdict of the loss alone, which the learning rate moves from step 2
+            *("--seed-checkpoint", seed),
+        )
+    assert f"loaded checkpoint {seed}" in (tmp_path / "a" / "train.log").read_text()
     assert result.returncode == 1, _output(result)
     # Step 1 runs before the first update: the learning rate shows from step 2 on.
     assert "loss: largest difference " in result.stdout, _output(result)

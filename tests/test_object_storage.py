@@ -28,13 +28,20 @@ from titanlite.checkpoint import complete_steps
 from titanlite.checkpoint.files import COMMITTED, commit
 from titanlite.checkpoint.hf_export import export_to_hf
 from titanlite.checkpoint.load import load_model
+from titanlite.checkpoint.manifest import MANIFEST
 from titanlite.storage import location, upload_slot
 
 REPO = Path(__file__).resolve().parent.parent
 URL = f"s3://{BUCKET}"
 STEPS, SAVED = 15, 10
-# Saved at 5 and 10 (and 15, the last step); the runs' checkpoints are kept unless said.
-SAVING = ("--checkpoint.interval=5", "--checkpoint.async_mode=async", f"--training.steps={STEPS}")
+# Saved at 5 and 10 (and 15, the last step); the runs' checkpoints are kept unless said. The
+# manifest is written from the bucket's files and its checksums checked before every load.
+SAVING = (
+    "--checkpoint.interval=5",
+    "--checkpoint.async_mode=async",
+    f"--training.steps={STEPS}",
+    "--checkpoint.verify_integrity",
+)
 # A torn save of an older step, and a save of a newer step still being written (by a process
 # of an earlier launch, say): neither is loaded; the older one goes once step 5 is committed.
 TORN, UPLOADING = 3, 40
@@ -144,6 +151,7 @@ def test_only_committed_steps_count_and_torn_ones_go_only_after_a_later_commit(r
     assert names == [f"step-{STEPS}", f"step-{UPLOADING}"], names
     assert list(complete_steps(folder)) == [STEPS]
     assert (folder / f"step-{STEPS}" / COMMITTED).is_file()
+    assert (folder / f"step-{STEPS}" / MANIFEST).is_file()
     # The marker is what counts: without it, the same files are no checkpoint.
     copy = location(f"{URL}/marker/step-{STEPS}")
     (folder / f"step-{STEPS}").copy_to(copy, last=COMMITTED)

@@ -25,7 +25,7 @@ from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.s3_server import BUCKET, s3_server
 from tests.test_checkpoint_resume import Session, layout, train_to_end
 from titanlite.checkpoint import complete_steps
-from titanlite.checkpoint.files import COMMITTED, commit
+from titanlite.checkpoint.files import COMMITTED, commit, describe_failure
 from titanlite.checkpoint.hf_export import export_to_hf
 from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.manifest import MANIFEST
@@ -239,3 +239,12 @@ def test_at_most_uploads_per_node_ranks_upload_at_once():
         holding += change
         most = max(most, holding)
     assert most == 2, dict(spans)
+
+
+def test_an_error_line_never_carries_the_credentials(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wJalrXUtnFEMI-secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "FwoGZXIvYXdzEJr-token")
+    error = RuntimeError("PUT refused: signature of wJalrXUtnFEMI-secret with FwoGZXIvYXdzEJr-token")
+    line = describe_failure(error)
+    assert "wJalrXUtnFEMI" not in line and "FwoGZXIvYXdzEJr" not in line, line
+    assert line == "RuntimeError: PUT refused: signature of <redacted> with <redacted>"

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titanlite.errors import one_line
 from titanlite.files import fsync_path
-from titanlite.storage import ObjectPath, location
+from titanlite.storage import ObjectPath, location, redact
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 # What interrupted saves and purges leave behind; only names the manager creates.
@@ -52,10 +52,11 @@ def first_failure(error: BaseException) -> tuple[int | None, BaseException]:
 
 
 def describe_failure(error: BaseException) -> str:
-    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks)."""
+    """One line for an error, with DCP's per-rank failures unpacked (not their tracebacks), and
+    no credential of the environment in it (a storage backend's error may quote a request)."""
     rank, failure = first_failure(error)
     where = "" if rank is None else f"on rank {rank}: "
-    return f"{where}{type(failure).__name__}: {one_line(failure)}"
+    return redact(f"{where}{type(failure).__name__}: {one_line(failure)}")
 
 
 # --- step folders ------------------------------------------------------------------------
@@ -80,13 +81,17 @@ def complete_steps(folder: Path | ObjectPath) -> dict[int, Path | ObjectPath]:
 
 
 class NamingReads:
-    """DCP's reader, reading file by file so that an error names its file."""
+    """DCP's reader, reading file by file so that an error names its file, and each file front
+    to back: DCP reads in plan order, which jumps back and forth in a file (the writer stores the
+    largest tensors first), while a reader of object storage keeps only the last few blocks it
+    fetched (object_io.py) and fetches again any it has dropped."""
 
     def read_data(self, plan, planner):
         by_file: dict[str, list] = {}
         for item in plan.items:
             by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in by_file.items():
+            items.sort(key=lambda item: self.storage_data[item.storage_index].offset)
             try:
                 super().read_data(dataclasses.replace(plan, items=items), planner).wait()
             except Exception as error:

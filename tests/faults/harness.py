@@ -15,11 +15,16 @@ A trial (run_trial) does what a crash and a scheduler's restart do to a real job
    titanlite.checkpoint.load.load_model, restarts the job without faults to the last step
    and compares what it resumed from and the losses it logged with an uninterrupted run.
 
+The checkpoint folder is local (storage "local") or a prefix of a bucket on an S3 server
+(storage "s3": moto's, in this process, started by object_store()), where a step is
+committed by its marker instead of renamed into place.
+
 The fault points (FAULT_POINTS) and the checks are described in docs/reliability.md;
 tests/faults/test_kill_resume.py runs one trial per fault point, and
 `python -m tests.faults.chaos` many random ones.
 """
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -37,19 +42,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tests.forked_scripts import start_python
 from tests.helpers import rendezvous_env, tiny_args
+from tests.s3_server import s3_server
 from titanlite import train
-from titanlite.checkpoint import manager
+from titanlite.checkpoint import files, manager
+from titanlite.checkpoint.files import COMMITTED, is_complete
 from titanlite.checkpoint.load import load_model
+from titanlite.checkpoint.object_io import ObjectWriter
 from titanlite.config import parse_args
+from titanlite.storage import ObjectPath, checkpoint_folder, location
 
 REPO = Path(__file__).resolve().parents[2]
 FAULT_ENV = "TITANLITE_TEST_FAULT"
+# A local folder publishes a step by renaming it, object storage by writing its commit marker.
 FAULT_POINTS = ("step", "staging", "write", "rename", "purge")
+OBJECT_FAULT_POINTS = ("step", "staging", "write", "commit", "purge")
+STORAGES = ("local", "s3")
 ASYNC_MODES = ("disabled", "async", "async_with_pinned_mem")
 LOSS = "loss_metrics/global_avg_loss"
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _LEFTOVER = re.compile(r"^\.step-\d+\.(partial|deleting)$")
 _LOADED = re.compile(r"loaded checkpoint (\S+) \(")
+_SAVED = re.compile(r"checkpoint saved: (\S+)")
 
 # What every rank process runs. The fault (if any) comes as JSON in FAULT_ENV.
 LAUNCHER = f"""
@@ -72,12 +85,16 @@ class RunConfig:
     keep_latest_k: int = 2
     async_mode: str = "disabled"
     world_size: int = 2
+    storage: str = "local"  # or "s3": the checkpoints go to a bucket (run_trial's store)
 
-    def args(self, dump_folder: Path) -> list[str]:
+    def args(self, dump_folder: Path, checkpoint_url: str | None = None) -> list[str]:
+        """The job's command line; `checkpoint_url` the checkpoint folder in object storage
+        (None: the default folder, inside the dump folder)."""
         return tiny_args(
             {
                 "training.steps": self.steps,
                 "checkpoint.enable": True,
+                "checkpoint.folder": checkpoint_url,
                 "checkpoint.interval": self.interval,
                 "checkpoint.keep_latest_k": self.keep_latest_k,
                 "checkpoint.async_mode": self.async_mode,
@@ -97,17 +114,24 @@ class RunConfig:
         """The checkpoints an uninterrupted run deletes (keep_latest_k), oldest first."""
         return self.saves[: -self.keep_latest_k] if self.keep_latest_k else []
 
+    @property
+    def fault_points(self) -> tuple[str, ...]:
+        return OBJECT_FAULT_POINTS if self.storage == "s3" else FAULT_POINTS
+
     def fault_steps(self, point: str) -> list[int]:
         """The steps at which `point` can fire in this run."""
+        if point not in self.fault_points:
+            raise ValueError(
+                f"unknown fault point {point!r} with storage {self.storage}; "
+                f"expected one of {', '.join(self.fault_points)}"
+            )
         if point == "step":
             return list(range(1, self.steps + 1))
         if point == "staging":  # only the async saves stage; the last save is synchronous
             return [] if self.async_mode == "disabled" else [s for s in self.saves if s != self.steps]
-        if point in ("write", "rename"):
+        if point in ("write", "rename", "commit"):
             return self.saves
-        if point == "purge":
-            return self.purged
-        raise ValueError(f"unknown fault point {point!r}; expected one of {', '.join(FAULT_POINTS)}")
+        return self.purged
 
 
 @dataclass(frozen=True)
@@ -115,14 +139,16 @@ class Fault:
     """Where to SIGKILL the job.
 
     step: kill on entry to Trainer.train_step for training step `step` (1-based).
-    staging: kill while the async save of checkpoint step-`step` copies the state
-        (FileSystemWriter.stage for async, DefaultStager._stage for async_with_pinned_mem).
+    staging: kill while the async save of checkpoint step-`step` copies the state (the
+        writer's stage for async, DefaultStager._stage for async_with_pinned_mem).
     write: kill once this rank's data files of step-`step` are written, before DCP's
-        .metadata (FileSystemWriter.write_data; with async_with_pinned_mem it runs in DCP's
+        .metadata (the writer's write_data; with async_with_pinned_mem it runs in DCP's
         writer process, which kills its rank first).
-    rename: kill right before os.replace(".step-N.partial", "step-N") for N = `step`.
-    purge: kill half-way through deleting checkpoint step-`step` (shutil.rmtree of
-        ".step-N.deleting", after one of its files is removed).
+    rename (local): kill right before os.replace(".step-N.partial", "step-N") for N = `step`.
+    commit (object storage): kill right before rank 0 writes step-N's commit marker.
+    purge: kill half-way through deleting checkpoint step-`step`: locally shutil.rmtree of
+        ".step-N.deleting", in object storage the recursive removal of step-N once its
+        marker is gone; both after one of its files is removed.
 
     rank: the rank that dies, or None for every rank (the whole job crashes there).
     """
@@ -146,36 +172,39 @@ class Fault:
 # --- inside a rank process --------------------------------------------------------------
 
 
-def _listing(folder: Path) -> dict[str, bool]:
-    """Every entry of a checkpoint folder and whether it is a complete checkpoint."""
+def _listing(folder: Path | ObjectPath) -> dict[str, bool]:
+    """Every entry of a checkpoint folder and whether it is a complete checkpoint, by the
+    manager's own rule (files.is_complete: DCP's .metadata locally, the commit marker in
+    object storage)."""
     if not folder.is_dir():
         return {}
-    return {
-        entry.name: bool(_STEP_FOLDER.match(entry.name)) and (entry / ".metadata").is_file()
-        for entry in sorted(folder.iterdir())
-    }
+    entries = sorted(folder.iterdir(), key=lambda entry: entry.name)
+    return {entry.name: bool(_STEP_FOLDER.match(entry.name)) and is_complete(entry) for entry in entries}
 
 
-def _die(fault: Fault, rank: int, checkpoint_folder: Path, where: str, kill_parent: bool = False) -> None:
-    """Record what the checkpoint folder holds right now, then SIGKILL this process (and,
-    in DCP's writer process, the rank that started it first)."""
+def _die(
+    fault: Fault, rank: int, dump_folder: Path | str, folder: Path | ObjectPath, where: str, kill_parent: bool = False
+) -> None:
+    """Record what the checkpoint folder holds right now (in the local dump folder), then
+    SIGKILL this process (and, in DCP's writer process, the rank that started it first)."""
     record = {
         "fault": asdict(fault),
         "rank": rank,
         "where": where,
         "time": time.time(),
-        "listing": _listing(checkpoint_folder),
+        "listing": _listing(folder),
     }
-    dump_folder = checkpoint_folder.parent
-    (dump_folder / f"fault-fired-rank{rank}.json").write_text(json.dumps(record, indent=1))
+    (Path(dump_folder) / f"fault-fired-rank{rank}.json").write_text(json.dumps(record, indent=1))
     if kill_parent:
         os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _partial_step(path) -> int | None:
-    match = re.fullmatch(r"\.step-(\d+)\.partial", Path(path).name)
-    return int(match.group(1)) if match else None
+def _written_step(path) -> int | None:
+    """The step a writer's folder saves: ".step-N.partial" locally; in object storage the
+    save writes step-N itself."""
+    match = re.fullmatch(r"\.step-(\d+)\.partial|step-(\d+)", Path(str(path)).name)
+    return int(match.group(1) or match.group(2)) if match else None
 
 
 def install_fault(fault: Fault) -> None:
@@ -185,14 +214,16 @@ def install_fault(fault: Fault) -> None:
     if fault.rank is not None and fault.rank != rank:
         return
     config = parse_args(sys.argv[1:])
-    folder = Path(config.job.dump_folder) / config.checkpoint.folder
+    dump = Path(config.job.dump_folder)
+    folder = checkpoint_folder(config.job.dump_folder, config.checkpoint.folder)
+    in_object_storage = isinstance(folder, ObjectPath)
 
     if fault.point == "step":
         train_step = train.Trainer.train_step
 
         def train_step_or_die(self):
             if self.step + 1 == fault.step:
-                _die(fault, rank, folder, f"entering train_step for step {fault.step}")
+                _die(fault, rank, dump, folder, f"entering train_step for step {fault.step}")
             return train_step(self)
 
         train.Trainer.train_step = train_step_or_die
@@ -210,77 +241,162 @@ def install_fault(fault: Fault) -> None:
         class StagerThatDies(manager.DefaultStager):
             def _stage(self, state_dict, **kwargs):
                 if saving["step"] == fault.step:
-                    _die(fault, rank, folder, f"DefaultStager._stage for step-{fault.step}")
+                    _die(fault, rank, dump, folder, f"DefaultStager._stage for step-{fault.step}")
                 return super()._stage(state_dict, **kwargs)
 
         manager.CheckpointManager.save = save_remembering_step
         manager.DefaultStager = StagerThatDies
-        manager.FileSystemWriter = _writer_factory(fault, rank, folder)
+        manager.writer_for = _writer_factory(fault, rank, dump, folder)
 
     elif fault.point == "write":
-        manager.FileSystemWriter = _writer_factory(fault, rank, folder)
+        manager.writer_for = _writer_factory(fault, rank, dump, folder)
 
-    elif fault.point == "rename":
+    elif fault.point == "rename" and not in_object_storage:
         replace_file = os.replace
 
         def replace_or_die(src, dst, *args, **kwargs):
-            if _partial_step(src) == fault.step and Path(dst).name == f"step-{fault.step}":
-                _die(fault, rank, folder, f"os.replace({Path(src).name}, {Path(dst).name})")
+            if _written_step(src) == fault.step and Path(dst).name == f"step-{fault.step}":
+                _die(fault, rank, dump, folder, f"os.replace({Path(src).name}, {Path(dst).name})")
             return replace_file(src, dst, *args, **kwargs)
 
-        os.replace = replace_or_die  # the manager calls os.replace; patched in this process only
+        os.replace = replace_or_die  # files.publish calls os.replace; patched in this process only
 
-    elif fault.point == "purge":
+    elif fault.point == "commit" and in_object_storage:
+        commit = files.commit
+
+        def commit_or_die(step_folder):
+            if step_folder.name == f"step-{fault.step}":
+                _die(fault, rank, dump, folder, f"commit({step_folder.name}): every file written, no {COMMITTED} yet")
+            return commit(step_folder)
+
+        # Rank 0 alone commits, through files.publish; patched wherever the name is looked up
+        # (the manager's namespace too, should it import the function).
+        for module in (files, manager):
+            if getattr(module, "commit", None) is commit:
+                module.commit = commit_or_die
+
+    elif fault.point == "purge" and not in_object_storage:
         rmtree = shutil.rmtree
 
         def rmtree_or_die(path, *args, **kwargs):
             if Path(path).name == f".step-{fault.step}.deleting":
-                files = sorted(p for p in Path(path).iterdir() if p.is_file())
-                if files:
-                    files[0].unlink()  # half-way: one file gone, the others still there
-                _die(fault, rank, folder, f"shutil.rmtree({Path(path).name}) after deleting {len(files[:1])} file(s)")
+                contents = sorted(p for p in Path(path).iterdir() if p.is_file())
+                if contents:
+                    contents[0].unlink()  # half-way: one file gone, the others still there
+                where = f"shutil.rmtree({Path(path).name}) after deleting {len(contents[:1])} file(s)"
+                _die(fault, rank, dump, folder, where)
             return rmtree(path, *args, **kwargs)
 
-        shutil.rmtree = rmtree_or_die  # the manager calls shutil.rmtree; patched in this process only
+        shutil.rmtree = rmtree_or_die  # files.delete_step_folder calls shutil.rmtree; patched in this process only
+
+    elif fault.point == "purge" and in_object_storage:
+        remove = ObjectPath.remove
+        doomed = folder / f"step-{fault.step}"
+
+        def remove_or_die(self, recursive=False):
+            # files.delete_step_folder removes the marker, then the prefix (recursive). A save
+            # also calls it first for its own step, which then holds no object: not a purge.
+            objects = sorted(self.fs.find(self.path)) if recursive and self == doomed else []
+            if objects:
+                self.fs.rm_file(objects[0])  # half-way: one object gone, the others still there
+                where = f"removing {self.name} (marker gone) after deleting {Path(objects[0]).name}"
+                _die(fault, rank, dump, folder, where)
+            return remove(self, recursive)
+
+        ObjectPath.remove = remove_or_die  # patched in this process only
 
     else:
-        raise ValueError(f"unknown fault point {fault.point!r}; expected one of {', '.join(FAULT_POINTS)}")
+        raise ValueError(
+            f"fault point {fault.point!r} cannot fire with checkpoints in {folder} "
+            f"(expected one of {', '.join(OBJECT_FAULT_POINTS if in_object_storage else FAULT_POINTS)})"
+        )
 
 
-def _writer_factory(fault: Fault, rank: int, folder: Path):
-    """What the manager calls instead of FileSystemWriter(path, ...)."""
+def _writer_factory(fault: Fault, rank: int, dump: Path, folder: Path | ObjectPath):
+    """What the manager calls instead of files.writer_for: a copy of the writer it returns
+    (FileSystemWriter locally, ObjectWriter in object storage) as the matching subclass
+    below, which dies at the fault; every option production chose for the writer (sync_files,
+    upload slots) is in the copied attributes."""
+    writer_for = manager.writer_for
 
-    def writer(*args, **kwargs):
-        return WriterThatDies(*args, fault=fault, rank=rank, folder=folder, **kwargs)
+    def writer_for_or_die(step_folder, *args, **kwargs):
+        writer = writer_for(step_folder, *args, **kwargs)
+        # A copy, not a __class__ switch: Python refuses that with the mixin as the first base.
+        dying = object.__new__(_DYING[type(writer)])
+        dying.__dict__.update(vars(writer))
+        # Plain strings: with async_with_pinned_mem DCP pickles the writer into its writer process.
+        dying.fault, dying.fault_rank = fault, rank
+        dying.fault_dump, dying.fault_folder = str(dump), str(folder)
+        dying.rank_pid = os.getpid()
+        return dying
 
-    return writer
+    return writer_for_or_die
 
 
-class WriterThatDies(FileSystemWriter):
-    """DCP's FileSystemWriter, dying at the fault's staging or write. A module-level class:
-    with async_with_pinned_mem DCP pickles the writer into its writer process, which
-    imports this module to rebuild it."""
+class DiesAtFault:
+    """Mixed into DCP's writer: dies at the fault's staging or write. The classes using it
+    are module-level: with async_with_pinned_mem DCP pickles the writer into its writer
+    process, which imports this module to rebuild it."""
 
-    def __init__(self, *args, fault: Fault, rank: int, folder: Path, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.fault, self.fault_rank, self.fault_folder = fault, rank, folder
-        self.rank_pid = os.getpid()
+    base_name = ""  # the production writer's class, for the fault record
+
+    def _die_here(self, where: str, kill_parent: bool = False) -> None:
+        _die(self.fault, self.fault_rank, self.fault_dump, location(self.fault_folder), where, kill_parent)
 
     def stage(self, state_dict):
         # async_mode async stages through the writer, in the rank's main thread.
-        if self.fault.point == "staging" and _partial_step(self.path) == self.fault.step:
-            _die(self.fault, self.fault_rank, self.fault_folder, f"FileSystemWriter.stage for step-{self.fault.step}")
+        if self.fault.point == "staging" and _written_step(self.path) == self.fault.step:
+            self._die_here(f"{self.base_name}.stage for step-{self.fault.step}")
         return super().stage(state_dict)
 
     def write_data(self, plan, planner):
         written = super().write_data(plan, planner)
-        if self.fault.point == "write" and _partial_step(self.path) == self.fault.step:
+        if self.fault.point == "write" and _written_step(self.path) == self.fault.step:
             in_writer_process = os.getpid() != self.rank_pid
-            where = f"FileSystemWriter.write_data for step-{self.fault.step}, data written, no .metadata yet"
+            where = f"{self.base_name}.write_data for step-{self.fault.step}, data written, no .metadata yet"
             if in_writer_process:
                 where += " (in DCP's writer process: its rank is killed first)"
-            _die(self.fault, self.fault_rank, self.fault_folder, where, kill_parent=in_writer_process)
+            self._die_here(where, kill_parent=in_writer_process)
         return written
+
+
+class WriterThatDies(DiesAtFault, FileSystemWriter):
+    """DCP's FileSystemWriter (a local folder), dying at the fault."""
+
+    base_name = "FileSystemWriter"
+
+
+class ObjectWriterThatDies(DiesAtFault, ObjectWriter):
+    """titanlite's ObjectWriter (DCP's FsspecWriter, object storage), dying at the fault."""
+
+    base_name = "ObjectWriter"
+
+
+# The dying subclass of each class that files.writer_for returns.
+_DYING = {FileSystemWriter: WriterThatDies, ObjectWriter: ObjectWriterThatDies}
+
+
+# --- object storage ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """A bucket on the S3 server that object_store() started; trials write under prefixes of it."""
+
+    endpoint: str
+    bucket: str
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.bucket}/{prefix}"
+
+
+# Any values: moto accepts every key. The jobs inherit them from this process's environment.
+@contextlib.contextmanager
+def object_store(bucket: str = "titanlite-faults"):
+    """A bucket on moto's S3 server started in this process (tests/s3_server.py), which the
+    jobs reach through the AWS_* variables they inherit, as an ObjectStore."""
+    with s3_server(bucket) as environment:
+        yield ObjectStore(environment["AWS_ENDPOINT_URL"], bucket)
 
 
 # --- the job, seen from outside ---------------------------------------------------------
@@ -312,9 +428,17 @@ def _wait_group_gone(pgid: int, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: float, tag: str) -> Job:
+def run_job(
+    config: RunConfig,
+    dump_folder: Path,
+    fault: Fault | None,
+    timeout: float,
+    tag: str,
+    checkpoint_url: str | None = None,
+) -> Job:
     """Start the job's rank processes and wait until all exit. Once any rank has died
-    (non-zero exit or a signal), SIGKILL every rank's process group at once."""
+    (non-zero exit or a signal), SIGKILL every rank's process group at once.
+    `checkpoint_url`: the checkpoint folder in object storage (None: the default local folder)."""
     env = {
         **os.environ,
         "WORLD_SIZE": str(config.world_size),
@@ -331,7 +455,7 @@ def run_job(config: RunConfig, dump_folder: Path, fault: Fault | None, timeout: 
     # imported torch and titanlite already, and leads a process group of its own.
     processes = [
         start_python(
-            ["-c", LAUNCHER, *config.args(dump_folder)],
+            ["-c", LAUNCHER, *config.args(dump_folder, checkpoint_url)],
             cwd=REPO,
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(config.world_size)},
             stdout=log,
@@ -382,10 +506,11 @@ _REFERENCES: dict[RunConfig, dict[int, float]] = {}
 def reference_losses(config: RunConfig, workdir: Path) -> dict[int, float]:
     """The losses of an uninterrupted run, computed once per config and cached.
 
-    The async mode only changes how checkpoints are written, not what is trained, so one
-    run with async_mode disabled serves every mode; each trial also checks the killed
-    run's own losses (in its async mode) against it, which would catch a difference."""
-    key = replace(config, async_mode="disabled")
+    The async mode and the storage only change how checkpoints are written, not what is
+    trained, so one run with async_mode disabled in a local folder serves every mode; each
+    trial also checks the killed run's own losses (in its mode) against it, which would
+    catch a difference."""
+    key = replace(config, async_mode="disabled", storage="local")
     if key not in _REFERENCES:
         dump = Path(workdir) / f"reference-{key.steps}-{key.interval}-{key.keep_latest_k}-{key.world_size}"
         shutil.rmtree(dump, ignore_errors=True)
@@ -404,10 +529,10 @@ def _complete(listing: dict[str, bool]) -> list[int]:
     return sorted(int(_STEP_FOLDER.match(name).group(1)) for name, complete in listing.items() if complete)
 
 
-def _load_error(path: Path) -> str | None:
+def _load_error(path: Path | ObjectPath) -> str | None:
     """None if the folder's model weights load, else the error in one line."""
     try:
-        load_model(path)
+        load_model(str(path) if isinstance(path, ObjectPath) else path)  # a URL, as a user gives it
     # Anything that stops a load counts as corrupt; DCP's CheckpointException is a BaseException.
     except (Exception, CheckpointException) as error:
         return " ".join(f"{type(error).__name__}: {error}".split())[:300]
@@ -426,6 +551,8 @@ class TrialResult:
     expected_resume: int = 0
     resumed_from: str | None = None
     removed_leftovers: list[str] = field(default_factory=list)
+    # Object storage: what became of each uncommitted step-N the kill left (torn -> fate).
+    torn: dict[str, str] = field(default_factory=dict)
     compared_steps: list[int] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -441,10 +568,12 @@ class TrialResult:
 
     def summary(self) -> str:
         resumed = "fresh start" if self.resumed_from is None else Path(self.resumed_from).name
+        storage = "" if self.config.storage == "local" else f" storage={self.config.storage}"
+        torn = "".join(f"; {name} {fate}" for name, fate in self.torn.items())
         text = (
-            f"{self.fault} async_mode={self.config.async_mode}: {self.status.upper()}; complete before kill "
+            f"{self.fault} async_mode={self.config.async_mode}{storage}: {self.status.upper()}; complete before kill "
             f"{self.before_kill or '-'}, after kill {self.after_kill or '-'}; resumed from {resumed} "
-            f"(expected {'fresh start' if not self.expected_resume else f'step-{self.expected_resume}'}); "
+            f"(expected {'fresh start' if not self.expected_resume else f'step-{self.expected_resume}'}){torn}; "
             f"losses compared at steps {_span(self.compared_steps)}; {self.seconds:.1f} s"
         )
         return text + "".join(f"\n    {problem}" for problem in self.problems)
@@ -455,27 +584,41 @@ def _span(steps: list[int]) -> str:
 
 
 def run_trial(
-    config: RunConfig, fault: Fault, workdir: Path, reference: dict[int, float], keep: bool = False
+    config: RunConfig,
+    fault: Fault,
+    workdir: Path,
+    reference: dict[int, float],
+    keep: bool = False,
+    store: "ObjectStore | None" = None,
 ) -> TrialResult:
     """Kill a run at `fault`, restart it without faults, and check the resume (see the
-    module docstring). Never raises for what it finds: the result says what went wrong."""
+    module docstring). Never raises for what it finds: the result says what went wrong.
+    With config.storage "s3" the checkpoints go to a prefix of `store`'s bucket named after
+    the trial; the logs, metrics and fault records stay in the local trial folder."""
     if fault.step not in config.fault_steps(fault.point):
         raise ValueError(
             f"{fault} cannot fire in a run with {config} (possible steps: {config.fault_steps(fault.point)})"
         )
+    if (config.storage == "s3") != (store is not None):
+        raise ValueError(f"storage {config.storage} needs {'an' if store is None else 'no'} ObjectStore")
     start = time.monotonic()
     result = TrialResult(config, fault)
-    dump = (
-        Path(workdir)
-        / f"trial-{fault.point}-{fault.step}-{'all' if fault.rank is None else fault.rank}-{config.async_mode}"
-    )
+    name = f"trial-{fault.point}-{fault.step}-{'all' if fault.rank is None else fault.rank}-{config.async_mode}"
+    dump = Path(workdir) / (name if store is None else f"{name}-{config.storage}")
     shutil.rmtree(dump, ignore_errors=True)
     dump.mkdir(parents=True)
-    folder = dump / "checkpoint"
+    url = None if store is None else store.url(dump.name)
+    folder = dump / "checkpoint" if url is None else location(url)
+    if url is not None:
+        folder.remove(recursive=True)  # an earlier trial drawn alike
     try:
-        _check_trial(config, fault, dump, folder, reference, result)
+        _check_trial(config, fault, dump, folder, url, reference, result)
     finally:
         result.seconds = time.monotonic() - start
+        if url is not None:
+            if keep or not result.ok:  # the server's objects go with it: a copy to look at
+                _download(folder, dump / "checkpoint")
+            folder.remove(recursive=True)
     if result.ok and not keep:
         shutil.rmtree(dump, ignore_errors=True)
         for log in dump.parent.glob(f"{dump.name}.*.log"):
@@ -483,9 +626,18 @@ def run_trial(
     return result
 
 
-def _check_trial(config, fault, dump, folder, reference, result) -> None:
+def _download(folder: ObjectPath, target: Path) -> None:
+    """Copy every object under `folder` into the local folder `target`."""
+    for source in folder.fs.find(folder.path):
+        local = target / source[len(folder.path) :].lstrip("/")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        folder.fs.get_file(source, str(local))
+
+
+def _check_trial(config, fault, dump, folder, url, reference, result) -> None:
+    in_object_storage = url is not None
     # 1. The run, killed at the fault.
-    job = run_job(config, dump, fault, timeout=180, tag="killed")
+    job = run_job(config, dump, fault, timeout=180, tag="killed", checkpoint_url=url)
     records = [json.loads(p.read_text()) for p in sorted(dump.glob("fault-fired-rank*.json"))]
     result.fired = [f"rank {r['rank']}: {r['where']}" for r in records]
     if not records:
@@ -497,10 +649,21 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
 
     # 2. What the job left behind.
     listing = _listing(folder)
-    result.after_kill = list(listing)
+    incomplete = [name for name, complete in listing.items() if _STEP_FOLDER.match(name) and not complete]
+    result.after_kill = [f"{name} (uncommitted)" if name in incomplete else name for name in listing]
     after = _complete(listing)
-    for name in listing:
-        if _STEP_FOLDER.match(name) and not listing[name]:
+    if in_object_storage:
+        # An uncommitted step-N is a save or a deletion cut short: allowed, but load_model must
+        # refuse it even when DCP's .metadata is there. A committed one must hold everything,
+        # the marker being written last.
+        for name in incomplete:
+            if _load_error(folder / name) is None:
+                result.problem("corrupt", f"{name} has no commit marker, yet load_model loads it")
+        for step in after:
+            if not (folder / f"step-{step}" / ".metadata").is_file():
+                result.problem("corrupt", f"step-{step} was committed without DCP's .metadata")
+    else:
+        for name in incomplete:
             result.problem("corrupt", f"{name} was published without DCP's .metadata")
     loadable = {}
     for step in after:
@@ -533,7 +696,7 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
     shutil.move(dump / "metrics", dump / "metrics-killed") if (dump / "metrics").exists() else None
 
     # 3. The restart, without faults, to the last step.
-    job = run_job(config, dump, None, timeout=300, tag="restart")
+    job = run_job(config, dump, None, timeout=300, tag="restart", checkpoint_url=url)
     if job.returncodes != [0] * config.world_size:
         result.problem(
             "failed",
@@ -558,9 +721,12 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
 
     # 4. Leftovers are gone, the run ended with its last checkpoint, the losses match.
     final = _listing(folder)
-    leftovers = [name for name in final if _LEFTOVER.match(name)]
-    if leftovers:
-        result.problem("failed", f"incomplete folders left after the restart: {leftovers}")
+    if in_object_storage:
+        _check_uncommitted(folder, incomplete, final, job.outputs[0], result)
+    else:
+        leftovers = [name for name in final if _LEFTOVER.match(name)]
+        if leftovers:
+            result.problem("failed", f"incomplete folders left after the restart: {leftovers}")
     final_complete = _complete(final)
     if not final_complete or final_complete[-1] != config.steps:
         result.problem(
@@ -587,11 +753,39 @@ def _check_trial(config, fault, dump, folder, reference, result) -> None:
     result.compared_steps = [s for s in wanted if s in losses]
 
 
+def _check_uncommitted(folder: ObjectPath, torn: list[str], final: dict[str, bool], output: str, result) -> None:
+    """Object storage: the manager removes an uncommitted step-N (`torn`: those the kill left)
+    only once a later step is committed, since a save may still be writing it, or when it
+    saves that step again. So none older than the restart's newest commit may be left, and
+    each torn one was removed (logged), saved again (and loads), or is left for lack of a
+    later commit."""
+    saved = [Path(path).name for path in _SAVED.findall(output)]
+    newest = max((int(_STEP_FOLDER.match(name).group(1)) for name in saved), default=0)
+    for name, complete in final.items():
+        if _STEP_FOLDER.match(name) and not complete and int(_STEP_FOLDER.match(name).group(1)) < newest:
+            result.problem("failed", f"{name}, uncommitted, is left although the restart committed step-{newest}")
+    removed = {Path(path).name for path in result.removed_leftovers}
+    for name in torn:
+        if name in removed and name not in final:
+            result.torn[name] = "purged"
+        elif name in saved:
+            result.torn[name] = "saved again"
+            error = _load_error(folder / name) if final.get(name) else None
+            if error:
+                result.problem("corrupt", f"{name}, torn by the kill and saved again, does not load: {error}")
+        elif final.get(name) is False:  # a problem above, unless no later step was committed
+            result.torn[name] = "left" if int(_STEP_FOLDER.match(name).group(1)) < newest else "left (no later commit)"
+        else:
+            result.torn[name] = "gone"
+            result.problem("failed", f"{name}, torn by the kill, is gone without the restart removing or saving it")
+
+
 def random_trial(rng: random.Random, base: RunConfig = RunConfig()) -> tuple[RunConfig, Fault]:
-    """A fault point, async mode, step and rank drawn from `rng`, among those that can fire."""
-    point = rng.choice(FAULT_POINTS)
+    """A fault point, async mode, step and rank drawn from `rng`, among those that can fire
+    with base.storage (a local seed draws the same trials as before object storage came)."""
+    point = rng.choice(base.fault_points)
     modes = [m for m in ASYNC_MODES if m != "disabled"] if point == "staging" else list(ASYNC_MODES)
     config = replace(base, async_mode=rng.choice(modes))
-    # Only rank 0 publishes and purges: a rename or purge fault on another rank never fires.
-    ranks = [0, None] if point in ("rename", "purge") else [*range(config.world_size), None]
+    # Only rank 0 publishes and purges: a rename, commit or purge fault on another rank never fires.
+    ranks = [0, None] if point in ("rename", "commit", "purge") else [*range(config.world_size), None]
     return config, Fault(point, rng.choice(config.fault_steps(point)), rng.choice(ranks))

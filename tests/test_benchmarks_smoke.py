@@ -285,3 +285,15 @@ def test_fault_tolerance_quick_times_both_failures_and_prints_the_ratio(monkeypa
     lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
     assert any(line.startswith("| restart |") for line in lines), lines
     assert lines[-1].startswith("time lost to one failure: torchft ") and " ratio " in lines[-1], lines
+
+
+def test_object_storage_saves_and_loads_locally_and_in_s3_and_prints_the_ratios():
+    lines = _run("object_storage.py", "--gib", "0.01", "--repeats", "1", timeout=120)
+    rows = [line.split(" | ") for line in lines if line.startswith(("| local |", "| S3 (moto)"))]
+    assert [row[0] for row in rows] == ["| local", "| S3 (moto)", "| S3 (moto), one s3fs stream, no DCP"], lines
+    assert all(float(cell) > 0 for row in rows for cell in row[1:5]), lines
+    # The server counted the requests: the S3 save wrote objects and the load read them.
+    assert "PUT" in rows[1][5] and "GET" in rows[1][6] and rows[1][6].endswith("GB fetched |"), lines
+    save, load = lines[-2:]
+    assert save.startswith("save time S3 / local = ") and load.startswith("load time S3 / local = "), lines
+    float(save.split(" = ")[1]), float(load.split(" = ")[1])

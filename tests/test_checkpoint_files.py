@@ -7,6 +7,7 @@ The in-process runs use the tiny flavor through ``run_on_ranks``, and the purge 
 leftover rules drive a CheckpointManager directly on a small Linear model.
 """
 
+import contextlib
 import os
 import re
 import signal
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 from tests.forked_scripts import kill_group, run_python, start_python
 from tests.helpers import NoArgs, StepCounter, capture_log_lines, full_weights, tiny_args
 from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.s3_server import BUCKET, s3_server
 from titanlite.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -36,7 +38,9 @@ from titanlite.checkpoint import (
     stager,
     top_level_names,
 )
+from titanlite.checkpoint.files import reader_for
 from titanlite.config import Checkpoint, parse_args
+from titanlite.storage import ObjectPath, location
 from titanlite.train import SYNC_EVERY, Trainer
 from titanlite.train import main as train_main
 
@@ -96,14 +100,14 @@ def _logged_steps(output: str) -> dict[int, tuple[str, str]]:
     return {int(step): (loss, norm) for step, loss, norm in STEP_LINE.findall(output)}
 
 
-def _load_everything(path: Path) -> dict:
+def _load_everything(path: Path | ObjectPath) -> dict:
     """Every entry of a checkpoint, read on this one process into fresh tensors/objects."""
-    metadata = FileSystemReader(str(path)).read_metadata()
+    metadata = reader_for(path).read_metadata()
     state = {
         key: torch.empty(item.size, dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
         for key, item in metadata.state_dict_metadata.items()
     }
-    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    dcp.load(state, storage_reader=reader_for(path), no_dist=True)
     return state
 
 
@@ -607,25 +611,25 @@ def test_sigterm_on_torchrun_saves_and_the_restart_continues_the_same_run(tmp_pa
     assert [interrupted[step] for step in range(1, saved + 1)] == [reference[step] for step in range(1, saved + 1)]
 
 
-def test_sigterm_with_async_with_pinned_mem_still_saves_and_exits_0(tmp_path):
+@pytest.mark.parametrize("storage", ["local", "s3"])
+def test_sigterm_with_async_with_pinned_mem_still_saves_and_exits_0(tmp_path, storage):
     """torchrun passes SIGTERM to each worker's process group (Slurm to every process of the
     step), so DCP's writer processes of async_with_pinned_mem die with any save they were
     writing. The stop saves in the rank processes instead: every rank exits 0 with a
-    complete checkpoint no older than the last save begun before the signal."""
-    dump, _, _, returncode, output, signalled_after = _stopped_torchrun_run(
-        tmp_path,
-        "--training.steps",
-        "150",
-        "--checkpoint.enable",
-        "--checkpoint.interval",
-        "2",
-        "--checkpoint.async_mode",
-        "async_with_pinned_mem",
-    )
-    assert output.count("stop signal received") == 2, _describe(returncode, output)
-    steps = list(complete_steps(dump / "checkpoint"))
-    assert steps and steps[-1] >= signalled_after - signalled_after % 2, _describe(returncode, output)
-    assert _load_everything(dump / "checkpoint" / f"step-{steps[-1]}")["train_state.step"] == steps[-1]
+    complete checkpoint no older than the last save begun before the signal; in object
+    storage (a real S3 server) as well, an upload in flight included."""
+    args = ["--training.steps", "150", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    args += ["--checkpoint.async_mode", "async_with_pinned_mem"]
+    with s3_server() if storage == "s3" else contextlib.nullcontext():
+        folder_url = f"s3://{BUCKET}/sigterm" if storage == "s3" else None
+        dump, _, _, returncode, output, signalled_after = _stopped_torchrun_run(
+            tmp_path, *args, *(["--checkpoint.folder", folder_url] if folder_url else [])
+        )
+        assert output.count("stop signal received") == 2, _describe(returncode, output)
+        folder = location(folder_url) if folder_url else dump / "checkpoint"
+        steps = list(complete_steps(folder))
+        assert steps and steps[-1] >= signalled_after - signalled_after % 2, _describe(returncode, output)
+        assert _load_everything(folder / f"step-{steps[-1]}")["train_state.step"] == steps[-1]
 
 
 def test_sigterm_on_a_single_process_saves_and_exits_0(tmp_path):

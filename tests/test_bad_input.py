@@ -174,6 +174,15 @@ CASES = [
     Case("unknown_part_not_to_load", ["--checkpoint.exclude_from_loading", "optimizer,schedule"], r"checkpoint\.exclude_from_loading must be a subset of"),
     Case("validation_longer_than_training", ["--validation.enable", "--validation.seq_len", "64"],
          r"validation\.seq_len \(64\) must not exceed training\.seq_len \(32\)"),
+    # Downstream tasks: the file and the line that is wrong.
+    Case("eval_task_missing", ["--eval.enable", "--eval.tasks", f"{T}/none.jsonl"],
+         r"eval\.tasks: \S+/none\.jsonl: no such file, nor a shipped task \(python_brackets, python_keywords\)"),
+    Case("eval_task_malformed_line", ["--eval.enable", "--eval.tasks", f"{T}/task.jsonl"],
+         r"\S+/task\.jsonl:2: not a JSON object", setup=_write("task.jsonl", '{"context": "a", "choices": ["b"], "label": 0}\n{"context": \n')),
+    Case("eval_task_label_out_of_range", ["--eval.enable", "--eval.tasks", f"{T}/task.jsonl"],
+         r'\S+/task\.jsonl:1: "label" must be an integer from 0 to 1, got 2', setup=_write("task.jsonl", '{"context": "a", "choices": ["b", "c"], "label": 2}\n')),
+    Case("eval_task_empty_choices", ["--eval.enable", "--eval.tasks", f"{T}/task.jsonl"],
+         r'\S+/task\.jsonl:1: "choices" is empty', setup=_write("task.jsonl", '{"context": "a", "choices": [], "label": 0}\n')),
     Case("hf_seed_without_path", ["--checkpoint.initial_load_in_hf"], r"checkpoint\.initial_load_in_hf needs checkpoint\.initial_load_path"),
     # Object storage: run files stay local; a checkpoint URL is checked before any rank starts.
     Case("dump_folder_url", ["--job.dump_folder", "gs://bucket/run"], r"job\.dump_folder is a URL \(gs://\.\.\.\)"),

@@ -24,6 +24,7 @@ from titanlite.checkpoint import ModelState, OptimizerState, RNGState
 from titanlite.checkpoint.description import ModelDescription
 from titanlite.checkpoint.layout import LAYOUT_ENTRIES_ADDED_LATER, layout_record, log_resumed_layout
 from titanlite.config import JobConfig, parse_args
+from titanlite.downstream.run import build_evaluator
 from titanlite.errors import DataError, collective_failure_line, report_failure
 from titanlite.failures import START_FAILURES, TRAINING_FAILURES, failure
 from titanlite.fault_tolerant_run import replica_group_metrics
@@ -139,6 +140,16 @@ class Trainer(Stateful):
             self.metrics.add_source(lambda: {tags.Z_LOSS: self.global_loss(self.z_share)[0]})
         self.validator = build_run_validator(
             job_config, plan, self.tokenizer, self.loss_fn, self.loss_context, self.compute_context, mesh, self.device
+        )
+        self.evaluator = build_evaluator(
+            job_config.eval,
+            parallel_dims,
+            self.tokenizer,
+            seq_len=training.seq_len,
+            training_batch=training.local_batch_size,
+            dp_rank=parallel_dims.dp_rank(mesh),
+            device=self.device,
+            compute_context=self.compute_context,
         )
         log_run_summary(job_config, plan, model, self.device)
 
@@ -273,6 +284,7 @@ class Trainer(Stateful):
                     if record is not None:
                         records.append(record)
                     self._validate_if_due()
+                    self._evaluate_if_due()
                     if self._save_or_stop():
                         break
         finally:
@@ -323,6 +335,15 @@ class Trainer(Stateful):
             result = self.validator.validate(self.model)
             self.metrics.leave_out(time.perf_counter() - start)
             self.metrics.log_validation(self.step, result["loss"])
+
+    def _evaluate_if_due(self) -> None:
+        if self.evaluator is None:
+            return
+        freq, last = self.job_config.eval.freq, self.job_config.training.steps
+        if self.step % freq == 0 or self.step == last:
+            metrics = self.evaluator.evaluate(self.model)
+            self.metrics.leave_out(metrics[tags.EVAL_SECONDS])
+            self.metrics.log_eval(self.step, metrics)
 
     def _save_or_stop(self) -> bool:
         """Save when due; on a stop signal save in the quickest way and say stop."""

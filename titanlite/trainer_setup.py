@@ -20,6 +20,7 @@ from titanlite.checkpoint.layout import layout_text
 from titanlite.checkpoint.steps import refuse_start_from_other_model
 from titanlite.config import Checkpoint, ConfigError, Data, JobConfig, Parallelism, show_config_warnings, to_toml
 from titanlite.data import DataLoader, stream_warning, verify_share
+from titanlite.downstream.run import eval_tasks
 from titanlite.dtypes import DTYPES
 from titanlite.estimate import check_memory_floor
 from titanlite.fault_tolerant_run import check_fault_tolerance_run, groups_text, join_replica_groups
@@ -66,6 +67,7 @@ def check_run(job_config: JobConfig) -> tuple[RunPlan, object, object, str]:
         warnings.append(microbatch_warning(plan.pipeline))
     show_config_warnings(warnings)
     memory = check_memory_floor(job_config, plan)
+    eval_tasks(job_config.eval, plan.parallel_dims)  # the task files, before anything is written
     if "RANK" not in os.environ:
         # The launchers' preflight, or a run of one process. Ranks leave it to the checkpoint
         # manager, where rank 0 alone reads the shared folder and tells the others.

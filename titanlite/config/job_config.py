@@ -11,6 +11,7 @@ wherever the feature exists there.
 from dataclasses import dataclass, field
 
 from titanlite.config.checkpoint import Checkpoint
+from titanlite.config.eval import Eval
 from titanlite.config.fault_tolerance import FaultTolerance
 from titanlite.config.job import Comm, Debug, Job
 from titanlite.config.metrics import Metrics, Profiling
@@ -51,6 +52,8 @@ class JobConfig:
     """What is logged each log_freq steps, and where: the console, TensorBoard, JSONL, Weights & Biases."""
     validation: Validation = field(default_factory=Validation)
     """Loss on held-out data every freq steps."""
+    eval: Eval = field(default_factory=Eval)
+    """Multiple-choice tasks scored every freq steps: accuracy, length-normalised accuracy, bits per byte."""
     profiling: Profiling = field(default_factory=Profiling)
     """torch.profiler traces and CUDA memory snapshots."""
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)

@@ -127,6 +127,10 @@ class ConsoleLogger(MetricLogger):
             parts.append(self._paint(f"memory: {memory}", "bright_black"))
         if tags.STEP_TIME in metrics:
             parts.append(self._paint(f"step_time: {metrics[tags.STEP_TIME]:.3f}s", "bright_black"))
+        for tag in sorted(tag for tag in metrics if tag.startswith(tags.EVAL_PREFIX) and tag != tags.EVAL_SECONDS):
+            parts.append(self._paint(f"{tag.removeprefix(tags.EVAL_PREFIX)}: {metrics[tag]:.4f}", "green"))
+        if tags.EVAL_SECONDS in metrics:
+            parts.append(self._paint(f"eval_time: {metrics[tags.EVAL_SECONDS]:.1f}s", "bright_black"))
         return "  ".join(parts)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -97,5 +97,9 @@ class MetricsProcessor:
         self.logger.log(metrics, step)
         return metrics
 
+    def log_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """The downstream tasks' metrics (eval/<task>/acc, ..., eval/seconds) of one evaluation."""
+        self.logger.log(metrics, step)
+
     def close(self) -> None:
         self.logger.close()

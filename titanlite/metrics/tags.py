@@ -82,6 +82,11 @@ ALL_TAGS = (
 )
 
 
+# eval.enable: eval/<task>/acc, eval/<task>/acc_norm, eval/<task>/bpb, and eval/seconds.
+EVAL_PREFIX = "eval/"
+EVAL_SECONDS = "eval/seconds"
+
+
 def moe_layer_load(layer: int) -> str:
     """The tag of one MoE layer's expert load (max / mean), by its block index."""
     return f"moe_metrics/load_imbalance_layer_{layer}"

@@ -1,0 +1,147 @@
+"""Scoring multiple-choice tasks during training, on every data-parallel rank.
+
+Items are dealt round-robin over the data-parallel ranks (item i to rank i % dp); every rank
+runs the same number of forwards (FSDP gathers weights inside each), padding its last batch
+with rows that count for nothing. Per task, each rank sums, over its items: correct answers,
+correct answers after length normalisation, the correct choice's negative log-likelihood (nats)
+and its UTF-8 bytes; one all-reduce adds the ranks' sums, so every item counts once.
+
+    acc       share of items whose correct choice has the highest log-likelihood
+    acc_norm  the same with each log-likelihood divided by its choice's length in characters
+    bpb       the correct choices' summed negative log-likelihood over their summed bytes, in bits
+
+An evaluation changes nothing of training: no gradient, the model in eval mode (the MoE load
+counters count training tokens only) and put back, no random number drawn, no data read.
+"""
+
+import contextlib
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from titanlite.downstream.tasks import IGNORE_INDEX, Task, choice_row
+
+logger = logging.getLogger("titanlite")
+_SUMS = ("acc", "acc_norm", "nll", "bytes", "items")
+
+
+def continuation_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per row, the sum of the log-probabilities of the labelled tokens (IGNORE_INDEX left out):
+    each in float32, summed in float64 (a long choice's sum keeps its last digits)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    scored = labels != IGNORE_INDEX
+    picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked.double() * scored).sum(dim=-1)
+
+
+class DownstreamEvaluator:
+    def __init__(
+        self,
+        tasks: list[Task],
+        tokenizer,
+        *,
+        seq_len: int,
+        local_batch_size: int,
+        device: torch.device,
+        dp_rank: int = 0,
+        dp_degree: int = 1,
+        ranks_per_dp_rank: int = 1,
+        compute_context=None,
+    ):
+        """``ranks_per_dp_rank``: ranks that hold the same items (tensor parallelism), whose
+        equal sums the all-reduce adds more than once."""
+        self.tasks, self.seq_len, self.batch = tasks, seq_len, local_batch_size
+        self.device, self.dp_rank, self.dp_degree = device, dp_rank, dp_degree
+        self.ranks_per_dp_rank, self.compute_context = ranks_per_dp_rank, compute_context
+        self.rows = {task.name: self._rows(task, tokenizer) for task in tasks}
+
+    def _rows(self, task: Task, tokenizer) -> list[tuple[int, list[int], list[int]]]:
+        """(item index, inputs, labels) of every choice of every item, in item order; a context
+        cut from the left is said once per task."""
+        rows, truncated = [], 0
+        for index, item in enumerate(task.items):
+            for choice in item.choices:
+                inputs, labels, cut = choice_row(tokenizer, item.context, choice, self.seq_len)
+                rows.append((index, inputs, labels))
+                truncated += cut
+        if truncated and self.dp_rank == 0:
+            logger.warning(
+                "eval task %s: %d choice row(s) longer than seq_len + 1 = %d tokens, cut from the left",
+                task.name,
+                truncated,
+                self.seq_len + 1,
+            )
+        return rows
+
+    def _batches(self, task: Task):
+        """This rank's rows in batches of the local batch size, as (inputs, labels, item indices);
+        as many batches on every rank, the padding rows with index -1. A batch is as long as its
+        longest row (the rows are short; the forwards need not share a shape across ranks)."""
+        mine = [row for row in self.rows[task.name] if row[0] % self.dp_degree == self.dp_rank]
+        most = max(
+            sum(1 for row in self.rows[task.name] if row[0] % self.dp_degree == rank) for rank in range(self.dp_degree)
+        )
+        for start in range(0, math.ceil(most / self.batch) * self.batch, self.batch):
+            chunk = mine[start : start + self.batch]
+            chunk += [(-1, [0], [IGNORE_INDEX])] * (self.batch - len(chunk))
+            width = max(len(row[1]) for row in chunk)
+            inputs = torch.tensor([row[1] + [0] * (width - len(row[1])) for row in chunk], device=self.device)
+            labels = torch.tensor(
+                [row[2] + [IGNORE_INDEX] * (width - len(row[2])) for row in chunk], device=self.device
+            )
+            yield inputs, labels, [row[0] for row in chunk]
+
+    def choice_logprobs(self, model, task: Task) -> dict[int, list[float]]:
+        """Item index -> the log-likelihood of each of its choices, for this rank's items."""
+        scores: dict[int, list[float]] = {}
+        for inputs, labels, indices in self._batches(task):
+            with self.compute_context or contextlib.nullcontext():
+                logits = model(inputs)
+            for index, logprob in zip(indices, continuation_logprobs(logits, labels).tolist(), strict=True):
+                if index >= 0:
+                    scores.setdefault(index, []).append(logprob)
+        return scores
+
+    def _task_sums(self, model, task: Task) -> torch.Tensor:
+        """[correct, correct normalised, nll of the correct choices, their bytes, items] of this
+        rank's items, float64."""
+        sums = torch.zeros(len(_SUMS), dtype=torch.float64)
+        for index, logprobs in self.choice_logprobs(model, task).items():
+            item = task.items[index]
+            lengths = [max(len(choice), 1) for choice in item.choices]
+            normalised = [logprob / length for logprob, length in zip(logprobs, lengths, strict=True)]
+            sums += torch.tensor(
+                [
+                    float(max(range(len(logprobs)), key=logprobs.__getitem__) == item.label),
+                    float(max(range(len(normalised)), key=normalised.__getitem__) == item.label),
+                    -logprobs[item.label],
+                    len(item.choices[item.label].encode("utf-8")),
+                    1.0,
+                ],
+                dtype=torch.float64,
+            )
+        return sums
+
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """{"eval/<task>/acc", ".../acc_norm", ".../bpb", "eval/seconds"} over every rank's items."""
+        start = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                sums = torch.stack([self._task_sums(model, task) for task in self.tasks]).to(self.device)
+        finally:
+            model.train(was_training)
+        if dist.is_initialized():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        sums = (sums / self.ranks_per_dp_rank).tolist()
+        metrics = {}
+        for task, (acc, acc_norm, nll, nbytes, items) in zip(self.tasks, sums, strict=True):
+            metrics[f"eval/{task.name}/acc"] = acc / items
+            metrics[f"eval/{task.name}/acc_norm"] = acc_norm / items
+            metrics[f"eval/{task.name}/bpb"] = nll / max(nbytes, 1.0) / math.log(2)
+        metrics["eval/seconds"] = time.perf_counter() - start
+        return metrics

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from tests.helpers import free_ports, full_weights
+from tests.helpers import capture_log_lines, free_ports, full_weights
 from tests.multiprocess import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import Session, layout
 from titanlite.downstream import read_task, shipped_tasks
@@ -21,7 +21,13 @@ from titanlite.train import Trainer
 
 STEPS = 4
 EVAL = ["--eval.enable", "--eval.freq=2", "--eval.tasks=python_keywords", "--eval.limit=40"]
+MOE = ["--model.name=qwen3", "--model.flavor=tiny_moe"]
 RUN = ["--training.global_batch_size=8", f"--training.steps={STEPS}", "--checkpoint.interval=1000"]
+
+
+def logged(dump) -> list[dict]:
+    """Every record of the run's JSONL metrics (the resumed trainer's folder, logging nothing, beside it)."""
+    return [json.loads(line) for path in dump.glob("metrics/*/metrics.jsonl") for line in path.read_text().splitlines()]
 
 
 def metrics_at_start(trainer: Trainer) -> dict:
@@ -35,11 +41,23 @@ def training(trainer: Trainer) -> dict:
 
 def fsdp2_worker(dump: str, ports: list[int]) -> dict:
     session, out = Session(ports), {}
-    trainer = session.trainer(layout(2), *RUN, *EVAL, f"--job.dump_folder={dump}/on")
+    on = (layout(2), *RUN, *EVAL, "--checkpoint.interval=2", f"--job.dump_folder={dump}/on")
+    trainer = session.trainer(*on)
     out["start"] = metrics_at_start(trainer)
     out["on"] = training(trainer) | {"weights": full_weights(trainer.model)}
+    # Resumed at step 2: scored on the weights the evaluation at step 2 scored.
+    out["resumed_at_2"] = metrics_at_start(session.trainer(*on, "--checkpoint.load_step=2"))
     trainer = session.trainer(layout(2), *RUN, f"--job.dump_folder={dump}/off")
     out["off"] = training(trainer) | {"weights": full_weights(trainer.model)}
+    tp2 = ["--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=8"]
+    out["tp2"] = metrics_at_start(session.trainer(tp2, *RUN, *EVAL, f"--job.dump_folder={dump}/tp2"))
+    pp2 = ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=8"]
+    out["pp2"] = metrics_at_start(session.trainer(pp2, *RUN, *EVAL, f"--job.dump_folder={dump}/pp2"))
+    cp2 = ["--parallelism.context_parallel_degree=2", "--training.local_batch_size=8"]
+    out["cp2"] = metrics_at_start(session.trainer(cp2, *RUN, *EVAL, f"--job.dump_folder={dump}/cp2"))
+    # An MoE model with its experts split over 2 ranks, against its own one-process score.
+    ep2 = [*MOE, "--parallelism.expert_parallel_degree=2"]
+    out["ep2"] = metrics_at_start(session.trainer(layout(2), ep2, *RUN, *EVAL, f"--job.dump_folder={dump}/ep2"))
     session.end()
     return out
 
@@ -47,7 +65,8 @@ def fsdp2_worker(dump: str, ports: list[int]) -> dict:
 def single_worker(dump: str) -> dict:
     session = Session([0] * 4)
     trainer = session.trainer(layout(1), *RUN, *EVAL, f"--job.dump_folder={dump}")
-    return {"start": metrics_at_start(trainer)}
+    moe = session.trainer(layout(1), MOE, *RUN, *EVAL, f"--job.dump_folder={dump}/moe")
+    return {"start": metrics_at_start(trainer), "moe": metrics_at_start(moe)}
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +75,35 @@ def runs(tmp_path_factory):
     results = run_jobs_on_ranks(
         2,
         {
-            "fsdp2": Job(2, fsdp2_worker, (str(dump / "fsdp2"), free_ports(6))),
+            "fsdp2": Job(2, fsdp2_worker, (str(dump / "fsdp2"), free_ports(10))),
             "single": Job(1, single_worker, (str(dump / "single"),)),
         },
     )
     return {name: ranks[0] for name, ranks in results.items()}, dump
 
 
-def test_fsdp2_scores_every_item_once_and_equals_one_process(runs):
+@pytest.mark.parametrize(
+    "name, reference", [("start", "start"), ("tp2", "start"), ("pp2", "start"), ("cp2", "start"), ("ep2", "moe")]
+)
+def test_each_layout_scores_every_item_once_and_equals_one_process(runs, name, reference):
     out, _ = runs
-    fsdp2, single = out["fsdp2"]["start"], out["single"]["start"]
-    assert set(fsdp2) == {"eval/python_keywords/acc", "eval/python_keywords/acc_norm", "eval/python_keywords/bpb"} | {
+    other, single = out["fsdp2"][name], out["single"][reference]
+    assert set(other) == {"eval/python_keywords/acc", "eval/python_keywords/acc_norm", "eval/python_keywords/bpb"} | {
         "eval/seconds"
     }
     for metric in ("acc", "acc_norm"):  # counts of 40 items: equal, or an item was lost or counted twice
-        assert fsdp2[f"eval/python_keywords/{metric}"] * 40 == single[f"eval/python_keywords/{metric}"] * 40
-        assert (fsdp2[f"eval/python_keywords/{metric}"] * 40).is_integer()
-    assert fsdp2["eval/python_keywords/bpb"] == pytest.approx(single["eval/python_keywords/bpb"], rel=1e-6)
+        assert other[f"eval/python_keywords/{metric}"] * 40 == single[f"eval/python_keywords/{metric}"] * 40
+        assert (other[f"eval/python_keywords/{metric}"] * 40).is_integer()
+    assert other["eval/python_keywords/bpb"] == pytest.approx(single["eval/python_keywords/bpb"], rel=1e-6)
+
+
+def test_an_evaluation_after_a_resume_equals_the_uninterrupted_runs(runs):
+    out, dump = runs
+    at_2 = next(record for record in logged(dump / "fsdp2" / "on") if "eval/python_keywords/acc" in record)
+    assert at_2["step"] == 2
+    for metric in ("acc", "acc_norm", "bpb"):
+        tag = f"eval/python_keywords/{metric}"
+        assert out["fsdp2"]["resumed_at_2"][tag] == at_2[tag], (metric, out["fsdp2"]["resumed_at_2"], at_2)
 
 
 def test_an_evaluation_leaves_training_bit_for_bit_as_it_was(runs):
@@ -82,8 +113,7 @@ def test_an_evaluation_leaves_training_bit_for_bit_as_it_was(runs):
     for name, tensor in off["weights"].items():
         assert torch.equal(on["weights"][name], tensor), name
     # Logged at steps 2 and 4, in the JSONL beside the training steps.
-    (jsonl,) = (dump / "fsdp2" / "on" / "metrics").glob("*/metrics.jsonl")
-    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    records = logged(dump / "fsdp2" / "on")
     evaluated = [record["step"] for record in records if "eval/python_keywords/acc" in record]
     assert evaluated == [2, 4], records
 
@@ -113,7 +143,10 @@ def test_a_choice_scores_the_log_likelihood_of_its_tokens_after_the_context(tmp_
     ]
     task_file.write_text("".join(json.dumps(item) + "\n" for item in items))
     task = read_task(str(task_file))
+    log = capture_log_lines()
     evaluator = DownstreamEvaluator([task], Bytes(), seq_len=16, local_batch_size=2, device=torch.device("cpu"))
+    # Said once: the long context's two rows, and two of the first item's three (19 tokens each).
+    assert log.warnings() == ["eval task task: 4 choice row(s) longer than seq_len + 1 = 17 tokens, cut from the left"]
     model.eval()
     with torch.no_grad():
         scores = evaluator.choice_logprobs(model, task)

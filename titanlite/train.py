@@ -57,6 +57,7 @@ from titanlite.trainer_setup import (
     log_built_model,
     log_run_summary,
     save_resolved_config,
+    sequence_columns,
     start_from_checkpoint,
     start_processes,
 )
@@ -150,6 +151,8 @@ class Trainer(Stateful):
             dp_rank=parallel_dims.dp_rank(mesh),
             device=self.device,
             compute_context=self.compute_context,
+            columns=sequence_columns(job_config.parallelism, parallel_dims, mesh),
+            cp_group=None if parallel_dims.cp == 1 else parallel_dims.cp_mesh(mesh).get_group(),
         )
         log_run_summary(job_config, plan, model, self.device)
 

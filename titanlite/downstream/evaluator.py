@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titanlite.downstream.tasks import IGNORE_INDEX, Task, choice_row
 
@@ -30,11 +31,27 @@ _SUMS = ("acc", "acc_norm", "nll", "bytes", "items")
 
 def continuation_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per row, the sum of the log-probabilities of the labelled tokens (IGNORE_INDEX left out):
-    each in float32, summed in float64 (a long choice's sum keeps its last digits)."""
+    each in float32, summed in float64 (a long choice's sum keeps its last digits). Logits
+    sharded over the vocabulary (loss parallel) are gathered first: the rows are short."""
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     scored = labels != IGNORE_INDEX
     picked = logprobs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return (picked.double() * scored).sum(dim=-1)
+
+
+def _scored(pipeline, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """Per-row scores through a pipeline: each micro-batch's rows as the last stage computes
+    them (in micro-batch order), None on the ranks of the other stages."""
+    rows: list[torch.Tensor] = []
+
+    def score(output: torch.Tensor, micro_labels: torch.Tensor) -> torch.Tensor:
+        rows.append(continuation_logprobs(output, micro_labels))
+        return rows[-1].sum()  # what the schedule keeps as the micro-batch's loss
+
+    pipeline.forward_loss(inputs, labels, score)
+    return torch.cat(rows) if pipeline.has_last else None
 
 
 class DownstreamEvaluator:
@@ -49,13 +66,23 @@ class DownstreamEvaluator:
         dp_rank: int = 0,
         dp_degree: int = 1,
         ranks_per_dp_rank: int = 1,
+        width_multiple: int = 1,
+        fixed_width: int | None = None,
+        columns=None,
+        cp_group=None,
         compute_context=None,
     ):
         """``ranks_per_dp_rank``: ranks that hold the same items (tensor parallelism), whose
-        equal sums the all-reduce adds more than once."""
+        equal sums the all-reduce adds more than once. ``width_multiple``: what a batch's length
+        must divide by (tensor parallelism's sequence-parallel regions split it evenly).
+        ``fixed_width``: every batch's length (a pipeline's stages have buffers of one shape).
+        ``columns``, ``cp_group``: under context parallelism, what this rank keeps of a batch
+        (its chunks of each row) and the group whose ranks hold the rest of the same rows."""
         self.tasks, self.seq_len, self.batch = tasks, seq_len, local_batch_size
         self.device, self.dp_rank, self.dp_degree = device, dp_rank, dp_degree
         self.ranks_per_dp_rank, self.compute_context = ranks_per_dp_rank, compute_context
+        self.width_multiple, self.fixed_width = width_multiple, fixed_width
+        self.columns, self.cp_group = columns, cp_group
         self.rows = {task.name: self._rows(task, tokenizer) for task in tasks}
 
     def _rows(self, task: Task, tokenizer) -> list[tuple[int, list[int], list[int]]]:
@@ -87,7 +114,8 @@ class DownstreamEvaluator:
         for start in range(0, math.ceil(most / self.batch) * self.batch, self.batch):
             chunk = mine[start : start + self.batch]
             chunk += [(-1, [0], [IGNORE_INDEX])] * (self.batch - len(chunk))
-            width = max(len(row[1]) for row in chunk)
+            width = math.ceil(max(len(row[1]) for row in chunk) / self.width_multiple) * self.width_multiple
+            width = self.fixed_width or width
             inputs = torch.tensor([row[1] + [0] * (width - len(row[1])) for row in chunk], device=self.device)
             labels = torch.tensor(
                 [row[2] + [IGNORE_INDEX] * (width - len(row[2])) for row in chunk], device=self.device
@@ -96,13 +124,29 @@ class DownstreamEvaluator:
 
     def choice_logprobs(self, model, task: Task) -> dict[int, list[float]]:
         """Item index -> the log-likelihood of each of its choices, for this rank's items."""
-        scores: dict[int, list[float]] = {}
+        pipeline = getattr(model, "pipeline", None)  # a pipeline stage's part of the model runs through it
+        row_scores, row_items = [], []
         for inputs, labels, indices in self._batches(task):
+            if self.columns is not None:  # context parallelism: this rank's chunks of every row
+                inputs, labels = self.columns(inputs), self.columns(labels)
             with self.compute_context or contextlib.nullcontext():
-                logits = model(inputs)
-            for index, logprob in zip(indices, continuation_logprobs(logits, labels).tolist(), strict=True):
-                if index >= 0:
-                    scores.setdefault(index, []).append(logprob)
+                batch_scores = (
+                    continuation_logprobs(model(inputs), labels)
+                    if pipeline is None
+                    else _scored(pipeline, inputs, labels)
+                )
+            if batch_scores is not None:  # None: a pipeline stage before the last, which scores
+                row_scores.append(batch_scores)
+                row_items += indices
+        scores: dict[int, list[float]] = {}
+        if not row_scores:
+            return scores
+        row_scores = torch.cat(row_scores)
+        if self.cp_group is not None:  # each cp rank summed its own positions of the same rows
+            dist.all_reduce(row_scores, op=dist.ReduceOp.SUM, group=self.cp_group)
+        for index, logprob in zip(row_items, row_scores.tolist(), strict=True):
+            if index >= 0:
+                scores.setdefault(index, []).append(logprob)
         return scores
 
     def _task_sums(self, model, task: Task) -> torch.Tensor:

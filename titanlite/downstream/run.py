@@ -1,6 +1,8 @@
 """The [eval] section of a run: its tasks, read and checked before anything is written, and
 the evaluator the trainer calls."""
 
+import math
+
 from titanlite.config import ConfigError
 from titanlite.config.eval import Eval
 from titanlite.downstream.evaluator import DownstreamEvaluator
@@ -8,14 +10,14 @@ from titanlite.downstream.tasks import Task, read_task, with_fewshot
 
 
 def eval_tasks(config: Eval, dims) -> list[Task] | None:
-    """The tasks (None when eval is off); a missing or malformed task file, or a layout the
-    evaluation does not run on yet, is a ConfigError. ``dims``: the run's ParallelDims."""
+    """The tasks (None when eval is off); a missing or malformed task file, or a batch size a
+    pipeline cannot take, is a ConfigError. ``dims``: the run's ParallelDims."""
     if not config.enable:
         return None
-    if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+    if dims.pp > 1 and config.local_batch_size != -1:
         raise ConfigError(
-            "eval.enable: downstream evaluation runs on data-parallel layouts only for now (one process, FSDP, HSDP, "
-            f"DDP); this run has tp {dims.tp}, pp {dims.pp}, cp {dims.cp}, ep {dims.ep}"
+            f"eval.local_batch_size ({config.local_batch_size}) must be -1 with pipeline parallelism: the stages take "
+            "the training micro-batches' shapes only"
         )
     try:
         return [with_fewshot(read_task(name, config.limit), config.num_fewshot) for name in config.tasks]
@@ -24,9 +26,20 @@ def eval_tasks(config: Eval, dims) -> list[Task] | None:
 
 
 def build_evaluator(
-    config: Eval, dims, tokenizer, *, seq_len: int, training_batch: int, dp_rank: int, device, compute_context
+    config: Eval,
+    dims,
+    tokenizer,
+    *,
+    seq_len: int,
+    training_batch: int,
+    dp_rank: int,
+    device,
+    compute_context,
+    columns=None,
+    cp_group=None,
 ) -> DownstreamEvaluator | None:
-    """The run's evaluator, or None when eval is off."""
+    """The run's evaluator, or None when eval is off. ``columns`` and ``cp_group``: under
+    context parallelism, what this rank keeps of each row and the group that holds the rest."""
     tasks = eval_tasks(config, dims)
     if tasks is None:
         return None
@@ -38,6 +51,11 @@ def build_evaluator(
         device=device,
         dp_rank=dp_rank,
         dp_degree=dims.dp_degree,
-        ranks_per_dp_rank=dims.tp,
+        ranks_per_dp_rank=dims.tp * dims.cp,
+        # Sequence-parallel regions split a row over tp, context parallelism into 2 cp chunks.
+        width_multiple=math.lcm(dims.tp, 2 * dims.cp),
+        fixed_width=seq_len if dims.pp > 1 else None,
+        columns=columns,
+        cp_group=cp_group,
         compute_context=compute_context,
     )

@@ -21,13 +21,13 @@ from titanlite.parallel.parallelize import keep_compiled_code_per_cpu_isa
 # ISA from here, as the trainer gives its own (torch 2.13 would serve one ISA's code to another).
 keep_compiled_code_per_cpu_isa()
 
-# Rank processes (tests/multiprocess.py) and script runs (tests/forked_scripts.py) fork from
+# Rank processes (tests/rank_jobs.py) and script runs (tests/forked_scripts.py) fork from
 # multiprocessing's fork server, which imports these once per test process instead of once
 # per child, does the compiler's start-up once (tests/compile_warmup.py) and, last, freezes the
 # garbage collector's view of it all (tests/gc_frozen.py). The server never runs a parallel
 # kernel, so no OpenMP thread pool is forked half-alive.
 multiprocessing.set_forkserver_preload(
-    ["titanlite.train", "tests.multiprocess", "tests.forked_scripts", "tests.compile_warmup", "tests.gc_frozen"]
+    ["titanlite.train", "tests.rank_jobs", "tests.forked_scripts", "tests.compile_warmup", "tests.gc_frozen"]
 )
 
 # The modules that take longest (a quarter of a minute or more of a worker each, measured as the

@@ -1,7 +1,7 @@
 """What many tests share: the tiny model's run arguments, rendezvous ports, the whole weights of a
 sharded model, small Hugging Face folders and a trained tiny run.
 
-Plain functions rather than fixtures: rank processes (spawned by tests.multiprocess, or
+Plain functions rather than fixtures: rank processes (spawned by tests.rank_jobs, or
 started by the fault harness with `python -c`) call them where no fixture reaches, and the
 argument lists of many modules are built from them at import time. tests/conftest.py turns
 the expensive ones into shared fixtures.

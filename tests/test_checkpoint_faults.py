@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 import titanlite.checkpoint.manager as manager_module
 from tests.helpers import NoArgs, StepCounter, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 from titanlite.checkpoint import CheckpointError, CheckpointManager, ModelDescription, ModelState, complete_steps
 from titanlite.config import Checkpoint
 

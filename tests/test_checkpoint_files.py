@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.staging import DefaultStager
 
 from tests.forked_scripts import kill_group, run_python, start_python
 from tests.helpers import NoArgs, StepCounter, capture_log_lines, full_weights, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.s3_server import BUCKET, s3_server
 from titanlite.checkpoint import (
     CheckpointError,

@@ -9,7 +9,7 @@ change of world size is the uninterrupted single-process run; the parity tests s
 every layout matches it within 1e-5.
 
 Starting processes costs seconds, so one launch of 4 processes runs every scenario, each
-a job on the ranks of its world size (tests.multiprocess.run_jobs_on_ranks), one Trainer
+a job on the ranks of its world size (tests.rank_jobs.run_jobs_on_ranks), one Trainer
 (and process group) after another, and the tests compare what the four fixtures below
 return:
 
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import capture_log_lines, free_ports, full_tensor, full_weights, hf_tensors, tiny_args
-from tests.multiprocess import Job, forget_dtensor_caches, run_jobs_on_ranks
+from tests.rank_jobs import Job, forget_dtensor_caches, run_jobs_on_ranks
 from titanlite.checkpoint import complete_steps
 from titanlite.checkpoint.hf_export import export_to_hf
 from titanlite.checkpoint.load import load_model

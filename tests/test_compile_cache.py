@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 from titanlite.parallel.parallelize import keep_compiled_code_per_cpu_isa
 
 

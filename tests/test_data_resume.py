@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.helpers import free_ports, tiny_args
-from tests.multiprocess import Job, run_jobs_in_fewest_launches
 from tests.prepared_data import make_documents, prepare_documents
+from tests.rank_jobs import Job, run_jobs_in_fewest_launches
 from tests.test_checkpoint_resume import Session, copy_checkpoint, record_batches
 
 STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 12

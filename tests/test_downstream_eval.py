@@ -3,7 +3,7 @@ the context (checked against a hand computation); FSDP 2 scores every item once 
 process's metrics; an evaluation leaves training bit for bit as it was; the shipped tasks are
 well formed; bad task files are one line.
 
-One launch of 2 ranks runs the layouts (tests.multiprocess.run_jobs_on_ranks).
+One launch of 2 ranks runs the layouts (tests.rank_jobs.run_jobs_on_ranks).
 """
 
 import json
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import capture_log_lines, free_ports, full_weights
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import Session, layout
 from titanlite.downstream import read_task, shipped_tasks
 from titanlite.downstream.tasks import IGNORE_INDEX, choice_row, split_pair

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import TINY, tiny_args
-from tests.multiprocess import Job, run_jobs_in_fewest_launches
+from tests.rank_jobs import Job, run_jobs_in_fewest_launches
 from titanlite import train
 from titanlite.config import ConfigError, parse_args
 from titanlite.estimate import (

@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from tests.host_syncs import HostSyncs
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_moe import ARGS, GROUPED_MMS_PER_PASS, forward_context, make_moe
 from titanlite.models.moe import MoE, MoEArgs
 from titanlite.parallel.expert_parallel import apply_expert_parallel

@@ -25,7 +25,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.helpers import capture_log_lines, free_ports, full_weights, hf_tensors, load_script
 from tests.host_syncs import HostSyncs
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     SAVE_AT,
     STEPS,

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tests.helpers import tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.parallel.grad_norm import clip_grad_norm_, total_grad_norm
 from titanlite.train import Trainer

@@ -25,8 +25,8 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.forked_scripts import run_python
 from tests.helpers import TINY, hf_tensors, load_script, train_tiny
-from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, write_jsonl
+from tests.rank_jobs import run_on_ranks
 from titanlite.checkpoint import ModelDescription, hf_export, read_model_description
 from titanlite.checkpoint.load import load_model
 from titanlite.checkpoint.tensor_reader import CheckpointReader

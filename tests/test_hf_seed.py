@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import TINY, full_weights, save_hf_llama, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from titanlite.checkpoint import CheckpointError
 from titanlite.checkpoint.hf import local_box
 from titanlite.config import ConfigError, parse_args

@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from tests.helpers import tiny_args
 from tests.host_syncs import HostSyncs, is_host_sync
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.loss import IGNORED_LABEL, cross_entropy_and_z_sums
 from titanlite.nonfinite import SYNC_EVERY

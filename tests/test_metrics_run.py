@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, capture_log_lines, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from titanlite import metrics
 from titanlite.config import parse_args
 from titanlite.metrics import tags

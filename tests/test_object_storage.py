@@ -6,7 +6,7 @@ once a later step is committed, never a newer one a save may still be writing; k
 deletes committed steps only; the export and generate read straight from the bucket and
 give what they give from a local copy.
 
-One launch of 2 ranks runs every training job (tests.multiprocess.run_jobs_on_ranks).
+One launch of 2 ranks runs every training job (tests.rank_jobs.run_jobs_on_ranks).
 """
 
 import multiprocessing
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import free_ports, full_weights, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.s3_server import BUCKET, s3_server
 from tests.test_checkpoint_resume import Session, layout, train_to_end
 from titanlite.checkpoint import complete_steps

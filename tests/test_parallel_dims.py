@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 from titanlite.config import ConfigError, parse_args
 from titanlite.models.deepseek_v3.model import LatentAttention
 from titanlite.models.llama.model import Attention

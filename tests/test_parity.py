@@ -18,7 +18,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from tests.helpers import TINY, full_weights, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_document_mask import SHORT_DOCUMENTS, block_causal_logits_at_cp2
 from titanlite.config import parse_args
 from titanlite.models.llama.model import Attention

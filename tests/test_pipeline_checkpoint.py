@@ -43,7 +43,7 @@ from tests.helpers import (
     save_hf_llama,
     tiny_args,
 )
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     SAVE_AT,
     STEPS,

@@ -32,7 +32,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers import full_weights
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_parity import (
     BASE_ARGS,
     BLOCK_CAUSAL,

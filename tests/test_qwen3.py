@@ -16,7 +16,7 @@ import transformers
 from torch.distributed.device_mesh import init_device_mesh
 
 from tests.helpers import TINY_RUN_STEPS, full_weights, hf_tensors, load_script, tiny_args, train_tiny
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_parity import REFERENCE, TP2, assert_same_training, train_and_report
 from tests.test_pipeline_parity import assert_pipeline_trains_like_one_process, pp_args, train_pipeline
 from titanlite.checkpoint import read_model_description

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import assert_hf_to_dcp_to_hf_is_exact, full_weights, hf_tensors, load_script, tiny_args, train_tiny
 from tests.host_syncs import HostSyncs
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_parity import (
     BASE_ARGS,
     FULL_AC,

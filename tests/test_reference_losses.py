@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from titanlite.config import parse_args
 from titanlite.metrics.compare import LossSeries, compare, format_table, read_series
 from titanlite.train import Trainer
@@ -178,7 +178,7 @@ RUNS = {
 def runs() -> dict[str, list]:
     # The ranks run on the kernels loss_compare.py --pin-kernels gives its ranks. They fork from
     # a server that has imported torch and titanlite but run no kernel, and take this
-    # environment before their first one (tests/multiprocess.py), so the pin takes: every
+    # environment before their first one (tests/rank_jobs.py), so the pin takes: every
     # run reports the capability it ran with, and test_the_ranks_ran_the_pinned_kernels checks it.
     with mock.patch.dict(os.environ, LOSS_COMPARE.PINNED_KERNELS):
         return run_jobs_on_ranks(2, RUNS)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import free_ports
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 
 
 def port_is_taken(port: int) -> bool:

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from tests.helpers import TINY, full_weights, tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 from titanlite.config import parse_args
 from titanlite.models.llama import Transformer
 from titanlite.train import Trainer

@@ -7,7 +7,7 @@ rows over tp and then by FSDP's strided shard over dp_shard, row-wise ones by co
 tp and rows over dp_shard, norms only over dp_shard. The reference is the uninterrupted
 single-process run; TP's parity tests show that every layout matches it within 1e-5.
 
-Two jobs of one launch of 4 processes (tests.multiprocess.run_jobs_on_ranks), each running
+Two jobs of one launch of 4 processes (tests.rank_jobs.run_jobs_on_ranks), each running
 one Trainer after another:
 
 * four_rank: the uninterrupted TP2 x FSDP2 run, saving after steps 4 and 8; an FSDP-4 run
@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from tests.helpers import TINY, free_ports, full_tensor, full_weights, tiny_args
-from tests.multiprocess import Job, run_jobs_on_ranks
+from tests.rank_jobs import Job, run_jobs_on_ranks
 from tests.test_checkpoint_resume import (
     GLOBAL_BATCH,
     SAVE_AT,

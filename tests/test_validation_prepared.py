@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.multiprocess import run_on_ranks
 from tests.prepared_data import make_documents, prepare_documents
+from tests.rank_jobs import run_on_ranks
 from titanlite.config import ConfigError, parse_args
 from titanlite.config.training import Validation
 from titanlite.data import ByteTokenizer, PreparedWindows

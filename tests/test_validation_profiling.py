@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers import tiny_args
-from tests.multiprocess import run_on_ranks
+from tests.rank_jobs import run_on_ranks
 from titanlite import profiling as profiling_module
 from titanlite.config import parse_args
 from titanlite.config.metrics import Profiling

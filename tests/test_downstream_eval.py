@@ -51,6 +51,8 @@ def fsdp2_worker(dump: str, ports: list[int]) -> dict:
     out["off"] = training(trainer) | {"weights": full_weights(trainer.model)}
     tp2 = ["--parallelism.tensor_parallel_degree=2", "--training.local_batch_size=8"]
     out["tp2"] = metrics_at_start(session.trainer(tp2, *RUN, *EVAL, f"--job.dump_folder={dump}/tp2"))
+    hsdp = ["--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=1"]
+    out["hsdp2x1"] = metrics_at_start(session.trainer(layout(2), hsdp, *RUN, *EVAL, f"--job.dump_folder={dump}/hsdp"))
     pp2 = ["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=8"]
     out["pp2"] = metrics_at_start(session.trainer(pp2, *RUN, *EVAL, f"--job.dump_folder={dump}/pp2"))
     cp2 = ["--parallelism.context_parallel_degree=2", "--training.local_batch_size=8"]
@@ -75,7 +77,7 @@ def runs(tmp_path_factory):
     results = run_jobs_on_ranks(
         2,
         {
-            "fsdp2": Job(2, fsdp2_worker, (str(dump / "fsdp2"), free_ports(10))),
+            "fsdp2": Job(2, fsdp2_worker, (str(dump / "fsdp2"), free_ports(12))),
             "single": Job(1, single_worker, (str(dump / "single"),)),
         },
     )
@@ -83,18 +85,19 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "name, reference", [("start", "start"), ("tp2", "start"), ("pp2", "start"), ("cp2", "start"), ("ep2", "moe")]
+    "name, reference",
+    [("start", "start"), ("hsdp2x1", "start"), ("tp2", "start"), ("pp2", "start"), ("cp2", "start"), ("ep2", "moe")],
 )
 def test_each_layout_scores_every_item_once_and_equals_one_process(runs, name, reference):
     out, _ = runs
     other, single = out["fsdp2"][name], out["single"][reference]
-    assert set(other) == {"eval/python_keywords/acc", "eval/python_keywords/acc_norm", "eval/python_keywords/bpb"} | {
-        "eval/seconds"
-    }
+    tags = {"eval/python_keywords/acc", "eval/python_keywords/acc_norm", "eval/python_keywords/bpb"}
+    assert set(other) == tags | {"eval/tflop", "eval/seconds"}
     for metric in ("acc", "acc_norm"):  # counts of 40 items: equal, or an item was lost or counted twice
         assert other[f"eval/python_keywords/{metric}"] * 40 == single[f"eval/python_keywords/{metric}"] * 40
         assert (other[f"eval/python_keywords/{metric}"] * 40).is_integer()
     assert other["eval/python_keywords/bpb"] == pytest.approx(single["eval/python_keywords/bpb"], rel=1e-6)
+    assert other["eval/tflop"] > 0
 
 
 def test_an_evaluation_after_a_resume_equals_the_uninterrupted_runs(runs):
@@ -144,7 +147,12 @@ def test_a_choice_scores_the_log_likelihood_of_its_tokens_after_the_context(tmp_
     task_file.write_text("".join(json.dumps(item) + "\n" for item in items))
     task = read_task(str(task_file))
     log = capture_log_lines()
-    evaluator = DownstreamEvaluator([task], Bytes(), seq_len=16, local_batch_size=2, device=torch.device("cpu"))
+    # With 3 FLOPs a training token, the forward's FLOPs count the tokens the batches hold.
+    evaluator = DownstreamEvaluator(
+        [task], Bytes(), seq_len=16, local_batch_size=2, device=torch.device("cpu"), flops_per_token=lambda width: 3.0
+    )
+    rows = [choice_row(Bytes(), item["context"], choice, 16)[0] for item in items for choice in item["choices"]]
+    assert sum(map(len, rows)) <= evaluator.tflop * 1e12 <= math.ceil(len(rows) / 2) * 2 * 16
     # Said once: the long context's two rows, and two of the first item's three (19 tokens each).
     assert log.warnings() == ["eval task task: 4 choice row(s) longer than seq_len + 1 = 17 tokens, cut from the left"]
     model.eval()

@@ -29,7 +29,7 @@ from titanlite.errors import DataError, collective_failure_line, report_failure
 from titanlite.failures import START_FAILURES, TRAINING_FAILURES, failure
 from titanlite.fault_tolerant_run import replica_group_metrics
 from titanlite.loss import TrainingLoss, global_loss, global_loss_on_device
-from titanlite.metrics import tags
+from titanlite.metrics import flops_per_token, tags
 from titanlite.metrics.processor import StepRecord
 from titanlite.nonfinite import SYNC_EVERY, UnreadSteps, step_unless
 from titanlite.parallel import (
@@ -151,6 +151,7 @@ class Trainer(Stateful):
             dp_rank=parallel_dims.dp_rank(mesh),
             device=self.device,
             compute_context=self.compute_context,
+            flops_per_token=partial(flops_per_token, plan.model_args),
             columns=sequence_columns(job_config.parallelism, parallel_dims, mesh),
             cp_group=None if parallel_dims.cp == 1 else parallel_dims.cp_mesh(mesh).get_group(),
         )

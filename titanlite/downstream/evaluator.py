@@ -68,6 +68,7 @@ class DownstreamEvaluator:
         ranks_per_dp_rank: int = 1,
         width_multiple: int = 1,
         fixed_width: int | None = None,
+        flops_per_token=None,
         columns=None,
         cp_group=None,
         compute_context=None,
@@ -76,6 +77,8 @@ class DownstreamEvaluator:
         equal sums the all-reduce adds more than once. ``width_multiple``: what a batch's length
         must divide by (tensor parallelism's sequence-parallel regions split it evenly).
         ``fixed_width``: every batch's length (a pipeline's stages have buffers of one shape).
+        ``flops_per_token(length)``: a token's training FLOPs in a sequence of that length; a
+        third of it, the forward, counts the evaluation's FLOPs (eval/tflop).
         ``columns``, ``cp_group``: under context parallelism, what this rank keeps of a batch
         (its chunks of each row) and the group whose ranks hold the rest of the same rows."""
         self.tasks, self.seq_len, self.batch = tasks, seq_len, local_batch_size
@@ -84,6 +87,18 @@ class DownstreamEvaluator:
         self.width_multiple, self.fixed_width = width_multiple, fixed_width
         self.columns, self.cp_group = columns, cp_group
         self.rows = {task.name: self._rows(task, tokenizer) for task in tasks}
+        # The same batches at every evaluation: their FLOPs (every rank's, padding included) once.
+        self.tflop = None
+        if flops_per_token is not None:
+            self.tflop = (
+                sum(
+                    len(chunk) * width * flops_per_token(width) / 3
+                    for task in tasks
+                    for rank in range(dp_degree)
+                    for chunk, width in self._chunks(task, rank)
+                )
+                / 1e12
+            )
 
     def _rows(self, task: Task, tokenizer) -> list[tuple[int, list[int], list[int]]]:
         """(item index, inputs, labels) of every choice of every item, in item order; a context
@@ -103,19 +118,25 @@ class DownstreamEvaluator:
             )
         return rows
 
-    def _batches(self, task: Task):
-        """This rank's rows in batches of the local batch size, as (inputs, labels, item indices);
-        as many batches on every rank, the padding rows with index -1. A batch is as long as its
-        longest row (the rows are short; the forwards need not share a shape across ranks)."""
-        mine = [row for row in self.rows[task.name] if row[0] % self.dp_degree == self.dp_rank]
+    def _chunks(self, task: Task, rank: int):
+        """Data-parallel rank ``rank``'s rows in batches of the local batch size, with each
+        batch's length; as many batches on every rank, the padding rows with index -1. A batch
+        is as long as its longest row (the rows are short; the forwards need not share a shape
+        across ranks)."""
+        mine = [row for row in self.rows[task.name] if row[0] % self.dp_degree == rank]
         most = max(
-            sum(1 for row in self.rows[task.name] if row[0] % self.dp_degree == rank) for rank in range(self.dp_degree)
+            sum(1 for row in self.rows[task.name] if row[0] % self.dp_degree == other)
+            for other in range(self.dp_degree)
         )
         for start in range(0, math.ceil(most / self.batch) * self.batch, self.batch):
             chunk = mine[start : start + self.batch]
             chunk += [(-1, [0], [IGNORE_INDEX])] * (self.batch - len(chunk))
             width = math.ceil(max(len(row[1]) for row in chunk) / self.width_multiple) * self.width_multiple
-            width = self.fixed_width or width
+            yield chunk, self.fixed_width or width
+
+    def _batches(self, task: Task):
+        """This rank's batches as (inputs, labels, item indices)."""
+        for chunk, width in self._chunks(task, self.dp_rank):
             inputs = torch.tensor([row[1] + [0] * (width - len(row[1])) for row in chunk], device=self.device)
             labels = torch.tensor(
                 [row[2] + [IGNORE_INDEX] * (width - len(row[2])) for row in chunk], device=self.device
@@ -170,7 +191,8 @@ class DownstreamEvaluator:
         return sums
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        """{"eval/<task>/acc", ".../acc_norm", ".../bpb", "eval/seconds"} over every rank's items."""
+        """{"eval/<task>/acc", ".../acc_norm", ".../bpb", "eval/tflop", "eval/seconds"} over every
+        rank's items."""
         start = time.perf_counter()
         was_training = model.training
         model.eval()
@@ -187,5 +209,7 @@ class DownstreamEvaluator:
             metrics[f"eval/{task.name}/acc"] = acc / items
             metrics[f"eval/{task.name}/acc_norm"] = acc_norm / items
             metrics[f"eval/{task.name}/bpb"] = nll / max(nbytes, 1.0) / math.log(2)
+        if self.tflop is not None:
+            metrics["eval/tflop"] = self.tflop
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics

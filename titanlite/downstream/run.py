@@ -35,6 +35,7 @@ def build_evaluator(
     dp_rank: int,
     device,
     compute_context,
+    flops_per_token=None,
     columns=None,
     cp_group=None,
 ) -> DownstreamEvaluator | None:
@@ -55,6 +56,7 @@ def build_evaluator(
         # Sequence-parallel regions split a row over tp, context parallelism into 2 cp chunks.
         width_multiple=math.lcm(dims.tp, 2 * dims.cp),
         fixed_width=seq_len if dims.pp > 1 else None,
+        flops_per_token=flops_per_token,
         columns=columns,
         cp_group=cp_group,
         compute_context=compute_context,

@@ -82,7 +82,8 @@ ALL_TAGS = (
 )
 
 
-# eval.enable: eval/<task>/acc, eval/<task>/acc_norm, eval/<task>/bpb, and eval/seconds.
+# eval.enable: eval/<task>/acc, eval/<task>/acc_norm, eval/<task>/bpb, eval/tflop (the evaluation's
+# forward FLOPs, every rank's) and eval/seconds.
 EVAL_PREFIX = "eval/"
 EVAL_SECONDS = "eval/seconds"
 

@@ -68,7 +68,27 @@ def single_worker(dump: str) -> dict:
     session = Session([0] * 4)
     trainer = session.trainer(layout(1), *RUN, *EVAL, f"--job.dump_folder={dump}")
     moe = session.trainer(layout(1), MOE, *RUN, *EVAL, f"--job.dump_folder={dump}/moe")
-    return {"start": metrics_at_start(trainer), "moe": metrics_at_start(moe)}
+    return {
+        "start": metrics_at_start(trainer) | {"near_ties": near_ties(trainer)},
+        "moe": metrics_at_start(moe) | {"near_ties": near_ties(moe)},
+    }
+
+
+def near_ties(trainer: Trainer, margin: float = 1e-4) -> dict[str, int]:
+    """Items whose best two choices score within ``margin`` (and likewise after length
+    normalisation): a layout's rounding may pick either, so its counts may differ by these."""
+    task, ties = trainer.evaluator.tasks[0], {"acc": 0, "acc_norm": 0}
+    with torch.no_grad():
+        scores = trainer.evaluator.choice_logprobs(trainer.model.eval(), task)
+    for index, logprobs in scores.items():
+        lengths = [len(choice) for choice in task.items[index].choices]
+        for metric, values in (
+            ("acc", logprobs),
+            ("acc_norm", [v / n for v, n in zip(logprobs, lengths, strict=True)]),
+        ):
+            best, second = sorted(values, reverse=True)[:2]
+            ties[metric] += best - second < margin
+    return ties
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +113,12 @@ def test_each_layout_scores_every_item_once_and_equals_one_process(runs, name, r
     other, single = out["fsdp2"][name], out["single"][reference]
     tags = {"eval/python_keywords/acc", "eval/python_keywords/acc_norm", "eval/python_keywords/bpb"}
     assert set(other) == tags | {"eval/tflop", "eval/seconds"}
-    for metric in ("acc", "acc_norm"):  # counts of 40 items: equal, or an item was lost or counted twice
-        assert other[f"eval/python_keywords/{metric}"] * 40 == single[f"eval/python_keywords/{metric}"] * 40
-        assert (other[f"eval/python_keywords/{metric}"] * 40).is_integer()
+    # The same items and sums: bits per byte within rounding; the counts below are whole
+    # numbers of 40 only if every item was counted once.
     assert other["eval/python_keywords/bpb"] == pytest.approx(single["eval/python_keywords/bpb"], rel=1e-6)
+    for metric in ("acc", "acc_norm"):  # counts of 40 items, equal but for near ties at these random weights
+        count, expected = (run[f"eval/python_keywords/{metric}"] * 40 for run in (other, single))
+        assert count.is_integer() and abs(count - expected) <= single["near_ties"][metric], (metric, count, expected)
     assert other["eval/tflop"] > 0
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titanlite.downstream.tasks import IGNORE_INDEX, Task, choice_row
+from titanlite.downstream.tasks import IGNORE_INDEX, Task, choice_row, padded_batch
 
 logger = logging.getLogger("titanlite")
 _SUMS = ("acc", "acc_norm", "nll", "bytes", "items")
@@ -86,6 +86,8 @@ class DownstreamEvaluator:
         self.ranks_per_dp_rank, self.compute_context = ranks_per_dp_rank, compute_context
         self.width_multiple, self.fixed_width = width_multiple, fixed_width
         self.columns, self.cp_group = columns, cp_group
+        # Every rank's rows, grouped by rank once (item i goes to rank i % dp_degree): every rank
+        # sizes its batches by the rank with the most rows, and counts all ranks' FLOPs.
         self.rows = {task.name: self._rows(task, tokenizer) for task in tasks}
         # The same batches at every evaluation: their FLOPs (every rank's, padding included) once.
         self.tflop = None
@@ -100,14 +102,14 @@ class DownstreamEvaluator:
                 / 1e12
             )
 
-    def _rows(self, task: Task, tokenizer) -> list[tuple[int, list[int], list[int]]]:
-        """(item index, inputs, labels) of every choice of every item, in item order; a context
-        cut from the left is said once per task."""
-        rows, truncated = [], 0
+    def _rows(self, task: Task, tokenizer) -> list[list[tuple[int, list[int], list[int]]]]:
+        """Per data-parallel rank, (item index, inputs, labels) of every choice of its items, in
+        item order; a context cut from the left is said once per task."""
+        rows, truncated = [[] for _ in range(self.dp_degree)], 0
         for index, item in enumerate(task.items):
             for choice in item.choices:
                 inputs, labels, cut = choice_row(tokenizer, item.context, choice, self.seq_len)
-                rows.append((index, inputs, labels))
+                rows[index % self.dp_degree].append((index, inputs, labels))
                 truncated += cut
         if truncated and self.dp_rank == 0:
             logger.warning(
@@ -123,11 +125,7 @@ class DownstreamEvaluator:
         batch's length; as many batches on every rank, the padding rows with index -1. A batch
         is as long as its longest row (the rows are short; the forwards need not share a shape
         across ranks)."""
-        mine = [row for row in self.rows[task.name] if row[0] % self.dp_degree == rank]
-        most = max(
-            sum(1 for row in self.rows[task.name] if row[0] % self.dp_degree == other)
-            for other in range(self.dp_degree)
-        )
+        mine, most = self.rows[task.name][rank], max(map(len, self.rows[task.name]))
         for start in range(0, math.ceil(most / self.batch) * self.batch, self.batch):
             chunk = mine[start : start + self.batch]
             chunk += [(-1, [0], [IGNORE_INDEX])] * (self.batch - len(chunk))
@@ -137,10 +135,7 @@ class DownstreamEvaluator:
     def _batches(self, task: Task):
         """This rank's batches as (inputs, labels, item indices)."""
         for chunk, width in self._chunks(task, self.dp_rank):
-            inputs = torch.tensor([row[1] + [0] * (width - len(row[1])) for row in chunk], device=self.device)
-            labels = torch.tensor(
-                [row[2] + [IGNORE_INDEX] * (width - len(row[2])) for row in chunk], device=self.device
-            )
+            inputs, labels = padded_batch([(row[1], row[2]) for row in chunk], width, self.device)
             yield inputs, labels, [row[0] for row in chunk]
 
     def choice_logprobs(self, model, task: Task) -> dict[int, list[float]]:

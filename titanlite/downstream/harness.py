@@ -18,7 +18,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from titanlite.downstream.evaluator import continuation_logprobs
-from titanlite.downstream.tasks import IGNORE_INDEX, split_pair
+from titanlite.downstream.tasks import IGNORE_INDEX, padded_batch, scored_row, split_pair
 
 
 def _flag(value) -> bool:
@@ -68,14 +68,7 @@ class TitanliteLM(LM):
         for start in range(0, len(order), self.batch_size):
             chosen = order[start : start + self.batch_size]
             width = max(len(rows[index][0]) - 1 for index in chosen)
-            inputs, labels = [], []
-            for index in chosen:
-                tokens, scored = rows[index]
-                row_labels = [IGNORE_INDEX] * (len(tokens) - 1 - scored) + tokens[len(tokens) - scored :]
-                padding = width - (len(tokens) - 1)
-                inputs.append(tokens[:-1] + [0] * padding)
-                labels.append(row_labels + [IGNORE_INDEX] * padding)
-            inputs, labels = torch.tensor(inputs, device=self._device), torch.tensor(labels, device=self._device)
+            inputs, labels = padded_batch([scored_row(*rows[index]) for index in chosen], width, self._device)
             with torch.no_grad():
                 logits = self.model(inputs)[..., : self.vocab_size]
             logprobs = continuation_logprobs(logits, labels).tolist()

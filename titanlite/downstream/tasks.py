@@ -12,6 +12,8 @@ import dataclasses
 import json
 from pathlib import Path
 
+import torch
+
 IGNORE_INDEX = -100  # a label the loss leaves out (torch's default ignore_index)
 
 
@@ -108,5 +110,19 @@ def choice_row(tokenizer, context: str, choice: str, seq_len: int) -> tuple[list
     truncated = len(tokens) > seq_len + 1
     tokens = tokens[-(seq_len + 1) :]
     scored = min(len(choice_ids), len(tokens) - 1)  # the choice's tokens that have a token before them
-    labels = [IGNORE_INDEX] * (len(tokens) - 1 - scored) + tokens[len(tokens) - scored :]
-    return tokens[:-1], labels, truncated
+    inputs, labels = scored_row(tokens, scored)
+    return inputs, labels, truncated
+
+
+def scored_row(tokens: list[int], scored: int) -> tuple[list[int], list[int]]:
+    """(inputs, labels) of a row whose last ``scored`` tokens are scored: the labels
+    IGNORE_INDEX before them."""
+    return tokens[:-1], [IGNORE_INDEX] * (len(tokens) - 1 - scored) + tokens[len(tokens) - scored :]
+
+
+def padded_batch(rows: list[tuple[list[int], list[int]]], width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) tensors of (inputs, labels) rows padded on the right to ``width``: pad
+    token 0, label IGNORE_INDEX (a causal model's earlier positions never see the padding)."""
+    inputs = torch.tensor([row + [0] * (width - len(row)) for row, _ in rows], device=device)
+    labels = torch.tensor([row + [IGNORE_INDEX] * (width - len(row)) for _, row in rows], device=device)
+    return inputs, labels
